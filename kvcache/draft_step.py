@@ -1,0 +1,78 @@
+"""The drafter's single-token step over static buffers, eager or replayed from a CUDA graph.
+
+Everything the step reads or writes lives in a buffer allocated once: the input token, the cache and
+its device-side length, the round's step counter, the output tokens and (when sampling) the draft
+distributions and their noise. So the K steps of a round are K replays with no host round trip, and
+the K tokens come back with one copy. On CPU the very same `_step` runs eagerly.
+"""
+from __future__ import annotations
+
+import torch
+
+from model_parallel.stage import Stage
+
+
+class DraftStep:
+    def __init__(self, stage: Stage, max_k: int, top_k: int, temperature: float, generator: torch.Generator | None,
+                 use_graph: bool):
+        dev = stage.device
+        self.stage = stage
+        self.temperature = temperature
+        self.top_k = top_k if temperature > 0 else 1
+        self.generator = generator
+        self.token = torch.zeros((1, 1), dtype=torch.long, device=dev)  # the token the next step consumes
+        self.step_idx = torch.zeros(1, dtype=torch.long, device=dev)  # which output row the step writes
+        self.out_tokens = torch.zeros(max_k, dtype=torch.long, device=dev)
+        self.out_q_ids = torch.zeros((max_k, self.top_k), dtype=torch.long, device=dev)
+        self.out_q_probs = torch.zeros((max_k, self.top_k), dtype=torch.float32, device=dev)
+        self.noise = torch.full((max_k, self.top_k), 0.5, dtype=torch.float32, device=dev)
+        self.graph = self._capture() if use_graph else None
+
+    @torch.inference_mode()
+    def _step(self) -> None:
+        logits = self.stage(self.token, num_logits=1)[0, -1]  # advances the cache length in place
+        if self.temperature > 0:
+            # sample from the drafter's top-k at the given temperature with the Gumbel-max trick, so
+            # the randomness is a buffer filled before the round (a graph cannot call the host RNG)
+            values, ids = logits.topk(self.top_k)
+            scores = values / self.temperature
+            gumbel = -torch.log(-torch.log(self.noise.index_select(0, self.step_idx)[0]))
+            choice = (scores + gumbel).argmax(-1, keepdim=True)
+            token = ids.gather(0, choice)
+            self.out_q_ids.index_copy_(0, self.step_idx, ids[None])
+            self.out_q_probs.index_copy_(0, self.step_idx, torch.softmax(scores, -1)[None])
+        else:
+            token = logits.argmax(-1, keepdim=True)
+        self.out_tokens.index_copy_(0, self.step_idx, token)
+        self.token.copy_(token.view(1, 1))
+        self.step_idx.add_(1)
+
+    def _capture(self) -> torch.cuda.CUDAGraph:
+        cache = self.stage.cache
+        start = int(cache.length)
+        stream = torch.cuda.Stream(device=self.token.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up runs allocate the step's workspaces off the main stream
+            for _ in range(2):
+                self._step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._step()
+        cache.rewind(start)  # the warm-up steps wrote slots that the next round overwrites
+        return graph
+
+    def run(self, first_token: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """K steps from `first_token`: drafts [k] and, when sampling, q ids/probs [k, top_k] (on CPU)."""
+        self.token.fill_(first_token)
+        self.step_idx.zero_()
+        if self.temperature > 0:
+            self.noise.uniform_(1e-12, 1.0, generator=self.generator)
+        for _ in range(k):
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self._step()
+        if self.temperature > 0:
+            return self.out_tokens[:k].cpu(), self.out_q_ids[:k].cpu(), self.out_q_probs[:k].cpu()
+        return self.out_tokens[:k].cpu(), None, None

@@ -1,0 +1,126 @@
+"""Config -> the pieces a rank runs: its stage, (rank 0) the drafter, tokenizer and prompt ids."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from launch.config import ConfigError, TandemConfig
+from model_parallel.loader import ModelLoadError, load_config, load_stage
+
+
+def split_point(cfg: TandemConfig) -> tuple[int, int]:
+    """(split, num_layers): rank 0 runs layers [0, split), rank 1 [split, num_layers)."""
+    num_layers = load_config(cfg.model.target).num_hidden_layers
+    split = num_layers // 2 if cfg.model.split is None else cfg.model.split
+    if not 1 <= split <= num_layers - 1:
+        raise ConfigError(f"model.split={split} is out of range: {Path(cfg.model.target).name} has {num_layers} layers, "
+                          f"so the split must be 1..{num_layers - 1} (each rank needs at least one layer)")
+    return split, num_layers
+
+
+def quantizer(cfg: TandemConfig, which: str):
+    kind = cfg.model.quant if which == "model" else cfg.draft.quant
+    if kind == "none":
+        return None
+    from model_parallel.quant import nf4_quantizer
+    return nf4_quantizer(cfg, which)
+
+
+def build_stage(cfg: TandemConfig, rank: int):
+    split, num_layers = split_point(cfg)
+    first, last = (0, split) if rank == 0 else (split, num_layers)
+    stage = load_stage(cfg.model.target, first, last, embed=rank == 0, head=rank == 1, dtype=cfg.model.dtype,
+                       device=device_for(cfg), progress=f"rank {rank} layers {first}-{last - 1}",
+                       quant=quantizer(cfg, "model"))
+    stage.allocate_cache(cfg.model.max_len, compute_dtype(stage))
+    return stage
+
+
+def device_for(cfg: TandemConfig) -> str:
+    import os
+    import torch
+    if torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % torch.cuda.device_count()}"
+    return "cpu"
+
+
+def compute_dtype(stage):
+    import torch
+    for p in stage.parameters():
+        if p.dtype.is_floating_point:
+            return p.dtype
+    return torch.float32
+
+
+def load_tokenizer(folder: str):
+    """The tokenizer, or None for a folder without one (tiny test models driven by prompt_ids)."""
+    from transformers import AutoTokenizer
+    if not any((Path(folder) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def eos_ids(folder: str) -> set[int]:
+    from transformers import GenerationConfig
+    try:
+        eos = GenerationConfig.from_pretrained(folder).eos_token_id
+    except OSError:
+        eos = load_config(folder).eos_token_id
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, (list, tuple)) else {eos}
+
+
+def prompt_ids(cfg: TandemConfig, tokenizer, vocab_size: int) -> list[int]:
+    if cfg.prompt_ids is not None:
+        ids = list(cfg.prompt_ids)
+    elif tokenizer is None:
+        raise ConfigError(f"{cfg.model.target} has no tokenizer: give prompt_ids=[...] instead of prompt")
+    elif cfg.chat and tokenizer.chat_template:
+        messages = ([{"role": "system", "content": cfg.system}] if cfg.system else []) + [{"role": "user", "content": cfg.prompt}]
+        ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    else:
+        ids = tokenizer(cfg.prompt)["input_ids"]
+    if not ids:
+        raise ConfigError("the prompt is empty")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ConfigError(f"prompt_ids holds {bad[0]}, outside the model's vocabulary of {vocab_size}")
+    if len(ids) + cfg.gen.max_new_tokens + cfg.spec.k > cfg.model.max_len:
+        raise ConfigError(f"prompt ({len(ids)} tokens) + gen.max_new_tokens ({cfg.gen.max_new_tokens}) + spec.k "
+                          f"({cfg.spec.k}) exceed model.max_len={cfg.model.max_len}; raise model.max_len or shorten")
+    return ids
+
+
+def check_tokenizer(tokenizer, config, folder: str) -> None:
+    if tokenizer is not None and len(tokenizer) > config.vocab_size:
+        raise ModelLoadError(f"{folder}: the tokenizer has {len(tokenizer)} tokens but config.json's vocab_size is "
+                             f"{config.vocab_size}; tokenizer and model are from different checkpoints")
+
+
+def build_drafter(cfg: TandemConfig, target_tokenizer, target_config):
+    from speculative.drafters import ModelDrafter, NgramDrafter, NoDrafter
+    d = cfg.draft
+    if d.kind == "none" or cfg.spec.k == 0:
+        return NoDrafter()
+    if d.kind == "ngram":
+        return NgramDrafter(d.ngram_max, d.ngram_min)
+    check_same_vocabulary(cfg.model.target, d.model, target_tokenizer, target_config)
+    if cfg.gen.max_new_tokens + cfg.spec.k > d.max_len:
+        raise ConfigError(f"draft.max_len={d.max_len} is smaller than gen.max_new_tokens + spec.k; raise draft.max_len")
+    return ModelDrafter(d.model, device=d.device, dtype=d.dtype, max_len=d.max_len, max_k=cfg.spec.k,
+                        temperature=cfg.gen.temperature, top_k=d.top_k, seed=cfg.gen.seed + 1,
+                        graph=d.graph, quant=quantizer(cfg, "draft"))
+
+
+def check_same_vocabulary(target: str, draft: str, target_tokenizer, target_config) -> None:
+    """A drafter with another vocabulary proposes ids that mean other words: refuse it at start."""
+    draft_config = load_config(draft)
+    draft_tokenizer = load_tokenizer(draft)
+    fix = "draft.model must share the target's tokenizer (e.g. a smaller model of the same family)"
+    if (target_tokenizer is None) != (draft_tokenizer is None):
+        raise ConfigError(f"only one of model.target and draft.model has a tokenizer; {fix}")
+    if target_tokenizer is not None:
+        if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+            raise ConfigError(f"the drafter's tokenizer ({draft}) differs from the target's ({target}); {fix}")
+    elif draft_config.vocab_size != target_config.vocab_size:
+        raise ConfigError(f"draft vocab_size {draft_config.vocab_size} != target vocab_size {target_config.vocab_size}; {fix}")

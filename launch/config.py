@@ -1,0 +1,185 @@
+"""The configuration tree: structured dataclasses, merged with a YAML file and `key=value` overrides.
+
+Structured configs make omegaconf reject an unknown key at start; we turn its exception into one line
+that lists the valid keys of the section the typo is in.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
+
+
+class ConfigError(ValueError):
+    """A configuration mistake; the message says what to change."""
+
+
+@dataclass
+class ModelConfig:
+    target: str = MISSING  # a local Hugging Face folder (config.json, *.safetensors, tokenizer)
+    split: int | None = None  # first layer of rank 1; None = half of the layers
+    dtype: str = "bfloat16"  # float32 | bfloat16 | float16
+    max_len: int = 4096  # KV-cache capacity of each stage, in tokens (prompt + output + K)
+    quant: str = "none"  # none | nf4
+    quant_compute_dtype: str = "bfloat16"
+    quant_double: bool = True  # NF4 double quantization
+    quant_lm_head: bool = False  # the LM head stays in full precision unless asked
+
+
+@dataclass
+class DraftConfig:
+    kind: str = "none"  # none | model | ngram
+    model: str | None = None  # a local HF folder with the same tokenizer as the target (kind=model)
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    graph: str = "auto"  # auto | on | off : capture the draft step as a CUDA graph (CUDA only)
+    max_len: int = 4096  # drafter KV-cache capacity, in tokens
+    top_k: int = 32  # sampled drafts come from the drafter's top-k: their probabilities travel with them
+    quant: str = "none"  # none | nf4
+    ngram_max: int = 3  # n-gram drafter: longest suffix it looks up in the context
+    ngram_min: int = 1
+
+
+@dataclass
+class SpecConfig:
+    k: int = 4  # draft tokens per round (0 = one token per round trip)
+
+
+@dataclass
+class GenConfig:
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+    stop: list[str] = field(default_factory=list)  # stop strings; the token that completes one is kept
+
+
+@dataclass
+class TransportConfig:
+    kind: str = "gloo"  # gloo | relay
+    relay: str | None = None  # HOST:PORT of the relay (kind=relay)
+    session: str | None = None  # session id both ranks give the relay
+    secret: str | None = None  # shared secret; prefer secret_file
+    secret_file: str | None = None
+    timeout_s: float = 120.0  # per-operation timeout: a silent peer fails within this
+    emulate_delay_ms: float = 0.0  # emulated one-way delay added to every message (tests, benchmarks)
+    emulate_mbps: float = 0.0  # emulated bandwidth cap; 0 = none
+
+
+@dataclass
+class OutputConfig:
+    json: str | None = None  # rank 0 writes {"token_ids", "text", "stats"} here
+    stream: bool = True  # print the text to stdout as tokens commit
+
+
+@dataclass
+class LogConfig:
+    dir: str | None = None  # TensorBoard root; a run folder named by time and config goes under it
+    trace: bool = True  # with dir: a merged two-rank Chrome trace
+    profile: bool = False  # with dir: torch.profiler traces for a few rounds
+
+
+@dataclass
+class TandemConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    gen: GenConfig = field(default_factory=GenConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    prompt: str | None = None  # plain text; the chat template is applied when the model has one
+    prompt_ids: list[int] | None = None  # token ids, used as they are (tests)
+    chat: bool = True
+    system: str | None = None  # system message for the chat template
+
+
+def _valid_keys(node_cls, path: list[str]) -> list[str]:
+    for name in path:
+        f = {f.name: f for f in dataclasses.fields(node_cls)}.get(name)
+        if f is None or not dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            break
+        node_cls = f.default_factory
+    return [f.name for f in dataclasses.fields(node_cls)]
+
+
+def _expand(path: str | None) -> str | None:
+    return None if path is None else os.path.expandvars(os.path.expanduser(path))
+
+
+def load_config(overrides: list[str], config_file: str | Path | None = None) -> TandemConfig:
+    """Schema <- YAML file <- `key=value` overrides. `config=PATH` among the overrides picks the file."""
+    rest = []
+    for item in overrides:
+        if item.startswith("config="):
+            config_file = item.split("=", 1)[1]
+        elif item.startswith("--"):
+            raise ConfigError(f"unexpected option {item!r}: settings are given as key=value (e.g. gen.max_new_tokens=64)")
+        else:
+            rest.append(item)
+    config_file = Path(config_file) if config_file else DEFAULT_CONFIG
+    if not config_file.is_file():
+        raise ConfigError(f"config file {config_file} not found; pass config=PATH to a YAML file such as configs/default.yaml")
+    schema = OmegaConf.structured(TandemConfig)
+    try:
+        merged = OmegaConf.merge(schema, OmegaConf.load(config_file), OmegaConf.from_dotlist(rest))
+        cfg: TandemConfig = OmegaConf.to_object(merged)
+    except ConfigKeyError as e:
+        key = str(getattr(e, "full_key", "") or "")
+        parts = key.split(".")
+        valid = _valid_keys(TandemConfig, parts[:-1])
+        section = ".".join(parts[:-1]) or "top level"
+        raise ConfigError(f"unknown config key {key!r} ({config_file.name} or command line); valid keys in {section}: {', '.join(valid)}") from None
+    except OmegaConfBaseException as e:
+        msg = str(e).splitlines()[0]
+        raise ConfigError(f"bad config value: {msg} (full key: {getattr(e, 'full_key', '?')})") from None
+    for name in ("target",):
+        setattr(cfg.model, name, _expand(getattr(cfg.model, name)))
+    cfg.draft.model = _expand(cfg.draft.model)
+    cfg.transport.secret_file = _expand(cfg.transport.secret_file)
+    validate(cfg)
+    return cfg
+
+
+def _choice(value, allowed, key):
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def validate(cfg: TandemConfig) -> None:
+    _choice(cfg.model.dtype, ("float32", "bfloat16", "float16"), "model.dtype")
+    _choice(cfg.draft.dtype, ("float32", "bfloat16", "float16"), "draft.dtype")
+    _choice(cfg.model.quant, ("none", "nf4"), "model.quant")
+    _choice(cfg.draft.quant, ("none", "nf4"), "draft.quant")
+    _choice(cfg.draft.kind, ("none", "model", "ngram"), "draft.kind")
+    _choice(cfg.draft.graph, ("auto", "on", "off"), "draft.graph")
+    _choice(cfg.transport.kind, ("gloo", "relay"), "transport.kind")
+    if cfg.spec.k < 0:
+        raise ConfigError(f"spec.k={cfg.spec.k} must be >= 0")
+    if cfg.draft.kind == "model" and not cfg.draft.model:
+        raise ConfigError("draft.kind=model needs draft.model=PATH (a local HF folder sharing the target's tokenizer)")
+    if cfg.gen.max_new_tokens < 1:
+        raise ConfigError("gen.max_new_tokens must be >= 1")
+    if cfg.gen.temperature < 0:
+        raise ConfigError("gen.temperature must be >= 0 (0 = greedy)")
+    if not 0 < cfg.gen.top_p <= 1:
+        raise ConfigError("gen.top_p must be in (0, 1]")
+    if cfg.prompt is None and cfg.prompt_ids is None:
+        raise ConfigError('give a prompt: prompt="..." (or prompt_ids=[1,2,3])')
+    if cfg.draft.top_k < 1:
+        raise ConfigError("draft.top_k must be >= 1")
+
+
+def config_from_argv(argv: list[str] | None = None) -> TandemConfig:
+    try:
+        return load_config(sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        sys.exit(f"tandem: {e}")

@@ -1,0 +1,55 @@
+"""Who am I, and how do I reach the other rank: torchrun's environment -> (rank, Channel)."""
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+
+from launch.config import TandemConfig
+from netbridge.channel import Channel, GlooChannel
+
+
+class LaunchError(RuntimeError):
+    """Started the wrong way; the message says how to start."""
+
+
+def torchrun_rank() -> tuple[int, int]:
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise LaunchError("not started by torchrun: run `torchrun --nproc_per_node=2 train_free_infer.py ...` "
+                          "(or one torchrun per host with --nnodes=2, see README)")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != 2:
+        raise LaunchError(f"Tandem runs on exactly 2 ranks, torchrun started {world}: use --nproc_per_node=2 on one host, "
+                          "or --nnodes=2 --nproc_per_node=1 on two")
+    return rank, world
+
+
+def open_channel(cfg: TandemConfig, rank: int) -> Channel:
+    t = cfg.transport
+    emulation = dict(emulate_delay_ms=t.emulate_delay_ms, emulate_mbps=t.emulate_mbps)
+    if t.kind == "relay":
+        from netbridge.relay_channel import RelayChannel
+        return RelayChannel.from_config(cfg, rank, **emulation)
+    import torch.distributed as dist
+    endpoint = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    try:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=t.timeout_s))
+    except Exception as e:  # noqa: BLE001 - torch raises several types here; all mean the same to a user
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise LaunchError(f"rank {rank} could not form the gloo group via {endpoint} within {t.timeout_s:.0f} s ({first}); "
+                          "is the other rank running, and can each host reach the other? If not, use transport.kind=relay") from None
+    return GlooChannel(peer=1 - rank, timeout_s=t.timeout_s, **emulation)
+
+
+def close_channel(channel: Channel) -> None:
+    channel.close()
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def fail(message: str) -> None:
+    """One line on stderr and a non-zero exit: the user sees the cause and the fix, not a traceback."""
+    rank = os.environ.get("RANK", "?")
+    print(f"tandem[rank {rank}]: {message}", file=sys.stderr, flush=True)
+    sys.exit(1)

@@ -1,0 +1,58 @@
+"""A stage: a contiguous slice of a decoder's layers, optionally with the embeddings in front and the
+final norm + LM head behind, over its own static KV cache.
+
+Rank 0's stage is (embeddings, layers [0, split)); rank 1's is (layers [split, L), norm, head); a
+drafter is one stage with everything. All three run the same forward.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvcache.static_cache import StaticKVCache
+
+
+class Stage(nn.Module):
+    def __init__(self, config, layers: list[nn.Module], first_layer: int, rotary: nn.Module,
+                 embed: nn.Module | None = None, norm: nn.Module | None = None, head: nn.Module | None = None):
+        super().__init__()
+        self.config = config
+        self.first_layer = first_layer
+        self.layers = nn.ModuleList(layers)
+        self.rotary = rotary
+        self.embed, self.norm, self.head = embed, norm, head
+        self.cache: StaticKVCache | None = None
+
+    @property
+    def layer_ids(self) -> range:
+        return range(self.first_layer, self.first_layer + len(self.layers))
+
+    def allocate_cache(self, capacity: int, dtype, setting: str = "model.max_len") -> StaticKVCache:
+        cfg = self.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        self.cache = StaticKVCache(self.layer_ids, capacity, cfg.num_key_value_heads, head_dim, dtype,
+                                   self.device, setting=setting, sliding_window=window)
+        return self.cache
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, num_logits: int = 0) -> torch.Tensor:
+        """x: token ids [1, T] when this stage has the embeddings, else hidden states [1, T, H].
+
+        Writes the T tokens into the cache at its current length and advances it. Returns hidden
+        states [1, T, H], or with a head the logits of the last `num_logits` positions [1, n, V]
+        (the head over a long prompt's every position would cost more than the layers)."""
+        h = self.embed(x) if self.embed is not None else x
+        positions, mask = self.cache.begin(h.shape[1])
+        cos_sin = self.rotary(h, positions)
+        for layer in self.layers:
+            h = layer(h, attention_mask=mask, position_ids=positions, cache=self.cache,
+                      use_cache=True, position_embeddings=cos_sin)
+        self.cache.advance(h.shape[1])
+        if self.head is None:
+            return h
+        return self.head(self.norm(h[:, -num_logits:])).float()

@@ -1,0 +1,92 @@
+"""The one interface the round loop talks to: send and receive messages (a kind, small control
+fields, named tensors) to and from the other rank. Implementations move frames (netbridge.frames);
+they differ only in how bytes reach the peer: gloo point-to-point here, the relay in netbridge.relay.
+"""
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from datetime import timedelta
+
+import torch
+
+from netbridge.frames import MAX_FRAME_BYTES, Message, decode, encode
+
+
+class PeerError(RuntimeError):
+    """The other rank is gone, silent past the timeout, or speaking garbage."""
+
+
+class Channel(ABC):
+    """`send(kind, meta, **tensors)` / `recv(expect)`; with an emulated one-way delay and bandwidth."""
+
+    def __init__(self, timeout_s: float, emulate_delay_ms: float = 0.0, emulate_mbps: float = 0.0):
+        self.timeout_s = timeout_s
+        self.emulate_delay_s = emulate_delay_ms / 1000
+        self.emulate_bytes_per_s = emulate_mbps * 1e6 / 8
+        self.bytes_sent = 0
+
+    def send(self, kind: str, meta: dict | None = None, **tensors: torch.Tensor) -> None:
+        frame = encode(Message(kind, meta or {}, tensors))
+        self._emulate_wire(len(frame))
+        self.send_frame(frame)
+        self.bytes_sent += len(frame)
+
+    def recv(self, expect: str | tuple[str, ...] | None = None) -> Message:
+        msg = decode(self.recv_frame())
+        if expect is not None and msg.kind not in ((expect,) if isinstance(expect, str) else expect):
+            if msg.kind == "error":
+                raise PeerError(f"the other rank failed: {msg.meta.get('error', '?')}")
+            raise PeerError(f"protocol error: expected a {expect!r} message, got {msg.kind!r}; are both ranks the same Tandem version and config?")
+        return msg
+
+    def _emulate_wire(self, nbytes: int) -> None:
+        # EMULATION (this kernel has no netem): the sender waits out the one-way delay and the
+        # serialization time of a capped link before the frame leaves. In a request/response
+        # protocol that is exactly what the receiver would see from a slow link.
+        wait = self.emulate_delay_s + (nbytes / self.emulate_bytes_per_s if self.emulate_bytes_per_s else 0.0)
+        if wait:
+            time.sleep(wait)
+
+    @abstractmethod
+    def send_frame(self, frame: bytes) -> None: ...
+
+    @abstractmethod
+    def recv_frame(self) -> bytes: ...
+
+    def close(self) -> None:
+        pass
+
+
+class GlooChannel(Channel):
+    """Frames over torch.distributed point-to-point (gloo): a length, then the bytes."""
+
+    def __init__(self, peer: int, timeout_s: float, **emulation):
+        super().__init__(timeout_s, **emulation)
+        self.peer = peer
+
+    def send_frame(self, frame: bytes) -> None:
+        import torch.distributed as dist
+        payload = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+        self._wait(dist.isend(torch.tensor([payload.numel()], dtype=torch.int64), self.peer), "send to")
+        self._wait(dist.isend(payload, self.peer), "send to")
+
+    def recv_frame(self) -> bytes:
+        import torch.distributed as dist
+        length = torch.zeros(1, dtype=torch.int64)
+        self._wait(dist.irecv(length, self.peer), "receive from")
+        n = int(length.item())
+        if not 0 < n <= MAX_FRAME_BYTES:
+            raise PeerError(f"rank {self.peer} announced a frame of {n} bytes (bound {MAX_FRAME_BYTES}); garbage on the wire")
+        payload = torch.empty(n, dtype=torch.uint8)
+        self._wait(dist.irecv(payload, self.peer), "receive from")
+        return payload.numpy().tobytes()
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if "timed out" in first.lower() or "timeout" in first.lower():
+                raise PeerError(f"rank {self.peer} sent nothing for {self.timeout_s:.0f} s (transport.timeout_s); is it still running? ({first[:160]})") from None
+            raise PeerError(f"lost rank {self.peer} ({first[:160]}); the other process died or its host dropped off the network") from None

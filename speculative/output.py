@@ -1,0 +1,51 @@
+"""What rank 0 does with tokens the target accepted: stop on EOS, at max_new_tokens or on a stop
+string, and stream the text without ever printing half a multi-byte character."""
+from __future__ import annotations
+
+import sys
+
+
+class Output:
+    def __init__(self, tokenizer, eos_ids: set[int], max_new_tokens: int, stop: list[str], stream: bool):
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.max_new_tokens = max_new_tokens
+        self.stop = stop
+        self.stream = stream and tokenizer is not None
+        self.tokens: list[int] = []
+        self.done = False
+        self.stop_reason = None
+        self._printed = 0
+
+    def text(self) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+
+    def commit(self, new_tokens: list[int]) -> int:
+        """Append tokens one by one until a stop; returns how many were kept."""
+        kept = 0
+        for token in new_tokens:
+            if self.done:
+                break
+            self.tokens.append(token)
+            kept += 1
+            if token in self.eos_ids:
+                self.stop_reason = "eos"
+            elif len(self.tokens) >= self.max_new_tokens:
+                self.stop_reason = "max_new_tokens"
+            elif self.stop and any(s in self.text() for s in self.stop):
+                self.stop_reason = "stop_string"
+            self.done = self.stop_reason is not None
+        self._stream()
+        return kept
+
+    def _stream(self) -> None:
+        if not self.stream:
+            return
+        text = self.text()
+        if text.endswith("\ufffd") and not self.done:  # an incomplete UTF-8 sequence: wait for its rest
+            return
+        sys.stdout.write(text[self._printed:])
+        sys.stdout.flush()
+        self._printed = len(text)
+        if self.done:
+            sys.stdout.write("\n")

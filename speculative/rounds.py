@@ -1,0 +1,119 @@
+"""The round, one function per rank, side by side.
+
+    rank 0                                         rank 1
+    drafts = drafter.propose(committed, k)
+    h = stage0([pending..., d1..dK])
+    send("round", hidden=h, drafts, [q])  ------>  logits = stage1(h)[-(K+1):]
+                                                   accepted, next = verify(logits, drafts)
+    a, next <------------------------------------  send("reply", accepted, next)
+    rewind stage0, commit d1..da + next            rewind stage1 to the committed length
+
+`pending` is the prompt in the first round (the prefill) and the last committed token after that;
+both caches then hold exactly the committed tokens but the newest, which the next round feeds.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from model_parallel.stage import Stage
+from netbridge.channel import Channel
+from speculative.output import Output
+from speculative.verify import target_probs, verify_greedy, verify_sampled
+
+
+@dataclass
+class RoundRecord:
+    drafted: int
+    accepted: int
+    committed: int  # tokens kept after stop criteria
+    draft_ms: float
+    stage0_ms: float
+    round_ms: float  # send -> reply received: network + rank 1's compute
+    stage1_ms: float  # rank 1's forward + verification, as it measured
+    start_s: float = 0.0  # when the round started, seconds since generation started
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    output: Output
+    rounds: list[RoundRecord] = field(default_factory=list)
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1000
+
+
+def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], output: Output, k: int,
+              on_round=None) -> Generation:
+    gen = Generation(prompt_ids, output)
+    committed = list(prompt_ids)
+    pending = list(prompt_ids)  # tokens the target has not yet seen
+    t_start = time.perf_counter()
+    while not output.done:
+        t_round = time.perf_counter()
+        remaining = output.max_new_tokens - len(output.tokens)
+        k_round = 0 if len(committed) == len(prompt_ids) else min(k, remaining - 1)  # never overshoot
+        drafts = drafter.propose(committed, k_round)
+        draft_ms = _ms(t_round)
+
+        t0 = time.perf_counter()
+        start = len(committed) - len(pending)
+        stage.cache.check_room(start + len(pending) + len(drafts))
+        ids = torch.tensor([pending + drafts.tokens.tolist()], device=stage.device)
+        hidden = stage(ids)
+        stage0_ms = _ms(t0)
+
+        t0 = time.perf_counter()
+        tensors = dict(hidden=hidden, drafts=drafts.tokens)
+        if drafts.q_ids is not None:
+            tensors.update(q_ids=drafts.q_ids, q_probs=drafts.q_probs)
+        channel.send("round", {"start": start}, **tensors)
+        reply = channel.recv("reply")
+        round_ms = _ms(t0)
+
+        accepted, token = reply.meta["accepted"], reply.meta["token"]
+        new_tokens = drafts.tokens[:accepted].tolist() + [token]
+        kept = output.commit(new_tokens)
+        committed += new_tokens[:kept]
+        pending = committed[-1:]
+        stage.cache.rewind(len(committed) - 1)
+        drafter.commit(len(committed))
+        if not gen.rounds:
+            gen.ttft_s = time.perf_counter() - t_start
+        record = RoundRecord(len(drafts), accepted, kept, draft_ms, stage0_ms, round_ms, reply.meta["stage1_ms"],
+                             t_round - t_start)
+        gen.rounds.append(record)
+        if on_round is not None:
+            on_round(record, reply.meta)
+    channel.send("stop")
+    gen.total_s = time.perf_counter() - t_start
+    return gen
+
+
+def run_rank1(stage: Stage, channel: Channel, temperature: float, top_p: float, seed: int) -> int:
+    """Serve rounds until rank 0 says stop; returns the number of rounds served."""
+    generator = torch.Generator().manual_seed(seed)
+    rounds = 0
+    while True:
+        msg = channel.recv(("round", "stop"))
+        if msg.kind == "stop":
+            return rounds
+        t0 = time.perf_counter()
+        hidden, drafts = msg.tensors["hidden"].to(stage.device), msg.tensors["drafts"]
+        start, k = msg.meta["start"], drafts.numel()
+        stage.cache.rewind(start)  # rank 0 is the authority on the committed length
+        stage.cache.check_room(start + hidden.shape[1])
+        logits = stage(hidden, num_logits=k + 1)[0].cpu()
+        if temperature > 0:
+            probs = target_probs(logits, temperature, top_p)
+            accepted, token = verify_sampled(probs, drafts, msg.tensors.get("q_ids"), msg.tensors.get("q_probs"), generator)
+        else:
+            accepted, token = verify_greedy(logits, drafts)
+        channel.send("reply", {"accepted": accepted, "token": token, "stage1_ms": _ms(t0)})
+        rounds += 1

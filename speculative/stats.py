@@ -1,0 +1,55 @@
+"""The figures of a generation, from its round records: what the output JSON's "stats" holds."""
+from __future__ import annotations
+
+from speculative.rounds import Generation
+
+
+def summarize(gen: Generation, k: int, drafter: str) -> dict:
+    rounds = gen.rounds[1:]  # round 0 is the prefill: no drafts, one token
+    drafted = sum(r.drafted for r in rounds)
+    accepted = sum(r.accepted for r in rounds)
+    tokens = len(gen.output.tokens)
+    per_position = []
+    for i in range(max((r.drafted for r in rounds), default=0)):
+        tried = [r for r in rounds if r.drafted > i]
+        per_position.append(sum(r.accepted > i for r in tried) / len(tried))
+    decode_s = gen.total_s - gen.ttft_s
+
+    def mean(xs):
+        xs = list(xs)
+        return sum(xs) / len(xs) if xs else 0.0
+
+    return {
+        "tokens": tokens,
+        "prompt_tokens": len(gen.prompt_ids),
+        "stop_reason": gen.output.stop_reason,
+        "k": k,
+        "drafter": drafter,
+        "rounds": len(gen.rounds),
+        "decode_rounds": len(rounds),
+        "tokens_per_round": mean(r.committed for r in rounds),
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "acceptance_per_position": per_position,
+        "full_hit_rate": mean(r.accepted == r.drafted for r in rounds if r.drafted),
+        "ttft_s": gen.ttft_s,
+        "total_s": gen.total_s,
+        "tokens_per_s": (tokens - 1) / decode_s if decode_s > 0 and tokens > 1 else 0.0,
+        "mean_ms": {
+            "draft": mean(r.draft_ms for r in rounds),
+            "stage0": mean(r.stage0_ms for r in rounds),
+            "stage1": mean(r.stage1_ms for r in rounds),
+            "network": mean(r.round_ms - r.stage1_ms for r in rounds),
+            "round": mean(r.draft_ms + r.stage0_ms + r.round_ms for r in rounds),
+        },
+    }
+
+
+def broken_drafter_warning(stats: dict, min_rounds: int = 16) -> str | None:
+    """A neural drafter that agrees with the target on nothing, round after round, is almost always
+    a bug (elsewhere this was how a broken graph capture showed itself), not a bad drafter."""
+    if stats["drafter"] == "model" and stats["decode_rounds"] >= min_rounds and stats["k"] > 0 \
+            and stats["acceptance_rate"] == 0.0:
+        return (f"warning: {stats['decode_rounds']} rounds with a mean of 1.00 tokens per round: the drafter never "
+                "agreed with the target. Check that draft.model shares the target's tokenizer and family; "
+                "with draft.graph=on, compare against draft.graph=off.")
+    return None

@@ -1,0 +1,102 @@
+"""Tandem's entry: the same script on both ranks; each asks torchrun which rank it is.
+
+    torchrun --nproc_per_node=2 train_free_infer.py prompt="Write a Python function that reverses a string."
+
+Rank 0: embeddings + layers [0, split), the drafter, the tokenizer and the output.
+Rank 1: layers [split, L), the final norm and the LM head, and verification.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from launch.build import build_drafter, build_stage, check_tokenizer, eos_ids, load_tokenizer, prompt_ids, split_point
+from launch.config import ConfigError, TandemConfig, config_from_argv
+from launch.distributed import LaunchError, close_channel, fail, open_channel, torchrun_rank
+from kvcache.static_cache import CacheOverflowError
+from model_parallel.loader import ModelLoadError
+from netbridge.channel import PeerError
+from netbridge.frames import FrameError
+from speculative.output import Output
+from speculative.rounds import run_rank0, run_rank1
+from speculative.stats import broken_drafter_warning, summarize
+
+EXPECTED = (ConfigError, LaunchError, ModelLoadError, PeerError, FrameError, CacheOverflowError)
+
+
+def handshake(cfg: TandemConfig, channel, rank: int) -> None:
+    """Both ranks must run the same model, split and sampling settings (two hosts, two command lines)."""
+    split, num_layers = split_point(cfg)
+    mine = {"split": split, "num_layers": num_layers, "temperature": cfg.gen.temperature,
+            "top_p": cfg.gen.top_p, "seed": cfg.gen.seed, "dtype": cfg.model.dtype, "quant": cfg.model.quant}
+    if rank == 0:
+        channel.send("hello", mine)
+        channel.recv("hello")
+    else:
+        theirs = channel.recv("hello").meta
+        diff = {key: (theirs[key], mine[key]) for key in mine if theirs.get(key) != mine[key]}
+        if diff:
+            message = "the ranks disagree on " + ", ".join(f"{k} (rank 0: {a}, rank 1: {b})" for k, (a, b) in diff.items()) \
+                + "; give both the same config"
+            channel.send("error", {"error": message})
+            raise ConfigError(message)
+        channel.send("hello", mine)
+
+
+def rank0(cfg: TandemConfig, channel) -> None:
+    stage = build_stage(cfg, 0)
+    tokenizer = load_tokenizer(cfg.model.target)
+    check_tokenizer(tokenizer, stage.config, cfg.model.target)
+    ids = prompt_ids(cfg, tokenizer, stage.config.vocab_size)
+    drafter = build_drafter(cfg, tokenizer, stage.config)
+    handshake(cfg, channel, 0)
+    output = Output(tokenizer, eos_ids(cfg.model.target), cfg.gen.max_new_tokens, cfg.gen.stop, cfg.output.stream)
+    gen = run_rank0(stage, drafter, channel, ids, output, cfg.spec.k)
+    stats = summarize(gen, cfg.spec.k, cfg.draft.kind if cfg.spec.k else "none")
+    warning = broken_drafter_warning(stats)
+    if warning:
+        print(warning, file=sys.stderr)
+    print(f"[{stats['tokens']} tokens, {stats['tokens_per_s']:.2f} tokens/s, {stats['tokens_per_round']:.2f} tokens/round, "
+          f"acceptance {stats['acceptance_rate']:.0%}, stop: {stats['stop_reason']}]", file=sys.stderr)
+    if cfg.output.json:
+        with open(cfg.output.json, "w") as f:
+            json.dump({"token_ids": output.tokens, "text": output.text(), "stats": stats}, f, indent=1)
+
+
+def rank1(cfg: TandemConfig, channel) -> None:
+    stage = build_stage(cfg, 1)
+    handshake(cfg, channel, 1)
+    run_rank1(stage, channel, cfg.gen.temperature, cfg.gen.top_p, cfg.gen.seed)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = config_from_argv(argv)
+    channel = None
+    try:
+        rank, _ = torchrun_rank()
+        channel = open_channel(cfg, rank)
+        (rank0 if rank == 0 else rank1)(cfg, channel)
+    except EXPECTED as e:
+        _tell_peer(channel, str(e))
+        fail(str(e))
+    except BaseException as e:
+        _tell_peer(channel, f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        if channel is not None:
+            close_channel(channel)
+
+
+def _tell_peer(channel, message: str) -> None:
+    """Best effort: let the other rank exit with the cause instead of waiting out its timeout."""
+    if channel is None or isinstance(sys.exc_info()[1], PeerError):
+        return
+    try:
+        channel.timeout_s = min(channel.timeout_s, 5.0)
+        channel.send("error", {"error": message})
+    except Exception:  # noqa: BLE001 - the peer may be gone already; our own error is what matters
+        pass
+
+
+if __name__ == "__main__":
+    main()
