@@ -1,0 +1,81 @@
+"""Tiny random decoders built offline, saved with save_pretrained and loaded back through the real
+loader; a runner for `torchrun --nproc_per_node=2 train_free_infer.py`; the single-process reference."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+REPO = Path(__file__).resolve().parent.parent
+VOCAB = 320
+
+
+def tiny_config(family: str, layers: int = 4, hidden: int = 64, seed_vocab: int = VOCAB, **extra):
+    common = dict(vocab_size=seed_vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=None,
+                  bos_token_id=None, pad_token_id=None)
+    common.update(extra)
+    if family == "qwen2":  # GQA, untied head (like Qwen2.5-Coder)
+        return Qwen2ForCausalLM, Qwen2Config(tie_word_embeddings=False, **common)
+    if family == "llama":  # tied embeddings (like SmolLM2)
+        return LlamaForCausalLM, LlamaConfig(tie_word_embeddings=True, **common)
+    raise ValueError(family)
+
+
+def save_tiny(folder: Path, family: str, seed: int = 0, eos: int | None = None, **extra) -> Path:
+    torch.manual_seed(seed)
+    cls, config = tiny_config(family, **extra)
+    model = cls(config).eval()
+    # Random weights of this size give flat logits; scaling the head makes greedy choices decisive
+    # (fewer near-ties), so fp32 parity tests test the code, not rounding.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0) if not config.tie_word_embeddings else model.model.embed_tokens.weight.mul_(2.0)
+    model.generation_config = GenerationConfig(eos_token_id=eos, do_sample=False)
+    model.save_pretrained(folder)
+    return folder
+
+
+def load_reference(folder: Path):
+    cls = LlamaForCausalLM if json.loads((folder / "config.json").read_text())["model_type"] == "llama" else Qwen2ForCausalLM
+    return cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def reference_greedy(folder: Path, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
+    """Single-process transformers generate(do_sample=False) of the same model in fp32."""
+    model = load_reference(folder)
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=eos, pad_token_id=0)
+    tokens = out[0, len(prompt):].tolist()
+    if eos is not None and eos in tokens:
+        tokens = tokens[:tokens.index(eos) + 1]
+    return tokens
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_tandem(tmp: Path, *overrides: str, timeout: float = 240, expect_ok: bool = True):
+    """Run the real entry under torchrun; returns (output json or None, completed process)."""
+    out = tmp / f"out-{free_port()}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(REPO / "train_free_infer.py"), f"output.json={out}",
+           "output.stream=false", "chat=false", *overrides]
+    env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    if expect_ok:
+        assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+        return json.loads(out.read_text()), proc
+    return (json.loads(out.read_text()) if out.exists() else None), proc
+
+
+def ids_arg(ids: list[int]) -> str:
+    return "[" + ",".join(map(str, ids)) + "]"
