@@ -18,7 +18,7 @@ VOCAB = 320
 
 def tiny_config(family: str, layers: int = 4, hidden: int = 64, seed_vocab: int = VOCAB, **extra):
     common = dict(vocab_size=seed_vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=None,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=None, initializer_range=0.3,
                   bos_token_id=None, pad_token_id=None)
     common.update(extra)
     if family == "qwen2":  # GQA, untied head (like Qwen2.5-Coder)
