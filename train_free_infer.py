@@ -12,7 +12,8 @@ import sys
 
 from launch.build import build_drafter, build_stage, check_tokenizer, eos_ids, load_tokenizer, prompt_ids, split_point
 from launch.config import ConfigError, TandemConfig, config_from_argv
-from launch.distributed import LaunchError, close_channel, fail, open_channel, torchrun_rank
+from launch.distributed import LaunchError, close_channel, open_channel, report, torchrun_rank
+from launch.telemetry import Telemetry
 from kvcache.static_cache import CacheOverflowError
 from model_parallel.loader import ModelLoadError
 from netbridge.channel import PeerError
@@ -51,13 +52,18 @@ def rank0(cfg: TandemConfig, channel) -> None:
     drafter = build_drafter(cfg, tokenizer, stage.config)
     handshake(cfg, channel, 0)
     output = Output(tokenizer, eos_ids(cfg.model.target), cfg.gen.max_new_tokens, cfg.gen.stop, cfg.output.stream)
-    gen = run_rank0(stage, drafter, channel, ids, output, cfg.spec.k)
+    telemetry = Telemetry(cfg, ids, tokenizer.decode(ids) if tokenizer else None) if cfg.log.dir else None
+    gen = run_rank0(stage, drafter, channel, ids, output, cfg.spec.k, on_round=telemetry.on_round if telemetry else None)
     stats = summarize(gen, cfg.spec.k, cfg.draft.kind if cfg.spec.k else "none")
     warning = broken_drafter_warning(stats)
     if warning:
         print(warning, file=sys.stderr)
     print(f"[{stats['tokens']} tokens, {stats['tokens_per_s']:.2f} tokens/s, {stats['tokens_per_round']:.2f} tokens/round, "
           f"acceptance {stats['acceptance_rate']:.0%}, stop: {stats['stop_reason']}]", file=sys.stderr)
+    if telemetry:
+        clock = telemetry.finish(gen, stats, output.text())
+        print(f"[log: {telemetry.dir}; rank 1's clock {clock['offset_ms']:+.3f} +/- {clock['uncertainty_ms']:.3f} ms "
+              f"from rank 0's over {clock['rounds']} round trips]", file=sys.stderr)
     if cfg.output.json:
         with open(cfg.output.json, "w") as f:
             json.dump({"token_ids": output.tokens, "text": output.text(), "stats": stats}, f, indent=1)
@@ -77,8 +83,9 @@ def main(argv: list[str] | None = None) -> None:
         channel = open_channel(cfg, rank)
         (rank0 if rank == 0 else rank1)(cfg, channel)
     except EXPECTED as e:
+        report(str(e))  # first: torchrun stops this rank as soon as the peer exits
         _tell_peer(channel, str(e))
-        fail(str(e))
+        sys.exit(1)
     except BaseException as e:
         _tell_peer(channel, f"{type(e).__name__}: {e}")
         raise

@@ -34,6 +34,7 @@ class RoundRecord:
     round_ms: float  # send -> reply received: network + rank 1's compute
     stage1_ms: float  # rank 1's forward + verification, as it measured
     start_s: float = 0.0  # when the round started, seconds since generation started
+    send_ms: float = 0.0  # the part of round_ms spent in channel.send (an emulated delay included)
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Generation:
     rounds: list[RoundRecord] = field(default_factory=list)
     ttft_s: float = 0.0
     total_s: float = 0.0
+    t0_s: float = 0.0  # time.perf_counter() at the start: start_s + t0_s is a round's clock reading
 
 
 def _ms(t0: float) -> float:
@@ -54,7 +56,7 @@ def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], ou
     gen = Generation(prompt_ids, output)
     committed = list(prompt_ids)
     pending = list(prompt_ids)  # tokens the target has not yet seen
-    t_start = time.perf_counter()
+    t_start = gen.t0_s = time.perf_counter()
     while not output.done:
         t_round = time.perf_counter()
         remaining = output.max_new_tokens - len(output.tokens)
@@ -74,6 +76,7 @@ def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], ou
         if drafts.q_ids is not None:
             tensors.update(q_ids=drafts.q_ids, q_probs=drafts.q_probs)
         channel.send("round", {"start": start}, **tensors)
+        send_ms = _ms(t0)
         reply = channel.recv("reply")
         round_ms = _ms(t0)
 
@@ -87,7 +90,7 @@ def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], ou
         if not gen.rounds:
             gen.ttft_s = time.perf_counter() - t_start
         record = RoundRecord(len(drafts), accepted, kept, draft_ms, stage0_ms, round_ms, reply.meta["stage1_ms"],
-                             t_round - t_start)
+                             t_round - t_start, send_ms)
         gen.rounds.append(record)
         if on_round is not None:
             on_round(record, reply.meta)
@@ -101,6 +104,7 @@ def run_rank1(stage: Stage, channel: Channel, temperature: float, top_p: float, 
     generator = torch.Generator().manual_seed(seed)
     rounds = 0
     while True:
+        t_wait = time.perf_counter()
         msg = channel.recv(("round", "stop"))
         if msg.kind == "stop":
             return rounds
@@ -110,10 +114,13 @@ def run_rank1(stage: Stage, channel: Channel, temperature: float, top_p: float, 
         stage.cache.rewind(start)  # rank 0 is the authority on the committed length
         stage.cache.check_room(start + hidden.shape[1])
         logits = stage(hidden, num_logits=k + 1)[0].cpu()
+        t_forward = time.perf_counter()
         if temperature > 0:
             probs = target_probs(logits, temperature, top_p)
             accepted, token = verify_sampled(probs, drafts, msg.tensors.get("q_ids"), msg.tensors.get("q_probs"), generator)
         else:
             accepted, token = verify_greedy(logits, drafts)
-        channel.send("reply", {"accepted": accepted, "token": token, "stage1_ms": _ms(t0)})
+        t_send = time.perf_counter()  # t1: rank 1's clock readings for the two-rank timeline (launch/timeline.py)
+        channel.send("reply", {"accepted": accepted, "token": token, "stage1_ms": (t_send - t0) * 1000,
+                               "t1": [t_wait, t0, t_forward, t_send]})
         rounds += 1

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import random
 import re
-from types import SimpleNamespace
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -17,9 +16,9 @@ PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
 
 
 @pytest.fixture(scope="module")
-def logged_run(tiny_qwen, tiny_qwen_draft, tmp_path_factory):
-    """One run with a drafter that is sometimes right (the tiny target drafting for itself in bf16 vs
-    fp32 would be always right; a random drafter never): the tiny drafter, K=3, the profiler on."""
+def logged_run(tiny_qwen, tmp_path_factory):
+    """One real run, K=3, the profiler on. The drafter is the target itself in bf16 against the fp32
+    target: right most of the time, wrong now and then, so both accepted and rejected drafts occur."""
     tmp = tmp_path_factory.mktemp("telemetry")
     out, proc = run_tandem(tmp, f"model.target={tiny_qwen}", "model.dtype=float32", "draft.kind=model",
                            f"draft.model={tiny_qwen}", "draft.dtype=bfloat16", f"spec.k={K}", "gen.max_new_tokens=40",
@@ -94,17 +93,17 @@ def test_merged_trace_orders_both_ranks(logged_run):
 def test_clock_alignment_recovers_a_known_offset():
     """Synthetic round trips with rank 1's clock 1234.5 ms ahead and random wire times."""
     rng, theta = random.Random(0), 1.2345
-    windows, marks, t = [], [], 100.0
+    windows, marks, wires, t = [], [], [], 100.0
     for _ in range(30):
         out, hold, back = rng.uniform(2e-4, 5e-3), rng.uniform(1e-3, 2e-2), rng.uniform(2e-4, 5e-3)
+        wires.append(out + back)
         windows.append((t, t + out + hold + back))
         recv = t + out + theta
         marks.append([recv - 1e-3, recv, recv + hold / 2, recv + hold])
         t += out + hold + back + rng.uniform(0, 0.05)
     a = align_clocks(windows, marks)
     assert a.consistent and a.rounds == 30
-    assert abs(a.offset_ms - theta * 1000) <= a.uncertainty_ms < 0.5
+    assert abs(a.offset_ms - theta * 1000) <= a.uncertainty_ms <= min(wires) / 2 * 1000 + 1e-6
     broken = align_clocks(windows, [[m[0], m[1] + 1, m[2] + 1, m[3] + 1] if i == 5 else m for i, m in enumerate(marks)])
     assert not broken.consistent  # one reading a second late contradicts the others; reported, not hidden
-    assert align_clocks([], []) == SimpleNamespace(offset_ms=0.0, uncertainty_ms=float("inf"), rounds=0,
-                                                   consistent=False).__dict__ or align_clocks([], []).rounds == 0
+    assert align_clocks([], []).rounds == 0

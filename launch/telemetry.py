@@ -1,0 +1,156 @@
+"""TensorBoard figures of a run, written by rank 0 (rank 1's figures come back in its replies).
+
+    <log.dir>/<YYYYmmdd-HHMMSS>-<model>-k<K>-<drafter>/
+        events.out.tfevents.*   scalars, histogram, text, hparams (tensorboard --logdir <log.dir>)
+        trace.json              both ranks on one time axis (log.trace; launch/timeline.py)
+        summary.json            the stats, the clock alignment and every round's record
+        *.pt.trace.json         torch.profiler traces of a few rounds on rank 0 (log.profile)
+
+Per round, step = the round's index; round 0 is the prefill (the prompt in, the first token out), so
+the sum of `round/tokens` over all steps is the number of tokens generated and the number of steps
+is stats["rounds"]. The output JSON's means are over the decode rounds (steps >= 1).
+
+    round/draft_ms      drafting on rank 0
+    round/stage0_ms     rank 0's layer slice
+    round/stage1_ms     rank 1's layer slice + head + verification, as rank 1 measured it
+    round/network_ms    send -> reply on rank 0 minus stage1_ms: the wire, (de)serialization and
+                        any emulated delay; no compute of either rank
+    round/round_ms      the whole round on rank 0 (draft + stage0 + send -> reply)
+    round/drafted, round/accepted (drafts the target kept), round/tokens (committed this round)
+
+Per run (step 0): run/ttft_ms, run/tokens_per_s, run/tokens_per_round, run/acceptance_rate,
+run/full_hit_rate, run/tokens, run/clock_offset_ms, run/clock_uncertainty_ms; run/accepted_per_round
+(histogram of accepted drafts per decode round); position/acceptance (step = draft position 1..K);
+text run/prompt, run/output, run/config; and the config as hparams with hparam/* final figures.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from launch.timeline import alignment_dict, build_timeline, write_trace
+
+PROFILE_ROUNDS = dict(wait=1, warmup=1, active=3, repeat=1)  # skip the prefill, warm up, record 3 rounds
+
+
+def run_name(cfg, now: float | None = None) -> str:
+    model = Path(cfg.model.target.rstrip("/")).name or "model"
+    drafter = "none" if cfg.spec.k == 0 else cfg.draft.kind
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return re.sub(r"[^A-Za-z0-9._-]", "_", f"{stamp}-{model}-k{cfg.spec.k}-{drafter}")
+
+
+def _unique_dir(root: Path, name: str) -> Path:
+    path, n = root / name, 2
+    while path.exists():
+        path, n = root / f"{name}-{n}", n + 1
+    path.mkdir(parents=True)
+    return path
+
+
+class Telemetry:
+    """`on_round` is the round loop's callback; `finish` writes the per-run figures and the trace."""
+
+    def __init__(self, cfg, prompt_ids: list[int], prompt_text: str | None = None):
+        from torch.utils.tensorboard import SummaryWriter
+        self.cfg = cfg
+        self.dir = _unique_dir(Path(cfg.log.dir).expanduser(), run_name(cfg))
+        self.writer = SummaryWriter(str(self.dir))
+        self.prompt_ids, self.prompt_text = prompt_ids, prompt_text
+        self.rank1_marks: list[list[float]] = []
+        self.step = 0
+        self.profiler = None
+        if cfg.log.profile:
+            import torch.profiler as tp
+            self.profiler = tp.profile(schedule=tp.schedule(**PROFILE_ROUNDS), record_shapes=True,
+                                       on_trace_ready=tp.tensorboard_trace_handler(str(self.dir), worker_name="rank0"))
+            self.profiler.start()
+
+    def on_round(self, r, reply_meta: dict) -> None:
+        w, step = self.writer, self.step
+        for tag, value in (("draft_ms", r.draft_ms), ("stage0_ms", r.stage0_ms), ("stage1_ms", r.stage1_ms),
+                           ("network_ms", r.round_ms - r.stage1_ms), ("round_ms", r.draft_ms + r.stage0_ms + r.round_ms),
+                           ("drafted", r.drafted), ("accepted", r.accepted), ("tokens", r.committed)):
+            w.add_scalar(f"round/{tag}", value, step)
+        self.rank1_marks.append(list(reply_meta.get("t1") or []))
+        self.step += 1
+        if self.profiler is not None:
+            self.profiler.step()
+
+    def finish(self, gen, stats: dict, output_text: str | None) -> dict:
+        """Per-run figures, hparams, trace.json and summary.json; returns the clock alignment."""
+        if self.profiler is not None:
+            self.profiler.stop()
+        w = self.writer
+        trace, alignment = build_timeline(gen, self.rank1_marks, meta={"run": self.dir.name})
+        if self.cfg.log.trace:
+            write_trace(self.dir / "trace.json", trace)
+        run = {"ttft_ms": stats["ttft_s"] * 1000, "tokens_per_s": stats["tokens_per_s"],
+               "tokens_per_round": stats["tokens_per_round"], "acceptance_rate": stats["acceptance_rate"],
+               "full_hit_rate": stats["full_hit_rate"], "tokens": stats["tokens"],
+               "clock_offset_ms": alignment.offset_ms, "clock_uncertainty_ms": alignment.uncertainty_ms}
+        for tag, value in run.items():
+            w.add_scalar(f"run/{tag}", value, 0)
+        for position, rate in enumerate(stats["acceptance_per_position"], start=1):
+            w.add_scalar("position/acceptance", rate, position)
+        accepted = [r.accepted for r in gen.rounds[1:] if r.drafted]
+        if accepted:
+            import numpy as np
+            w.add_histogram("run/accepted_per_round", np.array(accepted), 0, bins=np.arange(stats["k"] + 2) - 0.5)
+        w.add_text("run/prompt", _md(self.prompt_text if self.prompt_text is not None else str(self.prompt_ids)), 0)
+        w.add_text("run/output", _md(output_text if output_text is not None else str(gen.output.tokens)), 0)
+        w.add_text("run/config", _md(OmegaConf.to_yaml(public_config(self.cfg))), 0)
+        self._hparams(stats)
+        w.flush()
+        w.close()
+        summary = {"run": self.dir.name, "stats": stats, "clock": alignment_dict(alignment),
+                   "rounds": [asdict(r) for r in gen.rounds], "rank1_marks": self.rank1_marks,
+                   "t0_s": gen.t0_s}
+        (self.dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        return alignment_dict(alignment)
+
+    def _hparams(self, stats: dict) -> None:
+        from torch.utils.tensorboard.summary import hparams
+        metrics = {f"hparam/{k}": float(stats[k]) for k in
+                   ("tokens_per_s", "tokens_per_round", "acceptance_rate", "full_hit_rate", "tokens")}
+        metrics["hparam/ttft_ms"] = stats["ttft_s"] * 1000
+        exp, ssi, sei = hparams(flat_config(self.cfg), metrics)
+        for summary in (exp, ssi, sei):
+            self.writer.file_writer.add_summary(summary)
+        for tag, value in metrics.items():
+            self.writer.add_scalar(tag, value, 0)
+
+
+def flat_config(cfg) -> dict:
+    """The config as hparams: dotted keys, values TensorBoard accepts (lists and None as text)."""
+    out = {}
+
+    def walk(node, prefix):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            elif isinstance(value, (bool, int, float, str)):
+                out[prefix + key] = value
+            else:
+                out[prefix + key] = "none" if value is None else json.dumps(value)[:200]
+
+    walk(public_config(cfg), "")
+    return out
+
+
+def public_config(cfg) -> dict:
+    """The config as a plain dict, with the shared secret blanked: never write a secret into a log."""
+    tree = OmegaConf.to_container(OmegaConf.structured(cfg))
+    if tree["transport"].get("secret"):
+        tree["transport"]["secret"] = "(set)"
+    return tree
+
+
+def _md(text: str) -> str:
+    """TensorBoard renders text as markdown: indent it so code and newlines survive."""
+    return "\n".join("    " + line for line in text.splitlines()) or "    (empty)"

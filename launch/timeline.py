@@ -1,0 +1,143 @@
+"""The two ranks on one time axis: per-round spans, rank 1's clock aligned to rank 0's, one Chrome trace.
+
+Rank 0 knows its own spans from its round records (draft, stage0, send, wait, commit). Rank 1 puts
+four `time.perf_counter()` readings in each reply (`reply.meta["t1"]`):
+
+    [wait_start, recv_end, forward_end, send_start]     on rank 1's clock
+
+so its spans are wait (for the round message), stage1 (the forward), verify, and send (until the next
+round's wait_start).
+
+Clock alignment. Let theta = rank 1's clock minus rank 0's. Each round is a round trip, and causality
+bounds theta: rank 1 received the round after rank 0 began sending it, and rank 0 received the reply
+after rank 1 began sending it:
+
+    recv_end - theta >= send_start_0   ->  theta <= recv_end - send_start_0
+    send_start - theta <= reply_end_0  ->  theta >= send_start - reply_end_0
+
+Every round narrows the interval [lo, hi]; theta is its midpoint and the uncertainty its half-width
+(about half of the fastest round trip's time on the wire). After alignment every rank-1 span of a
+round lies inside that round's send..reply window on rank 0. If the bounds cross (clocks drifting
+apart over a long run), the fastest round's NTP estimate is used and `consistent` is false.
+
+On one host both ranks read the same monotonic clock, so the true offset is 0: a check of the method.
+Open the trace in https://ui.perfetto.dev or chrome://tracing.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass
+class Span:
+    rank: int
+    name: str
+    start_s: float  # on rank 0's clock (rank 1's after alignment)
+    end_s: float
+    round: int
+
+
+@dataclass
+class ClockAlignment:
+    offset_ms: float  # rank 1's clock minus rank 0's
+    uncertainty_ms: float  # half-width of the interval every round allows
+    rounds: int
+    consistent: bool  # false: the rounds' bounds contradict each other (drift); NTP fallback used
+
+
+def rank0_spans(gen) -> list[Span]:
+    """Rank 0's spans from the round records (all on rank 0's perf_counter clock)."""
+    spans = []
+    for i, r in enumerate(gen.rounds):
+        t = gen.t0_s + r.start_s
+        marks = [("draft", r.draft_ms), ("stage0", r.stage0_ms), ("send", r.send_ms), ("wait", r.round_ms - r.send_ms)]
+        end_of_round = gen.t0_s + (gen.rounds[i + 1].start_s if i + 1 < len(gen.rounds) else gen.total_s)
+        spans.append(Span(0, "round", t, end_of_round, i))
+        for name, ms in marks:
+            spans.append(Span(0, name, t, t + ms / 1000, i))
+            t += ms / 1000
+        spans.append(Span(0, "commit", t, end_of_round, i))
+    return spans
+
+
+def round_windows(gen) -> list[tuple[float, float]]:
+    """Rank 0's (send start, reply received) per round."""
+    out = []
+    for r in gen.rounds:
+        start = gen.t0_s + r.start_s + (r.draft_ms + r.stage0_ms) / 1000
+        out.append((start, start + r.round_ms / 1000))
+    return out
+
+
+def align_clocks(windows: list[tuple[float, float]], rank1_marks: list[list[float]]) -> ClockAlignment:
+    """theta (rank 1 minus rank 0) from the round trips; see the module docstring."""
+    pairs = [(w, m) for w, m in zip(windows, rank1_marks) if m]
+    if not pairs:
+        return ClockAlignment(0.0, float("inf"), 0, False)
+    lo = max(m[3] - w[1] for w, m in pairs)
+    hi = min(m[1] - w[0] for w, m in pairs)
+    if lo <= hi:
+        return ClockAlignment((lo + hi) / 2 * 1000, (hi - lo) / 2 * 1000, len(pairs), True)
+    w, m = min(pairs, key=lambda p: (p[0][1] - p[0][0]) - (p[1][3] - p[1][1]))  # least time on the wire
+    theta = ((m[1] - w[0]) + (m[3] - w[1])) / 2
+    wire = (w[1] - w[0]) - (m[3] - m[1])
+    return ClockAlignment(theta * 1000, wire / 2 * 1000, len(pairs), False)
+
+
+def rank1_spans(rank1_marks: list[list[float]], offset_ms: float) -> list[Span]:
+    """Rank 1's spans on rank 0's clock. The last reply's send has no end reading, so it is left out."""
+    theta = offset_ms / 1000
+    spans = []
+    for i, m in enumerate(rank1_marks):
+        if not m:
+            continue
+        wait_start, recv_end, forward_end, send_start = (x - theta for x in m)
+        spans += [Span(1, "wait", wait_start, recv_end, i), Span(1, "stage1", recv_end, forward_end, i),
+                  Span(1, "verify", forward_end, send_start, i)]
+        if i + 1 < len(rank1_marks) and rank1_marks[i + 1]:
+            spans.append(Span(1, "send", send_start, rank1_marks[i + 1][0] - theta, i))
+    return spans
+
+
+def chrome_trace(spans: list[Span], t0_s: float, alignment: ClockAlignment, meta: dict | None = None) -> dict:
+    """Chrome-trace JSON ("X" complete events in microseconds since generation start), one process per
+    rank, and a flow arrow per message (round: rank 0 send -> rank 1 stage1; reply: rank 1 send -> rank 0)."""
+    us = lambda t: round((t - t0_s) * 1e6, 3)  # noqa: E731
+    events = [{"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}} for r in (0, 1)]
+    events += [{"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}} for r in (0, 1)]
+    for s in spans:
+        events.append({"name": s.name, "cat": "round" if s.name == "round" else "span", "ph": "X", "ts": us(s.start_s),
+                       "dur": round((s.end_s - s.start_s) * 1e6, 3), "pid": s.rank, "tid": 0, "args": {"round": s.round}})
+    by_key = {(s.rank, s.name, s.round): s for s in spans}
+    for (rank, name, i), s in by_key.items():
+        if rank == 0 and name == "send" and (1, "stage1", i) in by_key:
+            events += _flow(f"round {i}", 2 * i, s.start_s, 0, by_key[(1, "stage1", i)].start_s, 1, us)
+        if rank == 1 and name == "verify" and (0, "wait", i) in by_key:
+            events += _flow(f"reply {i}", 2 * i + 1, s.end_s, 1, by_key[(0, "wait", i)].end_s, 0, us)
+    other = {"clock_offset_ms": alignment.offset_ms, "clock_uncertainty_ms": alignment.uncertainty_ms,
+             "clock_rounds": alignment.rounds, "clock_consistent": alignment.consistent, **(meta or {})}
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+
+
+def _flow(name, flow_id, t_from, pid_from, t_to, pid_to, us):
+    common = {"name": name, "cat": "message", "id": flow_id, "tid": 0}
+    return [{**common, "ph": "s", "ts": us(t_from), "pid": pid_from},
+            {**common, "ph": "f", "bp": "e", "ts": us(t_to), "pid": pid_to}]
+
+
+def build_timeline(gen, rank1_marks: list[list[float]], meta: dict | None = None) -> tuple[dict, ClockAlignment]:
+    """The merged trace of one generation, and the clock alignment it used."""
+    alignment = align_clocks(round_windows(gen), rank1_marks)
+    offset = alignment.offset_ms if alignment.rounds else 0.0
+    spans = rank0_spans(gen) + rank1_spans(rank1_marks, offset)
+    return chrome_trace(spans, gen.t0_s, alignment, meta), alignment
+
+
+def write_trace(path: Path, trace: dict) -> None:
+    Path(path).write_text(json.dumps(trace, separators=(",", ":")))
+
+
+def alignment_dict(alignment: ClockAlignment) -> dict:
+    return asdict(alignment)
