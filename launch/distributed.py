@@ -48,8 +48,7 @@ def close_channel(channel: Channel) -> None:
         dist.destroy_process_group()
 
 
-def fail(message: str) -> None:
-    """One line on stderr and a non-zero exit: the user sees the cause and the fix, not a traceback."""
+def report(message: str) -> None:
+    """One line on stderr: the user sees the cause and the fix, not a traceback."""
     rank = os.environ.get("RANK", "?")
     print(f"tandem[rank {rank}]: {message}", file=sys.stderr, flush=True)
-    sys.exit(1)

@@ -68,23 +68,24 @@ class GlooChannel(Channel):
     def send_frame(self, frame: bytes) -> None:
         import torch.distributed as dist
         payload = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
-        self._wait(dist.isend(torch.tensor([payload.numel()], dtype=torch.int64), self.peer), "send to")
-        self._wait(dist.isend(payload, self.peer), "send to")
+        self._wait(lambda: dist.isend(torch.tensor([payload.numel()], dtype=torch.int64), self.peer))
+        self._wait(lambda: dist.isend(payload, self.peer))
 
     def recv_frame(self) -> bytes:
         import torch.distributed as dist
         length = torch.zeros(1, dtype=torch.int64)
-        self._wait(dist.irecv(length, self.peer), "receive from")
+        self._wait(lambda: dist.irecv(length, self.peer))
         n = int(length.item())
         if not 0 < n <= MAX_FRAME_BYTES:
             raise PeerError(f"rank {self.peer} announced a frame of {n} bytes (bound {MAX_FRAME_BYTES}); garbage on the wire")
         payload = torch.empty(n, dtype=torch.uint8)
-        self._wait(dist.irecv(payload, self.peer), "receive from")
+        self._wait(lambda: dist.irecv(payload, self.peer))
         return payload.numpy().tobytes()
 
-    def _wait(self, work, what: str) -> None:
+    def _wait(self, start_op) -> None:
+        """Start a gloo operation and wait for it, turning gloo's errors into one PeerError line."""
         try:
-            work.wait(timeout=timedelta(seconds=self.timeout_s))
+            start_op().wait(timeout=timedelta(seconds=self.timeout_s))
         except RuntimeError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             if "timed out" in first.lower() or "timeout" in first.lower():
