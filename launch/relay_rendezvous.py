@@ -1,0 +1,212 @@
+"""torchrun rendezvous through the relay: `--rdzv_backend=tandem-relay --rdzv_endpoint=RELAY:PORT`.
+
+Stock c10d makes node rank 0's agent serve the store the other nodes then connect to, so it needs
+rank 1 to reach rank 0's host. Here every connection goes out to the relay, authenticated:
+
+1. Each agent dials the relay (role "rendezvous", session = --rdzv_id, its node rank or "any", and
+   --nnodes) and waits, sending heartbeats. When all nodes of the run have come, the relay gives each
+   its node rank and the token of a fresh TCPStore it started for this run on its own loopback.
+2. The agent starts a local store proxy on 127.0.0.1: every connection to it is carried, after the
+   same HMAC handshake (role "store", session = token), to that TCPStore on the relay.
+3. next_rendezvous() returns a TCPStore client of the proxy. The agent uses it for rank assignment
+   and the exit barrier; workers get MASTER_ADDR=127.0.0.1 / MASTER_PORT=<proxy port> with
+   TORCHELASTIC_USE_AGENT_STORE=True, so even a worker that builds a store reaches the relay's.
+
+The secret comes from `--rdzv_conf secret_file=PATH` or TANDEM_SECRET_FILE; `--rdzv_conf node_rank=0`
+pins a node's rank (give it on every node or on none). Not elastic: --nnodes=N, not MIN:MAX.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+
+from torch.distributed import TCPStore
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+
+from netbridge import auth
+from netbridge.relay import HEARTBEAT, RDZV_BODY, RDZV_DONE
+from netbridge.relay_channel import LinkClosed, LinkSocket, LinkTimeout
+
+log = logging.getLogger(__name__)
+BACKEND = "tandem-relay"
+DEFAULT_PORT = 29400
+
+
+class StoreProxy:
+    """127.0.0.1:<port> here -> (HMAC handshake) -> the run's TCPStore on the relay. One thread per direction."""
+
+    def __init__(self, endpoint: str, secret: bytes, token: str, timeout_s: float):
+        self.endpoint, self.secret, self.token, self.timeout_s = endpoint, secret, token, timeout_s
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.port = self.listener.getsockname()[1]
+        self._socks: list[socket.socket] = []
+        self._closed = False
+        threading.Thread(target=self._accept, name="tandem-store-proxy", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                local, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                remote = auth.dial(self.endpoint, self.secret, self.token, auth.ROLE_STORE, 0, 0, self.timeout_s,
+                                   what=f"the store proxy of run store {self.token}")
+            except auth.HandshakeError as e:
+                log.error("tandem-relay store proxy: %s", e)
+                local.close()
+                continue
+            remote.settimeout(None)
+            local.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._socks += [local, remote]
+            for a, b in ((local, remote), (remote, local)):
+                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+
+    def close(self) -> None:
+        self._closed = True
+        for s in [self.listener, *self._socks]:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while True:
+            data = src.recv(1 << 16)
+            if not data:
+                break
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class RelayRendezvousHandler(RendezvousHandler):
+    def __init__(self, params: RendezvousParameters):
+        if params.min_nodes != params.max_nodes:
+            raise RendezvousError(f"--rdzv_backend={BACKEND} is not elastic: give --nnodes=N, not {params.min_nodes}:{params.max_nodes}")
+        if not params.endpoint:
+            raise RendezvousError(f"--rdzv_backend={BACKEND} needs --rdzv_endpoint=RELAY_HOST:PORT")
+        host, port = auth.parse_endpoint(params.endpoint, DEFAULT_PORT)
+        self.endpoint = f"{host}:{port}"
+        self.run_id = params.run_id
+        auth.check_session(self.run_id)
+        self.world = params.max_nodes
+        node_rank = params.get_as_int("node_rank", None)
+        if node_rank is not None and not 0 <= node_rank < self.world:
+            raise RendezvousError(f"--rdzv_conf node_rank={node_rank} is not in 0..{self.world - 1}")
+        self.node_rank = node_rank
+        self.join_timeout_s = float(params.get_as_int("join_timeout", 600))
+        try:
+            self.secret = auth.load_secret(None, params.get("secret_file") or os.environ.get("TANDEM_SECRET_FILE"))
+        except auth.HandshakeError as e:
+            raise RendezvousError(f"{e} (torchrun: --rdzv_conf secret_file=PATH or TANDEM_SECRET_FILE)") from None
+        self._proxy: StoreProxy | None = None
+        self._closed = False
+        os.environ.setdefault("TANDEM_RELAY", self.endpoint)  # workers inherit it: transport.relay's default
+
+    def get_backend(self) -> str:
+        return BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self._closed:
+            raise RendezvousClosedError(f"rendezvous of run {self.run_id!r} at {self.endpoint} is closed")
+        rank, world, token = self._join()
+        if self._proxy is not None:
+            self._proxy.close()
+        self._proxy = StoreProxy(self.endpoint, self.secret, token, timeout_s=30.0)
+        try:
+            store = TCPStore("127.0.0.1", self._proxy.port, None, False, timedelta(seconds=self.join_timeout_s))
+        except Exception as e:  # noqa: BLE001 - DistStoreError, RuntimeError: all mean the same here
+            raise RendezvousConnectionError(f"could not reach the rendezvous store of run {self.run_id!r} through the relay "
+                                            f"{self.endpoint} ({str(e).splitlines()[0][:160]})") from None
+        log.info("tandem-relay rendezvous: run %s node rank %d of %d via %s", self.run_id, rank, world, self.endpoint)
+        return RendezvousInfo(store, rank, world, RendezvousStoreInfo("127.0.0.1", self._proxy.port))
+
+    def _join(self) -> tuple[int, int, str]:
+        want = auth.ANY_RANK if self.node_rank is None else self.node_rank
+        try:
+            sock = auth.dial(self.endpoint, self.secret, self.run_id, auth.ROLE_RDZV, want, self.world,
+                             min(self.join_timeout_s, 30.0), what=f"node {'?' if self.node_rank is None else self.node_rank} of run {self.run_id!r}")
+        except auth.HandshakeError as e:
+            raise RendezvousConnectionError(str(e)) from None
+        link = LinkSocket(sock, self.endpoint, send_timeout_s=30.0)
+
+        def keep_alive(now: float) -> None:
+            if now - link.last_tx >= 5.0:
+                link.try_heartbeat()
+        try:
+            deadline = time.monotonic() + self.join_timeout_s
+            while True:
+                kind, body = link.recv(deadline, keep_alive)
+                if kind == RDZV_DONE and len(body) == RDZV_BODY.size:
+                    rank, world, token, has_store = RDZV_BODY.unpack(body)
+                    break
+                if kind != HEARTBEAT:
+                    raise RendezvousError(f"the relay at {self.endpoint} sent frame type {kind} during the rendezvous; same Tandem version?")
+        except LinkTimeout:
+            raise RendezvousTimeoutError(f"not all {self.world} nodes of run {self.run_id!r} joined at the relay {self.endpoint} "
+                                         f"within {self.join_timeout_s:.0f} s: start torchrun on the other node(s) with the same "
+                                         "--rdzv_endpoint, --rdzv_id, --nnodes and secret") from None
+        except LinkClosed as e:
+            raise RendezvousConnectionError(f"the relay at {self.endpoint} closed the rendezvous connection ({e.reason}); check its log") from None
+        finally:
+            link.close()
+        if not has_store:
+            raise RendezvousError(f"the relay at {self.endpoint} could not start the rendezvous store (is torch installed there? see its log)")
+        return rank, world, token.decode()
+
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def set_closed(self) -> None:
+        self._closed = True
+
+    def num_nodes_waiting(self) -> int:
+        return 0  # a fixed group: nobody waits to be admitted
+
+    def get_run_id(self) -> str:
+        return self.run_id
+
+    def shutdown(self) -> bool:
+        self._closed = True
+        if self._proxy is not None:
+            self._proxy.close()
+            self._proxy = None
+        return True
+
+
+def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
+    return RelayRendezvousHandler(params)
+
+
+def torchrun_handler():
+    """Entry point of group `torchrun.handlers`: torchrun calls it and registers what it returns."""
+    return create_rdzv_handler

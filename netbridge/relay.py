@@ -1,0 +1,622 @@
+"""tandem-relay: the one public address both ranks dial out to, for torchrun's rendezvous and for data.
+
+    python -m netbridge.relay --host 0.0.0.0 --port 29400 --secret-file ~/.tandem/secret
+
+Every connection starts with the HMAC handshake of netbridge.auth and then is one of:
+  data   the two ranks of a session; the relay forwards their link frames verbatim, cut-through
+         (a frame's bytes move on as they arrive, the relay never holds a whole frame)
+  rdzv   torchrun agents of one run meeting (launch/relay_rendezvous.py); when all have come the
+         relay gives each its node rank and the token of a fresh store
+  store  a byte pipe to that run's c10d TCPStore, which listens on the relay's loopback only
+
+Link frames after the handshake: u8 type | u32 length | body. The length is checked against the
+bound before any body byte is read; a bad type, an oversized or empty DATA frame, or DATA before the
+peer has joined closes that connection with one log line, and its session with it.
+
+No torch import unless the rendezvous store is enabled (then torch.distributed, CPU is enough).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import socket
+import struct
+import sys
+import time
+from collections import deque
+
+from netbridge import auth
+
+log = logging.getLogger("tandem.relay")
+
+HEADER = struct.Struct("!BI")
+DATA, HEARTBEAT, PAIRED, PEER_LEFT, RDZV_DONE = 1, 2, 3, 4, 5
+RDZV_BODY = struct.Struct("!BB16sB")  # node rank, world, store token (hex), store available
+# The bound of one frame. Equal to netbridge.frames.MAX_FRAME_BYTES (a test checks); not imported from
+# there because frames imports torch and this process must stay small.
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+HIGH_WATER = 4 * 1024 * 1024  # bytes queued towards a receiver before the sender is paused
+STORE_GRACE_S = 120.0  # a run's store lives this long after its last connection closed
+
+
+class _Rdzv:
+    def __init__(self, world: int):
+        self.world = world
+        self.members: list[_Conn] = []
+
+
+class _Store:
+    def __init__(self, store, port: int):
+        self.store, self.port = store, port
+        self.conns = 0
+        self.idle_since = time.monotonic()
+
+
+class Relay:
+    def __init__(self, secret: bytes, host: str = "0.0.0.0", port: int = 29400, *, max_frame_bytes: int = MAX_FRAME_BYTES,
+                 handshake_timeout_s: float = 10.0, idle_timeout_s: float = 30.0, max_connections: int = 1024,
+                 max_pending: int = 128, emulate_delay_ms: float = 0.0, emulate_mbps: float = 0.0, store: bool = True):
+        if not secret:
+            raise ValueError("the relay needs a non-empty secret")
+        self.secret, self.host, self.port = secret, host, port
+        self.max_frame_bytes = max_frame_bytes
+        self.handshake_timeout_s, self.idle_timeout_s = handshake_timeout_s, idle_timeout_s
+        self.max_connections, self.max_pending = max_connections, max_pending
+        self.delay_s = emulate_delay_ms / 1000
+        self.bytes_per_s = emulate_mbps * 1e6 / 8
+        self.store_enabled = store
+        self.conns: set[_Conn] = set()
+        self.sessions: dict[str, list] = {}
+        self.rdzv: dict[str, _Rdzv] = {}
+        self.stores: dict[str, _Store] = {}
+        self.pending = 0
+        self.stats = {"accepted": 0, "refused": 0, "dropped": 0, "sessions": 0, "bytes": 0}
+        self._server = None
+        self._sweeper = None
+
+    @property
+    def emulating(self) -> bool:
+        return bool(self.delay_s or self.bytes_per_s)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.store_enabled:
+            import torch.distributed  # noqa: F401  - fail at start, not at the first rendezvous
+        self._server = await loop.create_server(lambda: _Conn(self), self.host, self.port, reuse_address=True, backlog=1024)
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._sweeper = asyncio.create_task(self._sweep())
+
+    async def close(self) -> None:
+        if self._sweeper:
+            self._sweeper.cancel()
+        if self._server:
+            self._server.close()
+        for conn in list(self.conns):
+            conn.drop(None)
+        for token in list(self.stores):
+            self._drop_store(token)
+
+    async def _sweep(self) -> None:
+        tick = max(0.05, min(1.0, self.handshake_timeout_s / 4, self.idle_timeout_s / 4))
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for conn in list(self.conns):
+                conn.check_timers(now)
+            for token, st in list(self.stores.items()):
+                if st.conns == 0 and now - st.idle_since > STORE_GRACE_S:
+                    self._drop_store(token)
+
+    # ---- sessions ----------------------------------------------------------------------------
+    def admit(self, conn: _Conn) -> int:
+        """Decide on an authenticated claim; returns a status from netbridge.auth."""
+        if conn.role == auth.ROLE_DATA:
+            slots = self.sessions.setdefault(conn.session, [None, None])
+            if slots[conn.rank] is not None:
+                return auth.TAKEN
+            slots[conn.rank] = conn
+            return auth.OK
+        if conn.role == auth.ROLE_RDZV:
+            if not self.store_enabled:
+                return auth.NO_STORE
+            group = self.rdzv.setdefault(conn.session, _Rdzv(conn.world))
+            if group.world != conn.world:
+                return auth.MISMATCH
+            if conn.rank != auth.ANY_RANK and any(m.rank == conn.rank for m in group.members):
+                return auth.TAKEN
+            group.members.append(conn)
+            return auth.OK
+        if conn.role == auth.ROLE_STORE:
+            if not self.store_enabled:
+                return auth.NO_STORE
+            st = self.stores.get(conn.session)
+            if st is None:
+                return auth.UNKNOWN
+            st.conns += 1
+            return auth.OK
+        return auth.REFUSED
+
+    def joined(self, conn: _Conn) -> None:
+        """Called after OK went out: pair data ranks, complete rendezvous, connect store pipes."""
+        if conn.role == auth.ROLE_DATA:
+            slots = self.sessions[conn.session]
+            other = slots[1 - conn.rank]
+            if other is not None:
+                conn.peer, other.peer = other, conn
+                for c in (other, conn):
+                    c.state = "paired"
+                    c.transport.write(HEADER.pack(PAIRED, 0))
+                self.stats["sessions"] += 1
+                log.info("session %s: ranks paired (%s, %s)", conn.session, slots[0].name, slots[1].name)
+            else:
+                conn.state = "waiting"
+        elif conn.role == auth.ROLE_RDZV:
+            conn.state = "rdzv"
+            group = self.rdzv[conn.session]
+            if len(group.members) == group.world:
+                self._complete_rdzv(conn.session, group)
+        elif conn.role == auth.ROLE_STORE:
+            conn.state = "store"
+            asyncio.ensure_future(conn.open_store_pipe(self.stores[conn.session].port))
+
+    def _complete_rdzv(self, run_id: str, group: _Rdzv) -> None:
+        del self.rdzv[run_id]
+        taken = {m.rank for m in group.members if m.rank != auth.ANY_RANK}
+        free = iter(r for r in range(group.world) if r not in taken)
+        token = secrets.token_hex(8)
+        try:
+            self._make_store(token)
+            has_store = 1
+        except Exception as e:  # noqa: BLE001 - reported to the agents, which fail with this reason
+            log.error("run %s: cannot start its rendezvous store (%s)", run_id, e)
+            has_store = 0
+        for m in group.members:
+            rank = m.rank if m.rank != auth.ANY_RANK else next(free)
+            m.state = "done"
+            m.transport.write(HEADER.pack(RDZV_DONE, RDZV_BODY.size) + RDZV_BODY.pack(rank, group.world, token.encode(), has_store))
+            m.close_soon()
+        log.info("run %s: rendezvous of %d nodes complete, store %s", run_id, group.world, token)
+
+    def _make_store(self, token: str) -> None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))  # loopback only: the world reaches it through the handshake
+        listener.listen(64)
+        port = listener.getsockname()[1]
+        try:
+            store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60),
+                                  wait_for_workers=False, master_listen_fd=listener.fileno(), use_libuv=True)
+        except BaseException:
+            listener.close()
+            raise
+        listener.detach()  # the store owns the socket now and closes it when it goes
+        self.stores[token] = _Store(store, port)
+
+    def _drop_store(self, token: str) -> None:
+        st = self.stores.pop(token, None)
+        if st is not None:
+            del st.store
+            log.info("store %s: dropped", token)
+
+    def left(self, conn: _Conn) -> None:
+        """A connection ended (any reason): free its slot and end its session."""
+        if conn.role == auth.ROLE_DATA and conn.session in self.sessions:
+            slots = self.sessions[conn.session]
+            if slots[conn.rank] is conn:
+                slots[conn.rank] = None
+                peer = conn.peer
+                if peer is not None and slots[peer.rank] is peer:
+                    slots[peer.rank] = None
+                if slots == [None, None]:
+                    del self.sessions[conn.session]
+                if peer is not None:
+                    log.info("session %s: rank %d left, closing rank %d", conn.session, conn.rank, peer.rank)
+                    conn.forward_end()
+        elif conn.role == auth.ROLE_RDZV and conn.session in self.rdzv:
+            group = self.rdzv[conn.session]
+            if conn in group.members:
+                group.members.remove(conn)
+                if not group.members:
+                    del self.rdzv[conn.session]
+        elif conn.role == auth.ROLE_STORE and conn.counted_store:
+            st = self.stores.get(conn.session)
+            if st is not None:
+                st.conns -= 1
+                st.idle_since = time.monotonic()
+
+
+class _Conn(asyncio.Protocol):
+    """One client connection: handshake, then link-frame parsing and cut-through forwarding."""
+
+    def __init__(self, relay: Relay):
+        self.relay = relay
+        self.transport = None
+        self.name = "?"
+        self.state = "hello"  # hello | waiting | paired | rdzv | done | store | closed
+        self.role = self.rank = self.world = 0
+        self.session = ""
+        self.peer: _Conn | None = None
+        self.counted_store = False
+        self.buf = bytearray()
+        self.nonce = b""
+        now = time.monotonic()
+        self.deadline = now + relay.handshake_timeout_s
+        self.last_rx = now
+        self.pending = True
+        # link-frame parser: header bytes seen so far, body bytes still to come, is this frame forwarded
+        self.hdr = bytearray()
+        self.body_left = 0
+        self.fwd = False
+        # towards the peer (emulation): (due time, bytes | None = end) and bookkeeping
+        self.line: deque = deque()
+        self.line_bytes = 0
+        self.line_timer = None
+        self.wire_free_at = 0.0
+        self.paused: set[str] = set()
+        self.upstream = None
+        self.store_backlog: list = []
+
+    # ---- asyncio callbacks ---------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.name = f"{peer[0]}:{peer[1]}" if peer else "?"
+        relay = self.relay
+        if len(relay.conns) >= relay.max_connections or relay.pending >= relay.max_pending:
+            log.warning("%s: refused, at the connection limit (%d open, %d in handshake)", self.name, len(relay.conns), relay.pending)
+            self.pending = False
+            self.state = "closed"
+            transport.abort()
+            return
+        relay.conns.add(self)
+        relay.pending += 1
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            auth.tune(sock)
+        transport.set_write_buffer_limits(high=HIGH_WATER, low=HIGH_WATER // 4)
+        hello, self.nonce = auth.hello()
+        transport.write(hello)
+
+    def data_received(self, data: bytes) -> None:
+        self.last_rx = time.monotonic()
+        if self.state == "hello":
+            self._handshake(data)
+        elif self.state == "store":
+            if self.upstream is not None:
+                self.upstream.write(data)
+            else:
+                self.store_backlog.append(data)
+                self._throttle("store-connect", True)
+        elif self.state in ("waiting", "paired", "rdzv"):
+            self._frames(data)
+
+    def eof_received(self):
+        return False  # close our side too
+
+    def connection_lost(self, exc) -> None:
+        self._finish()
+
+    def pause_writing(self) -> None:  # our transport's buffer is full: stop reading from whoever feeds it
+        if self.peer is not None:
+            self.peer._throttle("receiver", True)
+        elif self.upstream is not None:
+            self.upstream.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.peer is not None:
+            self.peer._throttle("receiver", False)
+        elif self.upstream is not None:
+            self.upstream.resume_reading()
+
+    # ---- handshake -----------------------------------------------------------------------------
+    def _handshake(self, data: bytes) -> None:
+        before = len(self.buf)
+        self.buf += data[:auth.CLAIM_MAX - before]  # never more than the largest claim
+        if len(self.buf) < auth.CLAIM_PREFIX.size:
+            return
+        total = auth.claim_length(bytes(self.buf[:auth.CLAIM_PREFIX.size]))
+        if total is None:
+            return self._refuse("not a Tandem claim (bad magic, version or session length)")
+        if len(self.buf) < total:
+            return
+        rest = data[total - before:]  # bytes after the claim: the client's first link frames
+        claim = auth.verify_claim(self.relay.secret, self.nonce, bytes(self.buf[:total]))
+        self.buf = bytearray()
+        if claim is None:
+            return self._refuse("wrong MAC (secret mismatch) or invalid claim fields")
+        self.role, self.rank, self.world, self.session, client_nonce = claim
+        self._end_pending()
+        status = self.relay.admit(self)
+        if status != auth.OK:
+            log.warning("%s: %s of %s refused: %s", self.name, _ROLE_NAMES.get(self.role), self.session, _STATUS_NAMES.get(status))
+            self.relay.stats["refused"] += 1
+            self.state = "closed"
+            self.transport.write(bytes([status]))
+            self.close_soon()
+            return
+        self.counted_store = self.role == auth.ROLE_STORE
+        self.relay.stats["accepted"] += 1
+        raw = self.session.encode()
+        self.transport.write(bytes([auth.OK]) + auth.relay_mac(self.relay.secret, self.nonce, client_nonce, self.role, self.rank, self.world, raw))
+        self.relay.joined(self)
+        if rest:
+            self.data_received(bytes(rest))
+
+    def _refuse(self, why: str) -> None:
+        log.warning("%s: handshake refused: %s", self.name, why)
+        self.relay.stats["refused"] += 1
+        self._end_pending()
+        self.state = "closed"
+        self.transport.write(bytes([auth.REFUSED]))
+        self.close_soon()
+
+    def _end_pending(self) -> None:
+        if self.pending:
+            self.pending = False
+            self.relay.pending -= 1
+
+    # ---- link frames ---------------------------------------------------------------------------
+    def _frames(self, data: bytes) -> None:
+        """Validate the link frames in `data`; forward the bytes of frames that go to the peer."""
+        mv = memoryview(data)
+        n, i = len(mv), 0
+        out: list = []  # pieces for the peer: (start, end) into data, or bytes
+        while i < n:
+            if self.body_left:
+                k = min(self.body_left, n - i)
+                if self.fwd:
+                    out.append((i, i + k))
+                self.body_left -= k
+                i += k
+                continue
+            start, hdr_was = i, len(self.hdr)
+            k = min(HEADER.size - hdr_was, n - i)
+            self.hdr += mv[i:i + k]
+            i += k
+            if len(self.hdr) < HEADER.size:
+                break
+            kind, length = HEADER.unpack(self.hdr)
+            whole_header = bytes(self.hdr)
+            self.hdr.clear()
+            error = self._check_frame(kind, length)
+            if error:
+                self._send(out, data)
+                self.drop(error)
+                return
+            self.fwd = self.state == "paired"
+            if self.fwd:
+                out.append((start, i) if hdr_was == 0 else whole_header)
+                self.relay.stats["bytes"] += length + HEADER.size
+            self.body_left = length
+        self._send(out, data)
+
+    def _check_frame(self, kind: int, length: int) -> str | None:
+        if kind == HEARTBEAT:
+            return None if length == 0 else f"heartbeat with a {length}-byte body"
+        if kind == DATA:
+            if self.state != "paired":
+                return "sent data before its peer joined"
+            if not 0 < length <= self.relay.max_frame_bytes:
+                return f"frame of {length} bytes outside the bound (1..{self.relay.max_frame_bytes})"
+            return None
+        return f"unknown frame type {kind}"
+
+    def _send(self, out: list, data: bytes) -> None:
+        if not out or self.peer is None:
+            return
+        if len(out) == 1 and out[0] == (0, len(data)):
+            chunk = data
+        else:
+            chunk = b"".join(p if isinstance(p, bytes) else memoryview(data)[p[0]:p[1]] for p in out)
+        self._to_peer(chunk)
+
+    def at_boundary(self) -> bool:
+        """True when the bytes forwarded so far end at a frame boundary of the peer's stream."""
+        return not (self.fwd and self.body_left)  # header bytes are forwarded only once complete
+
+    # ---- towards the peer: direct, or through the emulated link ---------------------------------
+    def _to_peer(self, chunk) -> None:
+        relay = self.relay
+        if not relay.emulating:
+            self.peer.transport.write(chunk)
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        # EMULATION: a link that serializes at --emulate-mbps, then propagates for --emulate-delay-ms
+        size = len(chunk) if chunk is not None else 0
+        wire_done = max(now, self.wire_free_at) + (size / relay.bytes_per_s if relay.bytes_per_s else 0.0)
+        self.wire_free_at = wire_done
+        self.line.append((wire_done + relay.delay_s, chunk))
+        self.line_bytes += size
+        if self.line_bytes > HIGH_WATER:
+            self._throttle("emulated-link", True)
+        if self.line_timer is None:
+            self.line_timer = loop.call_at(self.line[0][0], self._deliver)
+
+    def _deliver(self) -> None:
+        self.line_timer = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        peer = self.peer
+        while self.line and self.line[0][0] <= now:
+            _, chunk = self.line.popleft()
+            if chunk is None:
+                if peer is not None:
+                    peer.close_soon()
+                continue
+            self.line_bytes -= len(chunk)
+            if peer is not None and peer.transport is not None and not peer.transport.is_closing():
+                peer.transport.write(chunk)
+        if self.line_bytes <= HIGH_WATER // 4:
+            self._throttle("emulated-link", False)
+        if self.line:
+            self.line_timer = loop.call_at(self.line[0][0], self._deliver)
+
+    def forward_end(self) -> None:
+        """This side left: tell the peer (after what is still on the emulated wire) and close it."""
+        peer = self.peer
+        if peer is None:
+            return
+        if self.at_boundary() and peer.transport is not None and not peer.transport.is_closing():
+            end = HEADER.pack(PEER_LEFT, 0)
+            if self.relay.emulating:
+                self._to_peer(end)
+            else:
+                peer.transport.write(end)
+        if self.relay.emulating and self.line:
+            self.line.append((self.line[-1][0], None))
+        else:
+            peer.close_soon()
+        peer.peer = None
+        peer.state = "closed"
+
+    def _throttle(self, reason: str, on: bool) -> None:
+        was = bool(self.paused)
+        (self.paused.add if on else self.paused.discard)(reason)
+        if self.transport is None or self.transport.is_closing():
+            return
+        if self.paused and not was:
+            self.transport.pause_reading()
+        elif was and not self.paused:
+            self.last_rx = time.monotonic()
+            self.transport.resume_reading()
+
+    # ---- the rendezvous store ------------------------------------------------------------------
+    async def open_store_pipe(self, port: int) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            transport, _ = await loop.create_connection(lambda: _StorePipe(self), "127.0.0.1", port)
+        except OSError as e:
+            self.drop(f"cannot connect to store on 127.0.0.1:{port} ({e})")
+            return
+        if self.state != "store":
+            transport.close()
+            return
+        self.upstream = transport
+        for data in self.store_backlog:
+            transport.write(data)
+        self.store_backlog.clear()
+        self._throttle("store-connect", False)
+
+    # ---- ending --------------------------------------------------------------------------------
+    def check_timers(self, now: float) -> None:
+        if self.state == "hello" and now > self.deadline:
+            self.drop(f"no complete handshake within {self.relay.handshake_timeout_s:.0f} s (slow or silent client)")
+        elif self.state in ("waiting", "paired", "rdzv") and not self.paused and now - self.last_rx > self.relay.idle_timeout_s:
+            self.drop(f"silent for {self.relay.idle_timeout_s:.0f} s, not even heartbeats (--idle-timeout-s)")
+
+    def drop(self, why: str | None) -> None:
+        """Close this connection now, with one log line."""
+        if why:
+            log.warning("%s (%s %s): %s; closing it", self.name, _ROLE_NAMES.get(self.role, "client"), self.session or "-", why)
+            self.relay.stats["dropped"] += 1
+        if self.transport is not None:
+            self.transport.abort()
+        self._finish()
+
+    def close_soon(self) -> None:
+        """Flush what we wrote, then close; abort if the client does not read it within a few seconds."""
+        if self.transport is None or self.transport.is_closing():
+            return
+        self.transport.close()
+        asyncio.get_running_loop().call_later(5.0, self.transport.abort)
+
+    def _finish(self) -> None:
+        if self in self.relay.conns:
+            self.relay.conns.discard(self)
+            self._end_pending()
+            self.relay.left(self)
+            if self.upstream is not None:
+                self.upstream.close()
+            self.state = "closed"
+
+
+class _StorePipe(asyncio.Protocol):
+    """The relay's side of a store pipe: bytes from the TCPStore go back to the client."""
+
+    def __init__(self, client: _Conn):
+        self.client = client
+
+    def data_received(self, data: bytes) -> None:
+        if self.client.transport is not None and not self.client.transport.is_closing():
+            self.client.transport.write(data)
+
+    def connection_lost(self, exc) -> None:
+        self.client.close_soon()
+
+
+_ROLE_NAMES = {auth.ROLE_DATA: "data", auth.ROLE_STORE: "store", auth.ROLE_RDZV: "rendezvous"}
+_STATUS_NAMES = {auth.TAKEN: "slot already taken", auth.FULL: "relay full", auth.MISMATCH: "node count differs",
+                 auth.UNKNOWN: "unknown store", auth.NO_STORE: "store disabled (--no-store)", auth.REFUSED: "refused"}
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size (VmHWM), in MB."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="tandem-relay", description="Relay both Tandem ranks dial out to (rendezvous + data).")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=29400, help="the one port both nodes dial (default 29400; 0 = any free)")
+    p.add_argument("--secret-file", default=os.environ.get("TANDEM_SECRET_FILE"),
+                   help="file holding the shared secret (default: $TANDEM_SECRET_FILE); there is no --secret on purpose")
+    p.add_argument("--max-frame-bytes", type=int, default=MAX_FRAME_BYTES, help="bound of one frame")
+    p.add_argument("--handshake-timeout-s", type=float, default=10.0, help="a client must finish the handshake within this")
+    p.add_argument("--idle-timeout-s", type=float, default=30.0, help="drop a client silent this long (clients send heartbeats)")
+    p.add_argument("--max-connections", type=int, default=1024)
+    p.add_argument("--max-pending", type=int, default=128, help="connections allowed in the handshake at once")
+    p.add_argument("--emulate-delay-ms", type=float, default=0.0, help="EMULATION: one-way delay added to every forwarded byte")
+    p.add_argument("--emulate-mbps", type=float, default=0.0, help="EMULATION: per-direction bandwidth cap, 0 = none")
+    p.add_argument("--no-store", action="store_true", help="data only: no torchrun rendezvous, no torch import")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s tandem-relay %(levelname)s %(message)s", stream=sys.stderr)
+    if not a.secret_file:
+        p.error("--secret-file is required (or set TANDEM_SECRET_FILE)")
+    try:
+        secret = auth.load_secret(secret_file=a.secret_file)
+    except auth.HandshakeError as e:
+        p.error(str(e))
+    relay = Relay(secret, a.host, a.port, max_frame_bytes=a.max_frame_bytes, handshake_timeout_s=a.handshake_timeout_s,
+                  idle_timeout_s=a.idle_timeout_s, max_connections=a.max_connections, max_pending=a.max_pending,
+                  emulate_delay_ms=a.emulate_delay_ms, emulate_mbps=a.emulate_mbps, store=not a.no_store)
+    asyncio.run(_serve(relay))
+
+
+async def _serve(relay: Relay) -> None:
+    loop = asyncio.get_running_loop()
+    stop = loop.create_future()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
+    await relay.start()
+    extras = []
+    if relay.emulating:
+        extras.append(f"EMULATING delay {relay.delay_s * 1000:g} ms, {relay.bytes_per_s * 8 / 1e6:g} Mbit/s per direction")
+    extras.append("rendezvous store on" if relay.store_enabled else "no store")
+    print(f"tandem-relay listening on {relay.host}:{relay.port} ({', '.join(extras)})", flush=True)
+    await stop
+    s = relay.stats
+    log.info("stopping: %d accepted, %d refused, %d dropped, %d sessions, %.1f MB forwarded, peak RSS %.0f MB",
+             s["accepted"], s["refused"], s["dropped"], s["sessions"], s["bytes"] / 1e6, peak_rss_mb())
+    print(f"tandem-relay peak RSS {peak_rss_mb():.1f} MB", flush=True)
+    await relay.close()
+
+
+if __name__ == "__main__":
+    main()

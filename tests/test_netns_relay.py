@@ -1,0 +1,123 @@
+"""Two nodes that can only dial out to the relay, in network namespaces: relay / node0 / node1.
+
+    node0 (10.N.0.2) --veth-- relay ns (10.N.0.1, 10.N.1.1; public 10.N.9.1 on lo) --veth-- node1 (10.N.1.2)
+
+Each node has one route, to 10.N.9.1, and the relay namespace does not forward, so node0 and node1
+cannot reach each other at all: the test checks that first. Then one torchrun per node with
+--rdzv_backend=tandem-relay --rdzv_endpoint=10.N.9.1:PORT and transport.kind=relay runs the real
+entry on a tiny random Qwen2; the token ids must equal single-process transformers generate().
+Needs root and `ip netns`; skipped with the reason otherwise. Namespaces are removed in a finally.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_relay import REPO, SECRET, relay_process
+from tests.tiny_models import ids_arg, reference_greedy
+
+PROMPT = [11, 42, 7, 250, 3, 99, 180, 5]
+NEW_TOKENS = 16
+
+
+def sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=20)
+
+
+def skip(reason: str):
+    print(f"\nSKIP test_netns_relay: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def namespaces():
+    if os.geteuid() != 0:
+        skip("needs root to create network namespaces")
+    if not shutil.which("ip"):
+        skip("iproute2 (`ip`) is not installed")
+    sfx = secrets.token_hex(2)
+    net = 100 + int(sfx, 16) % 150
+    names = {k: f"tdm-{k}-{sfx}" for k in ("relay", "n0", "n1")}
+    made: list[str] = []
+    try:
+        for ns in names.values():
+            try:
+                sh("ip", "netns", "add", ns)
+            except subprocess.CalledProcessError as e:
+                skip(f"`ip netns add` failed here: {e.stderr.strip()}")
+            made.append(ns)
+        ex = lambda ns, *c: sh("ip", "netns", "exec", names[ns], *c)  # noqa: E731
+        for ns in names:
+            ex(ns, "ip", "link", "set", "lo", "up")
+        public = f"10.{net}.9.1"
+        ex("relay", "ip", "addr", "add", f"{public}/32", "dev", "lo")
+        ex("relay", "sysctl", "-qw", "net.ipv4.ip_forward=0")
+        for i, node in enumerate(("n0", "n1")):
+            a, b = f"tr{sfx}{i}a", f"tr{sfx}{i}b"
+            sh("ip", "link", "add", a, "type", "veth", "peer", "name", b)
+            sh("ip", "link", "set", a, "netns", names["relay"])
+            sh("ip", "link", "set", b, "netns", names[node])
+            ex("relay", "ip", "addr", "add", f"10.{net}.{i}.1/24", "dev", a)
+            ex("relay", "ip", "link", "set", a, "up")
+            ex(node, "ip", "addr", "add", f"10.{net}.{i}.2/24", "dev", b)
+            ex(node, "ip", "link", "set", b, "up")
+            ex(node, "ip", "route", "add", f"{public}/32", "via", f"10.{net}.{i}.1")
+        yield names, public, net
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+
+
+def can_connect(ns: str, host: str, port: int) -> tuple[bool, str]:
+    code = (f"import socket\ns = socket.socket(); s.settimeout(2)\n"
+            f"try:\n  s.connect(({host!r}, {port})); print('connected')\n"
+            f"except OSError as e:\n  print('refused' if e.errno == {errno.ECONNREFUSED} else 'unreachable', e)\n")
+    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True, text=True, timeout=20).stdout
+    return out.startswith(("connected", "refused")), out.strip()
+
+
+def test_two_namespaces_reach_only_the_relay_and_match_generate(namespaces, tiny_qwen, tmp_path):
+    names, public, net = namespaces
+    expected = reference_greedy(tiny_qwen, PROMPT, NEW_TOKENS)
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(SECRET)
+    secret_file.chmod(0o600)
+    with relay_process(tmp_path, "--emulate-delay-ms", "5", host="0.0.0.0", netns=names["relay"]) as relay:
+        # the topology: each node reaches the relay and nothing else
+        assert can_connect(names["n0"], public, relay.port)[0] and can_connect(names["n1"], public, relay.port)[0]
+        reached, why = can_connect(names["n0"], f"10.{net}.1.2", 22)
+        assert not reached, f"node0 can reach node1 ({why}): the test would not prove anything"
+        out = tmp_path / "out.json"
+        endpoint = f"{public}:{relay.port}"
+        procs = []
+        for rank, node in enumerate(("n0", "n1")):
+            cmd = ["ip", "netns", "exec", names[node], sys.executable, "-m", "torch.distributed.run",
+                   "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=tandem-relay", f"--rdzv_endpoint={endpoint}",
+                   "--rdzv_id=netns-e2e", f"--rdzv_conf=node_rank={rank},join_timeout=60", "--max_restarts=0",
+                   str(REPO / "train_free_infer.py"), f"model.target={tiny_qwen}", "model.dtype=float32", "draft.kind=none",
+                   f"prompt_ids={ids_arg(PROMPT)}", "chat=false", f"gen.max_new_tokens={NEW_TOKENS}", f"output.json={out}",
+                   "output.stream=false", "transport.kind=relay", f"transport.relay={endpoint}", "transport.session=netns-e2e",
+                   f"transport.secret_file={secret_file}", "transport.timeout_s=60"]
+            env = dict(os.environ, PYTHONPATH=str(REPO), TANDEM_SECRET_FILE=str(secret_file), TOKENIZERS_PARALLELISM="false")
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO))
+        try:
+            results = [p.communicate(timeout=240) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(10)
+        for rank, (p, (_, err)) in enumerate(zip(procs, results)):
+            assert p.returncode == 0, f"node{rank} torchrun failed ({p.returncode}):\n{err[-4000:]}\nrelay log:\n{relay.log()[-2000:]}"
+        got = json.loads(out.read_text())["token_ids"]
+        assert got == expected
+        log = relay.log()
+        assert "rendezvous of 2 nodes complete" in log and "session netns-e2e: ranks paired" in log
+        print(f"\nnetns: {NEW_TOKENS} tokens equal generate(); relay {endpoint} peak RSS {relay.rss_mb():.0f} MB")

@@ -1,0 +1,388 @@
+"""The relay and RelayChannel on loopback: data both ways, authentication, refusals, liveness, emulation.
+
+The helpers at the top (a relay subprocess, raw authenticated clients) are shared by the other
+tests/test_relay_*.py files.
+"""
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from netbridge import auth
+from netbridge.channel import PeerError
+from netbridge.relay import DATA, HEADER, HEARTBEAT, PAIRED, PEER_LEFT
+from netbridge.relay_channel import RelayChannel
+
+REPO = Path(__file__).resolve().parent.parent
+SECRET = b"test-secret-" + secrets.token_hex(8).encode()
+
+
+# ---- helpers shared by the relay tests ---------------------------------------------------------
+class RelayProcess:
+    def __init__(self, proc: subprocess.Popen, port: int, log_path: Path):
+        self.proc, self.port, self.log_path = proc, port, log_path
+        self.addr = f"127.0.0.1:{port}"
+
+    def rss_mb(self, field: str = "VmHWM") -> float:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+        raise AssertionError(f"{field} not in /proc/{self.proc.pid}/status")
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+@contextmanager
+def relay_process(tmp_path: Path, *extra: str, secret: bytes = SECRET, host: str = "127.0.0.1", netns: str | None = None):
+    """`python -m netbridge.relay` on a free port; yields once it prints that it listens; SIGTERM at the end."""
+    secret_file = tmp_path / f"relay-secret-{secrets.token_hex(4)}"
+    secret_file.write_bytes(secret + b"\n")
+    secret_file.chmod(0o600)
+    log_path = tmp_path / f"relay-{secrets.token_hex(4)}.log"
+    cmd = [sys.executable, "-m", "netbridge.relay", "--host", host, "--port", "0", "--secret-file", str(secret_file), *extra]
+    if netns:
+        cmd = ["ip", "netns", "exec", netns, *cmd]
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=REPO)
+    try:
+        line = _readline(proc, 60)
+        m = re.search(r"listening on \S+:(\d+)", line or "")
+        assert m, f"relay did not start: {line!r}\n{log_path.read_text()}"
+        yield RelayProcess(proc, int(m.group(1)), log_path)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+def _readline(proc: subprocess.Popen, timeout_s: float) -> str | None:
+    got: list[str] = []
+    t = threading.Thread(target=lambda: got.append(proc.stdout.readline()), daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return got[0] if got else None
+
+
+def dial_raw(relay: RelayProcess | str, session: str, rank: int, secret: bytes = SECRET, timeout_s: float = 5.0) -> socket.socket:
+    addr = relay if isinstance(relay, str) else relay.addr
+    return auth.dial(addr, secret, session, auth.ROLE_DATA, rank, 2, timeout_s)
+
+
+def read_link(sock: socket.socket, timeout_s: float = 5.0):
+    """(type, body) of one link frame, or None at EOF / reset."""
+    sock.settimeout(timeout_s)
+    try:
+        header = _exact(sock, HEADER.size)
+        if header is None:
+            return None
+        kind, n = HEADER.unpack(header)
+        body = _exact(sock, n) if n else b""
+        return None if body is None else (kind, body)
+    except (ConnectionResetError, BrokenPipeError):
+        return None
+
+
+def _exact(sock: socket.socket, n: int) -> bytes | None:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            return None
+        out += chunk
+    return bytes(out)
+
+
+def closed_by_peer(sock: socket.socket, timeout_s: float = 5.0) -> bool:
+    """True when the other end closes (EOF or reset) within the timeout; other bytes are skipped."""
+    sock.settimeout(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if not sock.recv(65536):
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
+    return False
+
+
+def pair(relay: RelayProcess, session: str, timeout_s: float = 10.0, **kw) -> tuple[RelayChannel, RelayChannel]:
+    """Both ranks of a session, connected through the relay (rank 1 dials from a thread)."""
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("c1", RelayChannel.connect(relay.addr, session, 1, SECRET, timeout_s=timeout_s, **kw)))
+    t.start()
+    c0 = RelayChannel.connect(relay.addr, session, 0, SECRET, timeout_s=timeout_s, **kw)
+    t.join(timeout_s)
+    assert "c1" in box, "rank 1 did not connect"
+    return c0, box["c1"]
+
+
+def run_in_thread(fn, *args):
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            box["error"] = e
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, box
+
+
+# ---- tests -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def relay(tmp_path_factory):
+    with relay_process(tmp_path_factory.mktemp("relay"), "--no-store", "--handshake-timeout-s", "1") as r:
+        yield r
+
+
+def test_frame_bound_is_the_wire_formats():
+    from netbridge import frames, relay as relay_mod
+    assert relay_mod.MAX_FRAME_BYTES == frames.MAX_FRAME_BYTES
+
+
+def test_relay_imports_without_torch_or_model_code():
+    code = "import sys, netbridge.relay; bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')]; print(bad); assert not bad"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_tensors_go_both_ways_exactly(relay):
+    c0, c1 = pair(relay, "exact")
+    try:
+        big = torch.randn(2_621_440)  # 10 MB of fp32
+        sent = {"f": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "i": torch.arange(11), "m": torch.rand(4) > 0.5, "big": big}
+        c0.send("x", {"round": 3}, **sent)
+        msg = c1.recv("x")
+        assert msg.meta == {"round": 3} and set(msg.tensors) == set(sent)
+        for k, t in sent.items():
+            assert msg.tensors[k].dtype == t.dtype and torch.equal(msg.tensors[k], t)
+        c1.send("y", h=msg.tensors["f"] * 2)
+        assert torch.equal(c0.recv("y").tensors["h"], sent["f"] * 2)
+    finally:
+        c0.close()
+        c1.close()
+
+
+def test_wrong_secret_is_refused_and_learns_nothing(relay):
+    with pytest.raises(PeerError, match=rf"relay at {relay.addr} refused .*secret does not match"):
+        RelayChannel.connect(relay.addr, "wrong-secret", 0, b"not-the-secret", timeout_s=3)
+    # the same answer for a session that is in use: a stranger cannot probe which sessions exist
+    c0, c1 = pair(relay, "busy")
+    try:
+        with pytest.raises(PeerError, match="secret does not match"):
+            RelayChannel.connect(relay.addr, "busy", 0, b"not-the-secret", timeout_s=3)
+        c0.send("still", x=torch.ones(2))
+        assert c1.recv("still").tensors["x"].tolist() == [1.0, 1.0]
+    finally:
+        c0.close()
+        c1.close()
+    assert "wrong MAC" in relay.log()
+
+
+def test_third_claimant_of_a_taken_rank_is_refused(relay):
+    c0, c1 = pair(relay, "taken")
+    try:
+        with pytest.raises(PeerError, match=r"already has rank 0 of session 'taken' connected"):
+            RelayChannel.connect(relay.addr, "taken", 0, SECRET, timeout_s=3)
+        c0.send("after", x=torch.tensor([5]))
+        assert c1.recv("after").tensors["x"].item() == 5
+    finally:
+        c0.close()
+        c1.close()
+
+
+def test_peer_leaving_is_reported_with_the_relay_address(relay):
+    c0, c1 = pair(relay, "leave")
+    c0.send("last", x=torch.tensor([1]))
+    c0.close()
+    assert c1.recv("last").tensors["x"].item() == 1  # what was sent before leaving still arrives
+    with pytest.raises(PeerError, match=rf"rank 0 left session 'leave' at the relay {relay.addr}"):
+        c1.recv()
+    c1.close()
+    c0, c1 = pair(relay, "leave")  # the session id is free again
+    c0.close()
+    c1.close()
+
+
+def test_alive_but_silent_peer_times_out_with_its_own_message(relay):
+    c0, c1 = pair(relay, "silent", timeout_s=1.2)  # heartbeats every 0.2 s
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PeerError, match=r"rank 1 is connected \(its heartbeats arrive.*no message for 1 s \(transport.timeout_s\)"):
+            c0.recv()
+        assert 1.1 < time.monotonic() - t0 < 3.0
+    finally:
+        c0.close()
+        c1.close()
+
+
+def test_dead_peer_is_told_apart_from_a_silent_one(relay):
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("raw", dial_raw(relay, "dead", 1)))
+    t.start()
+    c0 = RelayChannel.connect(relay.addr, "dead", 0, SECRET, timeout_s=10, heartbeat_s=0.2)
+    t.join(5)
+    raw = box["raw"]  # paired, then never a byte again: a frozen host
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PeerError, match=r"nothing from rank 1 through the relay .* not even heartbeats"):
+            c0.recv()
+        assert time.monotonic() - t0 < 3.0  # 3 heartbeats, far below transport.timeout_s
+    finally:
+        c0.close()
+        raw.close()
+
+
+def test_no_relay_and_no_peer_errors_say_what_to_check(relay, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_addr = f"127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(PeerError, match=rf"cannot reach the relay at {dead_addr} .*is `tandem-relay` running there"):
+        RelayChannel.connect(dead_addr, "nobody", 0, SECRET, timeout_s=2)
+    t0 = time.monotonic()
+    with pytest.raises(PeerError, match=rf"rank 1 did not join session 'lonely' at the relay {relay.addr} within 1 s"):
+        RelayChannel.connect(relay.addr, "lonely", 0, SECRET, timeout_s=5, join_timeout_s=1)
+    assert time.monotonic() - t0 < 3
+
+
+def test_from_config_reads_transport_and_secret_file(relay, tmp_path):
+    from types import SimpleNamespace
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(SECRET + b"\n")
+    t = SimpleNamespace(relay=relay.addr, session="cfg", secret=None, secret_file=str(secret_file), timeout_s=10)
+    t1, box = run_in_thread(RelayChannel.from_config, SimpleNamespace(transport=t), 1)
+    c0 = RelayChannel.from_config(SimpleNamespace(transport=t), 0)
+    t1.join(10)
+    c1 = box["value"]
+    c0.send("hi", x=torch.tensor([9]))
+    assert c1.recv("hi").tensors["x"].item() == 9
+    c0.close()
+    c1.close()
+    t_missing = SimpleNamespace(relay=None, session="cfg", secret=None, secret_file=None, timeout_s=1)
+    env = {k: os.environ.pop(k) for k in ("TANDEM_RELAY",) if k in os.environ}
+    try:
+        with pytest.raises(PeerError, match=r"transport.relay=HOST:PORT"):
+            RelayChannel.from_config(SimpleNamespace(transport=t_missing), 0)
+    finally:
+        os.environ.update(env)
+
+
+def test_oversized_and_unknown_frames_close_only_that_session(relay):
+    healthy0, healthy1 = pair(relay, "healthy")
+    try:
+        for bad in (HEADER.pack(DATA, (256 << 20) + 1), HEADER.pack(DATA, 0), HEADER.pack(77, 3) + b"abc", HEADER.pack(HEARTBEAT, 4) + b"xxxx"):
+            box: dict = {}
+            t = threading.Thread(target=lambda: box.setdefault("victim", RelayChannel.connect(relay.addr, "bad", 1, SECRET, timeout_s=5)))
+            t.start()
+            raw = dial_raw(relay, "bad", 0)
+            assert read_link(raw) == (PAIRED, b"")
+            t.join(5)
+            raw.sendall(bad)
+            assert closed_by_peer(raw), f"relay kept a connection that sent {bad[:8]!r}"
+            with pytest.raises(PeerError, match=r"rank 0 left session 'bad'"):
+                box["victim"].recv()
+            box["victim"].close()
+            raw.close()
+        healthy0.send("ok", x=torch.arange(3))
+        assert healthy1.recv("ok").tensors["x"].tolist() == [0, 1, 2]
+    finally:
+        healthy0.close()
+        healthy1.close()
+    log = relay.log()
+    assert "outside the bound" in log and "unknown frame type 77" in log and "heartbeat with a 4-byte body" in log
+
+
+def test_data_before_pairing_and_vanishing_mid_frame(relay):
+    raw = dial_raw(relay, "early", 0)
+    raw.sendall(HEADER.pack(DATA, 4) + b"abcd")
+    assert closed_by_peer(raw)
+    raw.close()
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("victim", RelayChannel.connect(relay.addr, "midframe", 1, SECRET, timeout_s=5)))
+    t.start()
+    raw = dial_raw(relay, "midframe", 0)
+    assert read_link(raw) == (PAIRED, b"")
+    t.join(5)
+    raw.sendall(HEADER.pack(DATA, 1000) + b"x" * 10)
+    time.sleep(0.1)
+    raw.close()
+    with pytest.raises(PeerError, match=r"closed the connection in the middle of a frame"):
+        box["victim"].recv()
+    box["victim"].close()
+
+
+def test_slowloris_handshake_is_cut_off(relay):
+    s = socket.create_connection(("127.0.0.1", relay.port))
+    assert _exact(s, auth.HELLO_BYTES)[:4] == auth.HELLO_MAGIC
+    s.sendall(b"TND")  # then nothing
+    t0 = time.monotonic()
+    assert closed_by_peer(s, timeout_s=5)
+    assert time.monotonic() - t0 < 3  # --handshake-timeout-s 1, swept every 0.25 s
+    s.close()
+    assert "no complete handshake within 1 s" in relay.log()
+
+
+def test_client_checks_that_the_relay_knows_the_secret():
+    """A server that greets like a relay and says OK, but cannot produce the relay's MAC, is rejected."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def fake():
+        c, _ = srv.accept()
+        hello, _ = auth.hello()
+        c.sendall(hello)
+        c.recv(4096)
+        c.sendall(bytes([auth.OK]) + b"\0" * auth.MAC_BYTES)
+        time.sleep(0.5)
+        c.close()
+    threading.Thread(target=fake, daemon=True).start()
+    with pytest.raises(auth.HandshakeError, match="does not know our secret"):
+        auth.dial(f"127.0.0.1:{srv.getsockname()[1]}", SECRET, "s", auth.ROLE_DATA, 0, 2, 3)
+    srv.close()
+
+
+def test_emulated_delay_and_bandwidth(tmp_path):
+    with relay_process(tmp_path, "--no-store", "--emulate-delay-ms", "25", "--emulate-mbps", "80") as r:
+        c0, c1 = pair(r, "slow")
+        try:
+            rtts = []
+            for i in range(5):
+                t0 = time.perf_counter()
+                c0.send("p", x=torch.tensor([i]))
+                c1.send("q", x=c1.recv("p").tensors["x"])
+                assert c0.recv("q").tensors["x"].item() == i
+                rtts.append(time.perf_counter() - t0)
+            assert 0.050 <= min(rtts) < 0.150, rtts  # 2 x 25 ms one way
+            payload = torch.zeros(500_000)  # 2 MB at 80 Mbit/s = 10 MB/s: >= 0.2 s on the wire
+            t0 = time.perf_counter()
+            c0.send("big", x=payload)
+            assert c1.recv("big").tensors["x"].numel() == 500_000
+            assert 0.2 + 0.025 <= time.perf_counter() - t0 < 1.5
+        finally:
+            c0.close()
+            c1.close()
