@@ -30,7 +30,7 @@ from netbridge.channel import PeerError
 from netbridge.frames import FrameError, Message, encode
 from netbridge.relay import DATA, HEADER, HEARTBEAT, PAIRED, PEER_LEFT
 from netbridge.relay_channel import RelayChannel
-from tests.test_relay import SECRET, _exact, closed_by_peer, dial_raw, pair, read_link, relay_process
+from tests.test_relay import SECRET, _exact, closed_by_peer, dial_raw, loops, pair, read_link, relay_process
 
 FUZZ_BOUND = 1 << 20  # the fuzzed relay's --max-frame-bytes, so lengths near the bound are reachable
 N_HANDSHAKES, N_STREAMS, N_BODY_BATCHES = 3000, 2500, 1200
@@ -236,9 +236,11 @@ def broken_messages():
     return mutate.map(apply)
 
 
-def test_fuzzed_relay_keeps_serving_a_healthy_session(tmp_path):
+@pytest.mark.parametrize("loop", loops())
+def test_fuzzed_relay_keeps_serving_a_healthy_session(tmp_path, loop):
+    Count.handshakes = Count.frames = Count.bodies = 0
     with relay_process(tmp_path, "--no-store", "--max-frame-bytes", str(FUZZ_BOUND), "--handshake-timeout-s", "2",
-                       "--max-pending", "512", "--log-level", "warning") as relay:
+                       "--max-pending", "512", "--log-level", "warning", "--loop", loop) as relay:
         stop = threading.Event()
         healthy = {"rounds": 0, "errors": []}
         c0, c1 = pair(relay, "healthy", timeout_s=60)
@@ -318,7 +320,7 @@ def test_fuzzed_relay_keeps_serving_a_healthy_session(tmp_path):
         elapsed = time.monotonic() - t0
         total = Count.handshakes + Count.frames + Count.bodies
         peak = relay.rss_mb()
-        print(f"\nfuzz: {Count.handshakes} handshakes, {Count.frames} link frames judged, {Count.bodies} broken messages "
+        print(f"\nfuzz ({loop}): {Count.handshakes} handshakes, {Count.frames} link frames judged, {Count.bodies} broken messages "
               f"= {total} cases in {elapsed:.1f} s; healthy session {healthy['rounds']} round trips; relay peak RSS {peak:.1f} MB")
         assert relay.alive(), relay.log()[-2000:]
         assert total >= 10_000

@@ -13,16 +13,18 @@ from tests.tiny_models import ids_arg, run_tandem
 
 K = 3
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
+DELAY_MS = 3  # emulated one-way: the alignment may use it as the least time a message takes
 
 
 @pytest.fixture(scope="module")
 def logged_run(tiny_qwen, tmp_path_factory):
-    """One real run, K=3, the profiler on. The drafter is the target itself in bf16 against the fp32
+    """One real run, K=3, the profiler on, a 3 ms emulated delay. The drafter is the target itself in bf16 against the fp32
     target: right most of the time, wrong now and then, so both accepted and rejected drafts occur."""
     tmp = tmp_path_factory.mktemp("telemetry")
     out, proc = run_tandem(tmp, f"model.target={tiny_qwen}", "model.dtype=float32", "draft.kind=model",
                            f"draft.model={tiny_qwen}", "draft.dtype=bfloat16", f"spec.k={K}", "gen.max_new_tokens=40",
-                           f"prompt_ids={ids_arg(PROMPT)}", f"log.dir={tmp / 'logs'}", "log.profile=true")
+                           f"prompt_ids={ids_arg(PROMPT)}", f"log.dir={tmp / 'logs'}", "log.profile=true",
+                           f"transport.emulate_delay_ms={DELAY_MS}")
     runs = list((tmp / "logs").iterdir())
     assert len(runs) == 1, runs
     return out, runs[0], proc
@@ -85,8 +87,10 @@ def test_merged_trace_orders_both_ranks(logged_run):
         assert r["ts"] <= v["ts"] and v["ts"] + v["dur"] <= r["ts"] + r["dur"], (i, r, v)
     clock = trace["otherData"]
     assert clock["clock_consistent"] and clock["clock_rounds"] == out["stats"]["rounds"]
-    # Both ranks read one host's monotonic clock: the true offset, 0, must lie in the reported interval.
+    # Both ranks read one host's monotonic clock: the true offset, 0, must lie in the reported interval,
+    # and the emulated delay is no part of the uncertainty (it is a known least time on the wire).
     assert abs(clock["clock_offset_ms"]) <= clock["clock_uncertainty_ms"] + 0.05
+    assert clock["clock_uncertainty_ms"] < DELAY_MS
     assert "rank 1's clock" in proc.stderr
 
 
@@ -104,6 +108,8 @@ def test_clock_alignment_recovers_a_known_offset():
     a = align_clocks(windows, marks)
     assert a.consistent and a.rounds == 30
     assert abs(a.offset_ms - theta * 1000) <= a.uncertainty_ms <= min(wires) / 2 * 1000 + 1e-6
+    tight = align_clocks(windows, marks, min_one_way_s=2e-4)  # every message took at least 0.2 ms
+    assert abs(tight.offset_ms - theta * 1000) <= tight.uncertainty_ms <= a.uncertainty_ms - 0.2 + 1e-6
     broken = align_clocks(windows, [[m[0], m[1] + 1, m[2] + 1, m[3] + 1] if i == 5 else m for i, m in enumerate(marks)])
     assert not broken.consistent  # one reading a second late contradicts the others; reported, not hidden
     assert align_clocks([], []).rounds == 0

@@ -49,7 +49,8 @@ def load_reference(folder: Path):
 def reference_greedy(folder: Path, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
     """Single-process transformers generate(do_sample=False) of the same model in fp32."""
     model = load_reference(folder)
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+    ids = torch.tensor([prompt])  # explicit mask: generate would otherwise mask tokens equal to pad_token_id
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                          eos_token_id=eos, pad_token_id=0)
     tokens = out[0, len(prompt):].tolist()
     if eos is not None and eos in tokens:
@@ -79,3 +80,15 @@ def run_tandem(tmp: Path, *overrides: str, timeout: float = 240, expect_ok: bool
 
 def ids_arg(ids: list[int]) -> str:
     return "[" + ",".join(map(str, ids)) + "]"
+
+
+def save_tiny_tokenizer(folder: Path, vocab_size: int = VOCAB) -> None:
+    """A byte-level BPE tokenizer trained offline on a few sentences (with multi-byte characters),
+    saved beside a tiny model so the text paths (streaming, stop strings, chat=false prompts) run."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+    corpus = ["def reverse(s): return s[::-1]", "héllo wörld, naïve café", "print('ok')\n\n", "日本語のテキスト"] * 20
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(corpus, vocab_size=vocab_size - 1, min_frequency=1, special_tokens=["<eos>"], show_progress=False)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>")
+    tok.save_pretrained(folder)

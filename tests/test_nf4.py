@@ -1,0 +1,197 @@
+"""NF4 stage slices: token-for-token parity with transformers + the same BitsAndBytesConfig, the
+pre-quantized checkpoint path, and each rank's peak RSS while loading against its fp32 slice."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from bitsandbytes.nn import Linear4bit
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Qwen2Config
+
+from model_parallel.loader import ModelLoadError, checkpoint_index, load_config, load_stage, stage_tensor_names
+from model_parallel.quant import NF4Settings
+from tests.tiny_models import REPO, ids_arg, run_tandem
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def bnb_config(compute: torch.dtype, double: bool = True, lm_head: bool = False) -> BitsAndBytesConfig:
+    """What `model.quant=nf4` means, said the transformers way."""
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute,
+                              bnb_4bit_use_double_quant=double, llm_int8_skip_modules=[] if lm_head else ["lm_head"])
+
+
+def load_bnb(folder, dtype=torch.float32, quantization_config=None):
+    extra = {"quantization_config": quantization_config} if quantization_config is not None else {}
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map="cpu", attn_implementation="sdpa",
+                                                **extra).eval()
+
+
+def bnb_greedy(folder, prompt: list[int], max_new_tokens: int, dtype=torch.float32, quantization_config=None) -> list[int]:
+    """Single-process transformers generate(do_sample=False); a pre-quantized folder needs no config."""
+    model = load_bnb(folder, dtype, quantization_config)
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def nf4_overrides(compute: torch.dtype, double: bool = True, lm_head: bool = False) -> list[str]:
+    return ["model.dtype=float32", "model.quant=nf4", f"model.quant_compute_dtype={DTYPE_NAMES[compute]}",
+            f"model.quant_double={str(double).lower()}", f"model.quant_lm_head={str(lm_head).lower()}"]
+
+
+@pytest.fixture(scope="module")
+def prequantized_qwen(tiny_qwen, tmp_path_factory):
+    """tiny_qwen quantized by transformers (NF4, double quant, fp32 compute, head kept) and saved."""
+    folder = tmp_path_factory.mktemp("qwen2-nf4") / "model"
+    load_bnb(tiny_qwen, quantization_config=bnb_config(torch.float32)).save_pretrained(folder)
+    return folder
+
+
+# --- in process: the loader builds what transformers builds --------------------------------------
+
+@pytest.mark.parametrize("double", [True, False])
+def test_stage_holds_the_bytes_transformers_makes(tiny_qwen, double):
+    settings = NF4Settings(torch.bfloat16, double_quant=double)
+    ref = load_bnb(tiny_qwen, quantization_config=bnb_config(torch.bfloat16, double))
+    stage = load_stage(tiny_qwen, 2, 4, embed=False, head=True, quant=settings)
+    for name, module in stage.layers.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            theirs = ref.model.layers[2:].get_submodule(name)
+            assert isinstance(module, Linear4bit) and module.compute_dtype == torch.bfloat16, name
+            assert torch.equal(module.weight.data, theirs.weight.data), name
+            assert torch.equal(module.weight.quant_state.absmax, theirs.weight.quant_state.absmax), name
+            assert module.weight.quant_state.nested == double
+            assert (module.bias is None) == (theirs.bias is None), name
+            if module.bias is not None:
+                assert torch.equal(module.bias, theirs.bias), name
+    assert type(stage.head) is torch.nn.Linear and stage.head.weight.dtype == torch.float32  # head kept by default
+    assert stage.layers[0].input_layernorm.weight.dtype == torch.float32  # non-linears stay in model.dtype
+    with_head = load_stage(tiny_qwen, 2, 4, embed=False, head=True, quant=NF4Settings(torch.bfloat16, lm_head=True))
+    assert isinstance(with_head.head, Linear4bit)
+
+
+def test_embeddings_stay_full_precision_and_tied_heads_stay_tied(tiny_llama):
+    drafter = load_stage(tiny_llama, 0, 4, embed=True, head=True, quant=NF4Settings(torch.float32, lm_head=True))
+    assert type(drafter.embed) is torch.nn.Embedding
+    assert drafter.head.weight is drafter.embed.weight  # quantizing it would add a second copy
+    rank1 = load_stage(tiny_llama, 2, 4, embed=False, head=True, quant=NF4Settings(torch.float32, lm_head=True))
+    assert isinstance(rank1.head, Linear4bit)  # rank 1's head is its own copy of the embeddings
+
+
+def test_prequantized_folder_needs_quant_nf4(prequantized_qwen):
+    with pytest.raises(ModelLoadError, match="model.quant=nf4"):
+        load_stage(prequantized_qwen, 0, 2, embed=True, head=False)
+
+
+# --- end to end: torchrun split vs single-process transformers -----------------------------------
+
+def test_split_nf4_matches_transformers_qwen_fp32_compute_quantized_head(tmp_path, tiny_qwen):
+    prompt, n = [3, 17, 101, 44, 9, 250, 61], 24
+    expected = bnb_greedy(tiny_qwen, prompt, n, quantization_config=bnb_config(torch.float32, lm_head=True))
+    out, _ = run_tandem(tmp_path, f"model.target={tiny_qwen}", *nf4_overrides(torch.float32, lm_head=True),
+                        "draft.kind=none", "spec.k=0", f"prompt_ids={ids_arg(prompt)}", f"gen.max_new_tokens={n}")
+    assert out["token_ids"] == expected
+
+
+def test_split_nf4_matches_transformers_llama_bf16_compute_speculative(tmp_path, tiny_llama):
+    # bf16 4-bit matmuls, no double quant, tied head kept in full precision; K=3 prompt-lookup drafts
+    # make rank 1 verify 4-token blocks, which must give what one-token decoding gives.
+    prompt, n = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], 24
+    expected = bnb_greedy(tiny_llama, prompt, n, quantization_config=bnb_config(torch.bfloat16, double=False))
+    out, _ = run_tandem(tmp_path, f"model.target={tiny_llama}", *nf4_overrides(torch.bfloat16, double=False),
+                        "draft.kind=ngram", "spec.k=3", f"prompt_ids={ids_arg(prompt)}", f"gen.max_new_tokens={n}")
+    assert out["token_ids"] == expected
+
+
+def test_split_loads_prequantized_checkpoint_with_nf4_drafter(tmp_path, tiny_qwen, tiny_qwen_draft, prequantized_qwen):
+    prompt, n = [12, 200, 7, 7, 31], 24
+    expected = bnb_greedy(prequantized_qwen, prompt, n)
+    assert expected == bnb_greedy(tiny_qwen, prompt, n, quantization_config=bnb_config(torch.float32))
+    out, _ = run_tandem(tmp_path, f"model.target={prequantized_qwen}", *nf4_overrides(torch.float32),
+                        "draft.kind=model", f"draft.model={tiny_qwen_draft}", "draft.quant=nf4", "draft.dtype=float32",
+                        "spec.k=3", f"prompt_ids={ids_arg(prompt)}", f"gen.max_new_tokens={n}")
+    assert out["token_ids"] == expected
+
+
+# --- memory: each rank's peak RSS while loading vs its fp32 slice --------------------------------
+
+MEASURE = r"""
+import json, sys
+from pathlib import Path
+import torch
+from transformers import AutoModelForCausalLM
+from model_parallel.loader import load_config, load_stage
+from model_parallel.quant import NF4Settings, weight_bytes
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+folder, first, last, quant = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+config = load_config(folder)
+with torch.device("meta"):
+    AutoModelForCausalLM.from_config(config)  # import the model's code before the baseline
+try:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) starts again from the current RSS
+except OSError:
+    pass  # then the peak includes the imports': an overestimate
+base = status("VmRSS:")
+stage = load_stage(folder, first, last, embed=first == 0, head=last == config.num_hidden_layers, dtype="float32",
+                   quant=NF4Settings(torch.float32) if quant == "nf4" else None)
+peak = status("VmHWM:") - base
+for p in stage.parameters():
+    p.sum()  # fault in every page: safetensors maps the checkpoint, unread weights are not resident yet
+print(json.dumps({"peak": peak, "resident": status("VmRSS:") - base, "weights": weight_bytes(stage)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def random_qwen_fp32(tmp_path_factory):
+    """A random 90M-parameter Qwen2 in fp32 (365 MB): weights dominate the interpreter's ~0.4 GB."""
+    folder = tmp_path_factory.mktemp("qwen2-90m")
+    config = Qwen2Config(vocab_size=1024, hidden_size=512, intermediate_size=2048, num_hidden_layers=24,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    generator = torch.Generator().manual_seed(0)
+    save_file({k: torch.randn(s, generator=generator) * 0.02 for k, s in shapes.items()},
+              folder / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(folder)
+    return folder
+
+
+def measure_load(folder, first: int, last: int, quant: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", MEASURE, str(folder), str(first), str(last), quant],
+                          capture_output=True, text=True, timeout=120, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def fp32_slice_bytes(folder, first: int, last: int) -> int:
+    """What the stage's tensors take in fp32, from the checkpoint's header (nothing is read)."""
+    config = load_config(folder)
+    index = checkpoint_index(folder)
+    names = stage_tensor_names(config, first, last, first == 0, last == config.num_hidden_layers, index)
+    with safe_open(index[next(iter(names.values()))], "pt") as f:
+        return sum(4 * torch.Size(f.get_slice(ckpt).get_shape()).numel() for ckpt in names.values())
+
+
+def test_peak_rss_while_loading_nf4_stays_below_the_fp32_slice(random_qwen_fp32):
+    mb = 2 ** 20
+    full = measure_load(random_qwen_fp32, 0, 12, "none")
+    assert full["resident"] > 0.9 * fp32_slice_bytes(random_qwen_fp32, 0, 12)  # the probe does see weights
+    print(f"\nrank 0 in fp32, every weight read: {full['resident'] / mb:.0f} MB resident above the interpreter")
+    for rank, (first, last) in enumerate([(0, 12), (12, 24)]):
+        fp32 = fp32_slice_bytes(random_qwen_fp32, first, last)
+        nf4 = measure_load(random_qwen_fp32, first, last, "nf4")
+        print(f"rank {rank} (layers {first}-{last - 1}): fp32 slice {fp32 / mb:.0f} MB; nf4 peak RSS while loading "
+              f"{nf4['peak'] / mb:.0f} MB, weights {nf4['weights'] / mb:.0f} MB, resident after {nf4['resident'] / mb:.0f} MB")
+        assert nf4["peak"] < fp32
