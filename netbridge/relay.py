@@ -39,7 +39,7 @@ RDZV_BODY = struct.Struct("!BB16sB")  # node rank, world, store token (hex), sto
 # The bound of one frame. Equal to netbridge.frames.MAX_FRAME_BYTES (a test checks); not imported from
 # there because frames imports torch and this process must stay small.
 MAX_FRAME_BYTES = 256 * 1024 * 1024
-HIGH_WATER = 4 * 1024 * 1024  # bytes queued towards a receiver before the sender is paused
+HIGH_WATER = 1024 * 1024  # bytes queued towards a receiver before the sender is paused
 STORE_GRACE_S = 120.0  # a run's store lives this long after its last connection closed
 
 
@@ -584,6 +584,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--emulate-delay-ms", type=float, default=0.0, help="EMULATION: one-way delay added to every forwarded byte")
     p.add_argument("--emulate-mbps", type=float, default=0.0, help="EMULATION: per-direction bandwidth cap, 0 = none")
     p.add_argument("--no-store", action="store_true", help="data only: no torchrun rendezvous, no torch import")
+    p.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
+                   help="event loop: uvloop when installed (auto), else asyncio's own")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s tandem-relay %(levelname)s %(message)s", stream=sys.stderr)
@@ -596,10 +598,27 @@ def main(argv: list[str] | None = None) -> None:
     relay = Relay(secret, a.host, a.port, max_frame_bytes=a.max_frame_bytes, handshake_timeout_s=a.handshake_timeout_s,
                   idle_timeout_s=a.idle_timeout_s, max_connections=a.max_connections, max_pending=a.max_pending,
                   emulate_delay_ms=a.emulate_delay_ms, emulate_mbps=a.emulate_mbps, store=not a.no_store)
-    asyncio.run(_serve(relay))
+    with asyncio.Runner(loop_factory=_loop_factory(a.loop)) as runner:
+        runner.run(_serve(relay, _loop_name(a.loop)))
 
 
-async def _serve(relay: Relay) -> None:
+def _loop_factory(choice: str):
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            sys.exit("tandem-relay: --loop uvloop, but uvloop is not installed (pip install uvloop)")
+        return None
+    return uvloop.new_event_loop
+
+
+def _loop_name(choice: str) -> str:
+    return "uvloop" if _loop_factory(choice) is not None else "asyncio"
+
+
+async def _serve(relay: Relay, loop_name: str = "asyncio") -> None:
     loop = asyncio.get_running_loop()
     stop = loop.create_future()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -609,6 +628,7 @@ async def _serve(relay: Relay) -> None:
     if relay.emulating:
         extras.append(f"EMULATING delay {relay.delay_s * 1000:g} ms, {relay.bytes_per_s * 8 / 1e6:g} Mbit/s per direction")
     extras.append("rendezvous store on" if relay.store_enabled else "no store")
+    extras.append(loop_name)
     print(f"tandem-relay listening on {relay.host}:{relay.port} ({', '.join(extras)})", flush=True)
     await stop
     s = relay.stats

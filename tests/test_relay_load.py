@@ -20,12 +20,14 @@ def test_fifty_concurrent_sessions(tmp_path, store):
         errors: list[str] = []
         done = [0] * SESSIONS
         channels = []
+        all_paired = threading.Barrier(SESSIONS, timeout=60)  # all 50 sessions open at the relay at once
         t0 = time.monotonic()
 
         def session(i: int) -> None:
             try:
                 c0, c1 = pair(relay, f"load-{i}", timeout_s=60)
                 channels.extend([c0, c1])
+                all_paired.wait()
                 echo = threading.Thread(target=_echo, args=(c1, i), daemon=True)
                 echo.start()
                 gen = torch.Generator().manual_seed(i)
