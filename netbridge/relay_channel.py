@@ -38,14 +38,16 @@ class LinkClosed(Exception):
 class LinkSocket:
     """Link frames (u8 type | u32 length | body) over a connected socket, with deadlines.
 
-    Receiving waits in select() in short slices so the caller can check liveness while it waits; a
+    Receiving waits in poll() in short slices so the caller can check liveness while it waits; a
     frame body is read straight into its own buffer. Sending is serialized by a lock, so a heartbeat
     thread may send while the owner receives.
     """
 
     def __init__(self, sock: socket.socket, name: str, send_timeout_s: float, max_frame_bytes: int = MAX_FRAME_BYTES):
         self.sock, self.name, self.max_frame_bytes = sock, name, max_frame_bytes
-        sock.settimeout(send_timeout_s)  # bounds a whole sendall; receives only run after select says readable
+        sock.settimeout(send_timeout_s)  # bounds each send call (no progress that long = stalled); receives poll first
+        self.poll = select.poll()
+        self.poll.register(sock, select.POLLIN)
         self.lock = threading.Lock()
         self.buf = bytearray(256 * 1024)
         self.start = self.end = 0
@@ -56,30 +58,39 @@ class LinkSocket:
         header = HEADER.pack(kind, len(body))
         with self.lock:
             if len(body) <= _SMALL:
-                self.sock.sendall(header + body)
+                self._send_all(header + body)
             else:
-                self.sock.sendall(header)
-                self.sock.sendall(body)
+                self._send_all(header)
+                self._send_all(body)
             self.last_tx = time.monotonic()
+
+    def _send_all(self, data) -> None:
+        # Not sendall: its timeout bounds the whole call, and a big frame on a slow link may rightly take
+        # longer than that. Each send() here waits at most the timeout for room: a timeout means no progress.
+        view, sent = memoryview(data).cast("B"), 0
+        while sent < len(view):
+            sent += self.sock.send(view[sent:])
 
     def try_heartbeat(self) -> None:
         """Send a heartbeat unless a send is in progress (bytes moving are liveness enough)."""
         if self.lock.acquire(blocking=False):
             try:
-                self.sock.sendall(HEADER.pack(HEARTBEAT, 0))
+                self._send_all(HEADER.pack(HEARTBEAT, 0))
                 self.last_tx = time.monotonic()
             finally:
                 self.lock.release()
 
-    def recv(self, deadline: float, on_wait=None, tick: float = 0.5):
-        """(type, body) of the next frame. Raises LinkTimeout, LinkClosed, or what on_wait raises."""
-        kind, length = HEADER.unpack(self._read(HEADER.size, deadline, on_wait, tick, frame_started=False))
+    def recv(self, deadline: float, on_wait=None, tick: float = 0.5, progress_s: float | None = None):
+        """(type, body) of the next frame. The header must come by `deadline`; once it has, the body may take
+        as long as it keeps arriving (no `progress_s` without a byte). Raises LinkTimeout, LinkClosed, or
+        what on_wait raises."""
+        kind, length = HEADER.unpack(self._read(HEADER.size, deadline, on_wait, tick, False, None))
         if kind not in _KNOWN or length > self.max_frame_bytes or (kind == DATA and length == 0):
             raise PeerError(f"garbage from the relay at {self.name} (frame type {kind}, {length} bytes); "
                             "is that address a Tandem relay of the same version?")
-        return kind, (self._read(length, deadline, on_wait, tick, frame_started=True) if length else b"")
+        return kind, (self._read(length, deadline, on_wait, tick, True, progress_s) if length else b"")
 
-    def _read(self, n: int, deadline: float, on_wait, tick: float, frame_started: bool):
+    def _read(self, n: int, deadline: float, on_wait, tick: float, frame_started: bool, progress_s: float | None):
         avail = self.end - self.start
         if n <= avail:
             out = bytes(self.buf[self.start:self.start + n])
@@ -91,7 +102,8 @@ class LinkSocket:
                 self.start, self.end = 0, avail
             view = memoryview(self.buf)
             while self.end < n:
-                self.end += self._recv_into(view[self.end:], deadline, on_wait, tick, frame_started or self.end > 0)
+                dl = time.monotonic() + progress_s if progress_s else deadline
+                self.end += self._recv_into(view[self.end:], dl, on_wait, tick, frame_started or self.end > 0)
             out = bytes(self.buf[:n])
             self.start = n
             return out
@@ -100,7 +112,7 @@ class LinkSocket:
         self.start = self.end = 0
         view, got = memoryview(out), avail
         while got < n:
-            got += self._recv_into(view[got:], deadline, on_wait, tick, True)
+            got += self._recv_into(view[got:], time.monotonic() + progress_s if progress_s else deadline, on_wait, tick, True)
         return out
 
     def _recv_into(self, view: memoryview, deadline: float, on_wait, tick: float, mid_frame: bool) -> int:
@@ -111,9 +123,9 @@ class LinkSocket:
             if on_wait is not None:
                 on_wait(now)
             try:
-                ready, _, _ = select.select([self.sock], [], [], min(tick, deadline - now))
-            except (OSError, ValueError):
-                raise LinkClosed(mid_frame, "socket closed") from None
+                ready = self.poll.poll(max(1, int(min(tick, deadline - now) * 1000)))
+            except OSError as e:
+                raise LinkClosed(mid_frame, e.strerror or "poll failed") from None
             if not ready:
                 continue
             try:
@@ -175,7 +187,7 @@ class RelayChannel(Channel):
                     raise PeerError(f"the relay at {relay} sent frame type {kind} before pairing; is it the same Tandem version?")
         except LinkTimeout:
             link.close()
-            raise PeerError(f"rank {1 - rank} did not join session {session!r} at the relay {relay} within {join_timeout_s:.0f} s; "
+            raise PeerError(f"rank {1 - rank} did not join session {session!r} at the relay {relay} within {join_timeout_s:g} s; "
                             "is it running, with the same transport.session and the same secret? (a wrong secret is "
                             "refused at the relay: check the relay's log)") from None
         except LinkClosed as e:
@@ -211,7 +223,7 @@ class RelayChannel(Channel):
         try:
             self.link.send(DATA, frame)
         except socket.timeout:
-            raise PeerError(f"could not hand a {len(frame)}-byte frame to the relay at {self.link.name} within {self.timeout_s:.0f} s "
+            raise PeerError(f"could not hand a {len(frame)}-byte frame to the relay at {self.link.name} within {self.timeout_s:g} s "
                             f"(transport.timeout_s): rank {self.peer} is not reading, or the link is stalled") from None
         except OSError as e:
             raise PeerError(f"lost the connection to the relay at {self.link.name} while sending ({e.strerror or type(e).__name__}): "
@@ -221,7 +233,7 @@ class RelayChannel(Channel):
         deadline = time.monotonic() + self.timeout_s
         try:
             while True:
-                kind, body = self.link.recv(deadline, self._check_alive, tick=min(0.5, self.heartbeat_s))
+                kind, body = self.link.recv(deadline, self._check_alive, tick=min(0.5, self.heartbeat_s), progress_s=self.timeout_s)
                 if kind == DATA:
                     return body
                 if kind == HEARTBEAT:
@@ -232,7 +244,7 @@ class RelayChannel(Channel):
                 raise PeerError(f"the relay at {self.link.name} sent frame type {kind} mid-session; is it the same Tandem version?")
         except LinkTimeout:
             raise PeerError(f"rank {self.peer} is connected (its heartbeats arrive through the relay {self.link.name}) but sent "
-                            f"no message for {self.timeout_s:.0f} s (transport.timeout_s); is it stuck, or is the timeout "
+                            f"no message for {self.timeout_s:g} s (transport.timeout_s); is it stuck, or is the timeout "
                             "too short for its step?") from None
         except LinkClosed as e:
             where = " in the middle of a frame" if e.mid_frame else ""

@@ -244,7 +244,7 @@ def test_alive_but_silent_peer_times_out_with_its_own_message(relay):
     c0, c1 = pair(relay, "silent", timeout_s=1.2)  # heartbeats every 0.2 s
     try:
         t0 = time.monotonic()
-        with pytest.raises(PeerError, match=r"rank 1 is connected \(its heartbeats arrive.*no message for 1 s \(transport.timeout_s\)"):
+        with pytest.raises(PeerError, match=r"rank 1 is connected \(its heartbeats arrive.*no message for 1.2 s \(transport.timeout_s\)"):
             c0.recv()
         assert 1.1 < time.monotonic() - t0 < 3.0
     finally:
@@ -399,6 +399,24 @@ def test_emulated_delay_and_bandwidth(tmp_path, loop):
             elapsed = time.perf_counter() - t0
             assert box["value"].tensors["x"].numel() == 500_000
             assert 0.2 + 0.025 <= elapsed < 1.5, elapsed
+        finally:
+            c0.close()
+            c1.close()
+
+
+def test_a_big_frame_on_a_slow_link_is_progress_not_a_timeout(tmp_path):
+    """6 MB at an emulated 16 Mbit/s takes ~3 s, twice transport.timeout_s: neither side may time out."""
+    with relay_process(tmp_path, "--no-store", "--emulate-mbps", "16") as r:
+        c0, c1 = pair(r, "slow-big", timeout_s=1.5)
+        try:
+            payload = torch.arange(1_500_000, dtype=torch.int32)
+            t, box = run_in_thread(c1.recv, "big")
+            t0 = time.perf_counter()
+            c0.send("big", x=payload)
+            t.join(20)
+            assert "error" not in box, box.get("error")
+            assert torch.equal(box["value"].tensors["x"], payload)
+            assert time.perf_counter() - t0 > 2.5
         finally:
             c0.close()
             c1.close()
