@@ -220,6 +220,8 @@ class RelayChannel(Channel):
     def send_frame(self, frame: bytes) -> None:
         if self._closed.is_set():
             raise PeerError(f"the relay channel to rank {self.peer} is closed")
+        if self.link.sock.gettimeout() != self.timeout_s:  # callers may shorten timeout_s (a last "error" message)
+            self.link.sock.settimeout(self.timeout_s)
         try:
             self.link.send(DATA, frame)
         except socket.timeout:
