@@ -1,0 +1,91 @@
+"""GPU check (prepared, run by hand on a CUDA machine): graph-replayed drafting == eager drafting.
+
+    python tests/gpu/check_draft_graph.py                      # the fetched 0.5B drafter on cuda:0
+    python tests/gpu/check_draft_graph.py --tiny               # a tiny random model (no fetch needed)
+    python tests/gpu/check_draft_graph.py --tiny --device cpu  # dry run of this script: eager vs eager
+
+Two drafters with the same weights on the same device, one with draft.graph=on, one off, are driven
+through the same 500 rounds (random K, random number accepted, sometimes a deep rewind), greedy and
+sampled; their drafts must be equal token for token. Then it prints ms per draft step, eager vs
+graph, and the ratio. Exit status 0 = all equal.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.draft_speed import ms_per_round  # noqa: E402
+from speculative.drafters import ModelDrafter  # noqa: E402
+
+
+def drive(drafters, rounds: int, vocab: int, seed: int) -> int:
+    """Same rounds for every drafter; returns how many rounds were compared."""
+    rng = random.Random(seed)
+    context = [rng.randrange(vocab) for _ in range(16)]
+    for r in range(rounds):
+        k = rng.randint(1, 8)
+        proposals = [d.propose(context, k).tokens.tolist() for d in drafters]
+        if any(p != proposals[0] for p in proposals[1:]):
+            raise SystemExit(f"MISMATCH at round {r} (k={k}, context length {len(context)}): {proposals}")
+        accepted = rng.choice([k, rng.randint(0, k)])
+        context = context + proposals[0][:accepted] + [rng.randrange(vocab)]
+        if len(context) > 900 or rng.random() < 0.05:
+            context = context[:rng.randint(1, min(len(context), 200))]
+        for d in drafters:
+            d.commit(len(context))
+    return rounds
+
+
+def tiny_model(folder: Path) -> str:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3, tie_word_embeddings=False)
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    return str(folder)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="drafter folder (default: the fetched Qwen2.5-Coder-0.5B)")
+    ap.add_argument("--tiny", action="store_true", help="use a tiny random model instead")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--rounds", type=int, default=500)
+    args = ap.parse_args()
+    if args.tiny:
+        folder = tiny_model(Path(tempfile.mkdtemp()) / "tiny")
+    else:
+        from model_parallel.fetch_weights import model_dir
+        folder = args.model or str(model_dir("qwen-coder-0.5b"))
+    on_gpu = args.device.startswith("cuda")
+    if on_gpu and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here; run with --device cpu for a dry run of the script")
+    graph_mode = "on" if on_gpu else "off"  # on CPU: eager vs eager, which checks only this script
+    for temperature in (0.0, 0.8):
+        make = lambda graph: ModelDrafter(folder, device=args.device, dtype=args.dtype, max_len=1024, max_k=8,  # noqa: E731
+                                          temperature=temperature, seed=3, graph=graph)
+        graphed, eager = make(graph_mode), make("off")
+        n = drive([graphed, eager], args.rounds, graphed.vocab_size, seed=11)
+        print(f"temperature {temperature}: {n} rounds, graph == eager token for token ({'graph' if on_gpu else 'DRY RUN: eager'} vs eager)")
+    graphed, eager = ModelDrafter(folder, device=args.device, dtype=args.dtype, max_len=1024, max_k=8, graph=graph_mode), \
+        ModelDrafter(folder, device=args.device, dtype=args.dtype, max_len=1024, max_k=8, graph="off")
+    print(f"\n| K | eager ms/step | graph ms/step | eager/graph |\n|---|---|---|---|")
+    context = list(range(1, 65))
+    for k in (1, 4, 8):
+        e, g = ms_per_round(eager, k, 50, context) / k, ms_per_round(graphed, k, 50, context) / k
+        print(f"| {k} | {e:.2f} | {g:.2f} | {e / g:.2f}x |")
+    print(f"\nmodel {folder}, {args.dtype}, device {args.device}"
+          f" ({torch.cuda.get_device_name(args.device) if on_gpu else 'CPU: no graph, both eager'})")
+
+
+if __name__ == "__main__":
+    main()
