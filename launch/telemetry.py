@@ -87,7 +87,8 @@ class Telemetry:
         if self.profiler is not None:
             self.profiler.stop()
         w = self.writer
-        trace, alignment = build_timeline(gen, self.rank1_marks, meta={"run": self.dir.name})
+        trace, alignment = build_timeline(gen, self.rank1_marks, meta={"run": self.dir.name},
+                                          min_one_way_s=self.cfg.transport.emulate_delay_ms / 1000)
         if self.cfg.log.trace:
             write_trace(self.dir / "trace.json", trace)
         run = {"ttft_ms": stats["ttft_s"] * 1000, "tokens_per_s": stats["tokens_per_s"],

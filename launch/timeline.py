@@ -19,6 +19,8 @@ Every round narrows the interval [lo, hi]; theta is its midpoint and the uncerta
 (about half of the fastest round trip's time on the wire). After alignment every rank-1 span of a
 round lies inside that round's send..reply window on rank 0. If the bounds cross (clocks drifting
 apart over a long run), the fastest round's NTP estimate is used and `consistent` is false.
+A known least one-way time tightens both bounds by it: the emulated delay (transport.emulate_delay_ms)
+is a sleep before each message leaves, so no message arrives sooner than that after its send began.
 
 On one host both ranks read the same monotonic clock, so the true offset is 0: a check of the method.
 Open the trace in https://ui.perfetto.dev or chrome://tracing.
@@ -71,18 +73,19 @@ def round_windows(gen) -> list[tuple[float, float]]:
     return out
 
 
-def align_clocks(windows: list[tuple[float, float]], rank1_marks: list[list[float]]) -> ClockAlignment:
+def align_clocks(windows: list[tuple[float, float]], rank1_marks: list[list[float]],
+                 min_one_way_s: float = 0.0) -> ClockAlignment:
     """theta (rank 1 minus rank 0) from the round trips; see the module docstring."""
     pairs = [(w, m) for w, m in zip(windows, rank1_marks) if m]
     if not pairs:
         return ClockAlignment(0.0, float("inf"), 0, False)
-    lo = max(m[3] - w[1] for w, m in pairs)
-    hi = min(m[1] - w[0] for w, m in pairs)
+    lo = max(m[3] + min_one_way_s - w[1] for w, m in pairs)
+    hi = min(m[1] - min_one_way_s - w[0] for w, m in pairs)
     if lo <= hi:
         return ClockAlignment((lo + hi) / 2 * 1000, (hi - lo) / 2 * 1000, len(pairs), True)
     w, m = min(pairs, key=lambda p: (p[0][1] - p[0][0]) - (p[1][3] - p[1][1]))  # least time on the wire
     theta = ((m[1] - w[0]) + (m[3] - w[1])) / 2
-    wire = (w[1] - w[0]) - (m[3] - m[1])
+    wire = (w[1] - w[0]) - (m[3] - m[1]) - 2 * min_one_way_s
     return ClockAlignment(theta * 1000, wire / 2 * 1000, len(pairs), False)
 
 
@@ -127,9 +130,10 @@ def _flow(name, flow_id, t_from, pid_from, t_to, pid_to, us):
             {**common, "ph": "f", "bp": "e", "ts": us(t_to), "pid": pid_to}]
 
 
-def build_timeline(gen, rank1_marks: list[list[float]], meta: dict | None = None) -> tuple[dict, ClockAlignment]:
+def build_timeline(gen, rank1_marks: list[list[float]], meta: dict | None = None,
+                   min_one_way_s: float = 0.0) -> tuple[dict, ClockAlignment]:
     """The merged trace of one generation, and the clock alignment it used."""
-    alignment = align_clocks(round_windows(gen), rank1_marks)
+    alignment = align_clocks(round_windows(gen), rank1_marks, min_one_way_s)
     offset = alignment.offset_ms if alignment.rounds else 0.0
     spans = rank0_spans(gen) + rank1_spans(rank1_marks, offset)
     return chrome_trace(spans, gen.t0_s, alignment, meta), alignment

@@ -1,0 +1,323 @@
+"""Tandem beside what a user would run instead: one run, one machine, one table.
+
+    python bench/run_bench.py            # the default sweep (under 15 minutes on 2 CPU cores)
+    python bench/run_bench.py --full     # every delay x K x drafter
+
+Tandem runs as the real entry under torchrun (two ranks on this host), once per configuration and
+prompt, with an EMULATED one-way delay (transport.emulate_delay_ms: the sender sleeps before each
+message; this kernel has no netem). The baselines run in this process on the same prompts and token
+budget: transformers `generate` (greedy, the whole model in one process) and transformers assisted
+generation with the same drafter. Every figure is decode-only (the prefill and first token are TTFT).
+
+Per Tandem row, over the decode rounds of all prompts pooled:
+    tok/s       (tokens - 1) / (total - TTFT)
+    tok/round   tokens committed per round (accepted drafts + the target's own token)
+    accept      accepted drafts / drafted tokens
+    draft, stage0, network, stage1, other   mean ms per round: drafting, rank 0's layers, the wire
+                (send -> reply minus rank 1's compute: emulated delay, loopback, (de)serialization),
+                rank 1's layers + head + verification, and rank 0's commit/bookkeeping between rounds
+    bound       tok/round / (2 x delay + draft + stage0 + stage1): the speed if the wire cost exactly
+                the emulated round trip and nothing else were spent; eff = tok/s / bound
+    x K=0       tok/s over Tandem's K=0 at the same delay
+    = greedy    tokens identical to transformers greedy (common prefix / tokens; bf16 near-ties can differ)
+Writes <out>/results.json (every run's stats and round records), <out>/table.md, and TensorBoard
+logs with a two-rank trace per run under <out>/tb.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation.",
+    "Explain in three sentences why the sky is blue.",
+]
+
+
+@dataclass
+class Row:
+    drafter: str  # none | model | ngram
+    k: int
+    delay_ms: float
+    extra: list[str] = field(default_factory=list)  # more key=value overrides
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        name = "K=0" if self.k == 0 else f"{self.drafter} K={self.k}"
+        return f"{name}{' ' + self.note if self.note else ''}"
+
+    @property
+    def slug(self) -> str:
+        return f"{self.drafter}-k{self.k}-d{self.delay_ms:g}{'-' + self.note if self.note else ''}"
+
+
+def sweep(full: bool) -> list[Row]:
+    delays, ks = ((0, 10, 40), (1, 2, 4, 8)) if full else ((0, 40), (4, 8))
+    rows = []
+    for d in delays:
+        rows.append(Row("none", 0, d))
+        rows += [Row("model", k, d) for k in ks]
+        rows += [Row("ngram", k, d) for k in (ks if full else (4,))]
+    if (ROOT / "model_parallel" / "quant.py").exists():
+        rows.append(Row("model", 4, 0, ["model.quant=nf4"], note="nf4"))
+    return rows
+
+
+def machine(threads: int) -> dict:
+    import torch
+    import transformers
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
+    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(mem_gb, 1), "threads_per_process": threads,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(), "host": platform.node()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- Tandem under torchrun
+
+def run_tandem(row: Row, prompt_index: int, ids: list[int], args, out: Path) -> dict:
+    name = f"{row.slug}-p{prompt_index}"
+    log_root, result = out / "tb" / name, out / "tandem" / f"{name}.json"
+    result.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(ROOT / "train_free_infer.py"), f"config={args.config}",
+           f"output.json={result}", "output.stream=false", f"prompt_ids=[{','.join(map(str, ids))}]",
+           f"gen.max_new_tokens={args.max_new_tokens}", f"spec.k={row.k}", f"draft.kind={row.drafter}",
+           f"transport.emulate_delay_ms={row.delay_ms}", f"log.dir={log_root}", "model.max_len=1024",
+           "draft.max_len=1024", *row.extra, *args.set]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(args.threads))
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=args.run_timeout)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0 or not result.exists():
+        tail = [line for line in proc.stderr.splitlines() if line.strip() and "tensor/s" not in line][-3:]
+        return {"error": " | ".join(tail)[-400:] or f"exit {proc.returncode}", "wall_s": wall}
+    summary = json.loads(next(log_root.glob("*/summary.json")).read_text())
+    return {**json.loads(result.read_text()), "rounds": summary["rounds"], "clock": summary["clock"],
+            "run_dir": str(next(log_root.iterdir())), "wall_s": wall, "load_avg_1min": load}
+
+
+def pool(runs: list[dict], delay_ms: float) -> dict:
+    """The decode rounds of every prompt, pooled; see the module docstring for each figure."""
+    decode = [r for run in runs for r in run["rounds"][1:]]
+    tokens = sum(len(run["token_ids"]) - 1 for run in runs)
+    decode_s = sum(run["stats"]["total_s"] - run["stats"]["ttft_s"] for run in runs)
+    n = len(decode)
+    mean = lambda f: sum(map(f, decode)) / n if n else 0.0  # noqa: E731
+    other = []
+    for run in runs:  # rank 0's time per round outside draft, stage0 and send -> reply
+        rs, end = run["rounds"], run["stats"]["total_s"]
+        for i, r in enumerate(rs[1:], start=1):
+            nxt = rs[i + 1]["start_s"] if i + 1 < len(rs) else end
+            other.append((nxt - r["start_s"]) * 1000 - (r["draft_ms"] + r["stage0_ms"] + r["round_ms"]))
+    drafted = sum(r["drafted"] for r in decode)
+    ms = {"draft": mean(lambda r: r["draft_ms"]), "stage0": mean(lambda r: r["stage0_ms"]),
+          "network": mean(lambda r: r["round_ms"] - r["stage1_ms"]), "stage1": mean(lambda r: r["stage1_ms"]),
+          "other": sum(other) / len(other) if other else 0.0}
+    per_round = sum(r["committed"] for r in decode) / n if n else 0.0
+    compute_s = (2 * delay_ms + ms["draft"] + ms["stage0"] + ms["stage1"]) / 1000
+    bound = per_round / compute_s if compute_s else 0.0
+    tok_s = tokens / decode_s if decode_s > 0 else 0.0
+    return {"tokens_per_s": tok_s, "tokens_per_round": per_round, "decode_rounds": n,
+            "acceptance": sum(r["accepted"] for r in decode) / drafted if drafted else None, "ms": ms,
+            "round_ms": sum(ms.values()), "bound_tokens_per_s": bound, "efficiency": tok_s / bound if bound else 0.0,
+            "ttft_s": sum(run["stats"]["ttft_s"] for run in runs) / len(runs)}
+
+
+# ---------------------------------------------------------------- transformers baselines, in process
+
+class Arrivals:
+    """A generate() streamer that only notes when tokens arrive (its first put is the prompt)."""
+
+    def __init__(self):
+        self.times, self.counts, self._prompt = [], [], True
+
+    def put(self, value):
+        if self._prompt:
+            self._prompt = False
+            return
+        self.times.append(time.perf_counter())
+        self.counts.append(int(value.numel()))
+
+    def end(self):
+        pass
+
+
+def hf_generate(model, ids: list[int], max_new_tokens: int, eos: list[int], **kw) -> dict:
+    import torch
+    streamer = Arrivals()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, streamer=streamer,
+                             eos_token_id=eos, pad_token_id=eos[0], **kw)
+    t_end = time.perf_counter()
+    tokens = out[0, len(ids):].tolist()
+    stop = next((i for i, t in enumerate(tokens) if t in eos), None)
+    tokens = tokens if stop is None else tokens[:stop + 1]
+    after_first = len(tokens) - streamer.counts[0]
+    return {"token_ids": tokens, "ttft_s": streamer.times[0] - t0, "decode_s": t_end - streamer.times[0],
+            "decode_tokens": after_first, "target_forwards": len(streamer.times)}
+
+
+def hf_baselines(args, prompts: list[list[int]]) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
+    draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).eval()
+    eos = GenerationConfig.from_pretrained(args.target).eos_token_id
+    eos = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    keys = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+    resolved = {**GenerationConfig()._get_default_generation_params(), **draft.generation_config.to_diff_dict()}
+    settings = {k: resolved.get(k) for k in keys}  # what assisted generation uses when a user sets nothing
+    methods = {"greedy": {}, "assisted": {"assistant_model": draft}}
+    results = {}
+    for name, kw in methods.items():
+        hf_generate(target, prompts[0], 4, eos, **kw)  # warm-up, not measured
+        runs = [hf_generate(target, ids, args.max_new_tokens, eos, **kw) for ids in prompts]
+        decode_tokens, decode_s = sum(r["decode_tokens"] for r in runs), sum(r["decode_s"] for r in runs)
+        results[name] = {"runs": runs, "tokens_per_s": decode_tokens / decode_s if decode_s else 0.0,
+                         "tokens_per_forward": sum(len(r["token_ids"]) for r in runs) / sum(r["target_forwards"] for r in runs),
+                         "ttft_s": sum(r["ttft_s"] for r in runs) / len(runs)}
+    results["assisted"]["settings"] = settings
+    del target, draft
+    gc.collect()
+    return results
+
+
+# ---------------------------------------------------------------- the table
+
+def agreement(token_lists: list[list[int]], reference: list[list[int]]) -> tuple[int, int]:
+    same = total = 0
+    for a, b in zip(token_lists, reference):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        same, total = same + n, total + len(b)
+    return same, total
+
+
+def table(rows: list[dict], hf: dict | None) -> str:
+    cols = ["run", "delay (ms, emulated)", "tok/s", "tok/round", "accept", "draft", "stage0", "network", "stage1", "other",
+            "bound tok/s", "eff", "x K=0", "x HF greedy", "= greedy"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    ref = [r["token_ids"] for r in hf["greedy"]["runs"]] if hf else None
+    hf_tps = hf["greedy"]["tokens_per_s"] if hf else None
+    k0 = {r["delay_ms"]: r["pooled"]["tokens_per_s"] for r in rows if r["k"] == 0 and "pooled" in r}
+    ratio = lambda a, b: f"{a / b:.2f}" if b else "-"  # noqa: E731
+    for r in rows:
+        if "pooled" not in r:
+            lines.append(f"| {r['label']} | {r['delay_ms']:g} | failed: {r['error'][:160]} |" + " |" * (len(cols) - 3))
+            continue
+        p, ms = r["pooled"], r["pooled"]["ms"]
+        agree = "%d/%d" % agreement([run["token_ids"] for run in r["runs"]], ref) if ref else "-"
+        acc = "-" if p["acceptance"] is None else f"{p['acceptance']:.0%}"
+        lines.append(f"| {r['label']} | {r['delay_ms']:g} | {p['tokens_per_s']:.2f} | {p['tokens_per_round']:.2f} | {acc} "
+                     f"| {ms['draft']:.0f} | {ms['stage0']:.0f} | {ms['network']:.1f} | {ms['stage1']:.0f} | {ms['other']:.1f} "
+                     f"| {p['bound_tokens_per_s']:.2f} | {p['efficiency']:.0%} | {ratio(p['tokens_per_s'], k0.get(r['delay_ms']))} "
+                     f"| {ratio(p['tokens_per_s'], hf_tps)} | {agree} |")
+    for name, label in (("greedy", "HF generate, greedy (1 process)"), ("assisted", "HF assisted generation, same drafter")):
+        if not hf:
+            break
+        h = hf[name]
+        agree = "%d/%d" % agreement([run["token_ids"] for run in h["runs"]], ref)
+        lines.append(f"| {label} | - | {h['tokens_per_s']:.2f} | {h['tokens_per_forward']:.2f} | - | - | - | - | - | - "
+                     f"| - | - | - | {ratio(h['tokens_per_s'], hf_tps)} | {agree} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from omegaconf import OmegaConf
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--full", action="store_true", help="delays 0/10/40 ms x K 0/1/2/4/8 x drafters model/ngram")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"use the first N of the {len(PROMPTS)} prompts")
+    ap.add_argument("--threads", type=int, default=1, help="threads per process: each Tandem rank (torchrun's default) and the baselines")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
+    ap.add_argument("--out", default=None, help="default: runs/bench/<time>")
+    ap.add_argument("--run-timeout", type=float, default=900)
+    ap.add_argument("--skip-hf", action="store_true", help="no transformers baselines (the table then has no x HF column)")
+    ap.add_argument("--only", nargs="*", default=None, help="run only these rows, by slug (e.g. model-k4-d0 none-k0-d40)")
+    ap.add_argument("--set", nargs="*", default=[], help="more Tandem key=value overrides for every run")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    cfg = OmegaConf.load(args.config)
+    args.target = os.path.expanduser(OmegaConf.to_container(cfg, resolve=True)["model"]["target"])
+    args.draft = os.path.expanduser(OmegaConf.to_container(cfg, resolve=True)["draft"]["model"])
+    args.dtype = cfg.model.dtype
+    out = Path(args.out or ROOT / "runs" / "bench" / time.strftime("%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    texts = PROMPTS[:args.prompts]
+    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=True)["input_ids"]) for t in texts]
+    info = {"machine": machine(args.threads), "dtype": args.dtype, "target": args.target, "draft": args.draft,
+            "max_new_tokens": args.max_new_tokens, "prompts": [{"text": t, "tokens": len(p)} for t, p in zip(texts, prompts)],
+            "delays": "EMULATED one-way delay per message (sender sleeps; netbridge/channel.py), both ranks on this host",
+            "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+    print(f"# {info['machine']['cpu']}, {info['machine']['cores']} cores, {args.threads} threads per process, {args.dtype}, "
+          f"prompts of {', '.join(str(p['tokens']) for p in info['prompts'])} tokens, {args.max_new_tokens} new tokens", file=sys.stderr)
+
+    hf = None
+    if not args.skip_hf:
+        t0 = time.perf_counter()
+        hf = hf_baselines(args, prompts)
+        print(f"# transformers baselines: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+
+    rows = []
+    for row in sweep(args.full):
+        if args.only is not None and row.slug not in args.only:
+            continue
+        runs = [run_tandem(row, i, ids, args, out) for i, ids in enumerate(prompts)]
+        entry = {"label": row.label, "drafter": row.drafter, "k": row.k, "delay_ms": row.delay_ms, "extra": row.extra, "runs": runs}
+        failed = [r for r in runs if "error" in r]
+        if failed:
+            entry["error"] = failed[0]["error"]
+        else:
+            entry["pooled"] = pool(runs, row.delay_ms)
+        rows.append(entry)
+        p = entry.get("pooled")
+        print(f"# {row.label} @ {row.delay_ms:g} ms: " + (f"{p['tokens_per_s']:.2f} tok/s, {p['tokens_per_round']:.2f} tok/round"
+              if p else f"FAILED {entry['error']}") + f" ({sum(r['wall_s'] for r in runs):.0f} s)", file=sys.stderr)
+
+    text = table(rows, hf)
+    info["runtime_s"] = time.perf_counter() - t_start
+    loads = [run["load_avg_1min"] for row in rows for run in row["runs"] if "load_avg_1min" in run]
+    info["load_avg_1min"] = [min(loads), max(loads)] if loads else None
+    header = (f"{info['date']}, `{info['command']}`: {info['machine']['cpu']} ({info['machine']['cores']} cores, "
+              f"{info['machine']['memory_gb']} GB, no GPU), {args.threads} threads per process, {args.dtype}, "
+              f"prompts of {' and '.join(str(p['tokens']) for p in info['prompts'])} tokens (chat template), "
+              f"{args.max_new_tokens} new tokens each, greedy. Delays are EMULATED (one-way, per message); both ranks "
+              f"on one host. Wall time of the whole benchmark: {info['runtime_s'] / 60:.1f} min."
+              + (f" Load average at the runs' starts: {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores"
+                 + (" (other work shared the CPU: compare rows with care)." if max(loads) > os.cpu_count() + 0.5 else ".")
+                 if loads else ""))
+    print(header + "\n\n" + text)
+    (out / "table.md").write_text(header + "\n\n" + text + "\n")
+    (out / "results.json").write_text(json.dumps({**info, "rows": rows, "transformers": hf}, indent=1))
+    print(f"\n[results: {out / 'results.json'}; TensorBoard: tensorboard --logdir {out / 'tb'}]", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
