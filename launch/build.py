@@ -18,11 +18,17 @@ def split_point(cfg: TandemConfig) -> tuple[int, int]:
 
 
 def quantizer(cfg: TandemConfig, which: str):
+    """NF4 settings for the target's stages (which="model") or the drafter ("draft"); None = as stored.
+    The drafter uses the target's model.quant_compute_dtype / quant_double / quant_lm_head."""
     kind = cfg.model.quant if which == "model" else cfg.draft.quant
     if kind == "none":
         return None
-    from model_parallel.quant import nf4_quantizer
-    return nf4_quantizer(cfg, which)
+    from model_parallel.loader import DTYPES
+    from model_parallel.quant import NF4Settings
+    m = cfg.model
+    if m.quant_compute_dtype not in DTYPES:
+        raise ConfigError(f"model.quant_compute_dtype={m.quant_compute_dtype!r} is not one of {', '.join(DTYPES)}")
+    return NF4Settings(compute_dtype=DTYPES[m.quant_compute_dtype], double_quant=m.quant_double, lm_head=m.quant_lm_head)
 
 
 def build_stage(cfg: TandemConfig, rank: int):

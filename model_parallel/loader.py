@@ -2,7 +2,8 @@
 
 The full model is instantiated on the meta device (no memory), the stage's tensors are read one by
 one from the safetensors files (sharded or single) and assigned in place, and the rest of the shell
-is dropped. A rank therefore never holds the other rank's weights, not even briefly.
+is dropped. A rank therefore never holds the other rank's weights, not even briefly. With NF4
+(`quant=`), each layer is quantized as soon as it arrived, before the next one is read.
 """
 from __future__ import annotations
 
@@ -68,21 +69,113 @@ def stage_tensor_names(config, first: int, last: int, embed: bool, head: bool, a
     return wanted
 
 
-def read_tensors(names: dict[str, str], index: dict[str, Path], dtype, device, progress: str | None):
-    """Yield (param name, tensor) reading only the named tensors, file by file."""
-    missing = [ckpt for ckpt in names.values() if ckpt not in index]
-    if missing:
-        raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors this stage needs, e.g. {missing[0]!r}; is the folder complete?")
+def read_tensors(names: dict[str, str], index: dict[str, Path], dtype, device, bar=None):
+    """Yield (name, tensor) reading only the named tensors, file by file (dtype None: as stored).
+
+    safetensors maps a file once per open, and every tensor read through that open keeps the mapping
+    (with each page read so far) alive. Opening per call lets a part's pages go with its tensors."""
     by_file: dict[Path, list[tuple[str, str]]] = {}
-    for param, ckpt in names.items():
-        by_file.setdefault(index[ckpt], []).append((param, ckpt))
-    bar = tqdm(total=len(names), desc=progress, unit="tensor", disable=progress is None, leave=False)
+    for name, ckpt in names.items():
+        by_file.setdefault(index[ckpt], []).append((name, ckpt))
     for file, items in by_file.items():
         with safe_open(file, "pt", device="cpu") as f:
-            for param, ckpt in items:
-                yield param, f.get_tensor(ckpt).to(device=device, dtype=dtype)
-                bar.update()
-    bar.close()
+            for name, ckpt in items:
+                yield name, f.get_tensor(ckpt).to(device=device, dtype=dtype)
+                if bar is not None:
+                    bar.update()
+
+
+def quantized_stats(available) -> dict[str, dict[str, str]]:
+    """In a checkpoint saved in 4-bit by transformers + bitsandbytes, each packed weight comes with
+    tensors named `<weight>.<stat>` (absmax, quant_map, quant_state.bitsandbytes__nf4, ...).
+    Returns packed weight name -> {stat: tensor name}; empty for a plain checkpoint."""
+    stats: dict[str, dict[str, str]] = {}
+    for name in available:
+        module, sep, stat = name.partition(".weight.")
+        if sep:
+            stats.setdefault(module + ".weight", {})[stat] = name
+    return stats
+
+
+def check_quantization(folder: Path, config, stats: dict, quant) -> None:
+    """Refuse checkpoints we would misread: other quantization formats, or NF4 without model.quant=nf4."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is not None:
+        qc = qc if isinstance(qc, dict) else qc.to_dict()
+        is_nf4 = qc.get("quant_method") == "bitsandbytes" and qc.get("load_in_4bit") and qc.get("bnb_4bit_quant_type") == "nf4"
+        if not is_nf4:
+            kind = qc.get("quant_method", "?") + (" 8-bit" if qc.get("load_in_8bit") else "") + \
+                (f" {qc['bnb_4bit_quant_type']}" if qc.get("load_in_4bit") else "")
+            raise ModelLoadError(f"{folder} is quantized ({kind}); Tandem reads plain safetensors checkpoints and "
+                                 f"bitsandbytes NF4 ones: use the full-precision checkpoint (and model.quant=nf4 to quantize on load)")
+    if stats and quant is None:
+        raise ModelLoadError(f"{folder} is stored in 4-bit NF4 (bitsandbytes); load it with model.quant=nf4 "
+                             f"(draft.quant=nf4 for a drafter), or use the full-precision checkpoint")
+
+
+def stage_parts(names: dict[str, str]) -> list[tuple[int | str, list[str]]]:
+    """The stage's parameters in load order, grouped: ("embeddings", ...), (i, layer i's)..., ("head",
+    norm + head). Loading part by part bounds what is in memory at full precision at any time."""
+    front, layers, back = [], {}, []
+    for param in names:
+        if param.startswith("model.layers."):
+            layers.setdefault(int(param.split(".")[2]), []).append(param)
+        else:
+            (front if param.startswith("model.embed_tokens.") else back).append(param)
+    return [("embeddings", front), *sorted(layers.items()), ("head", back)]
+
+
+def place(shell, param: str, tensor: torch.Tensor, expected, folder: Path, ckpt: str) -> None:
+    if tensor.shape != expected:
+        raise ModelLoadError(f"{folder}: tensor {ckpt} has shape {tuple(tensor.shape)}, config.json implies {tuple(expected)}; config and weights disagree")
+    module_name, _, leaf = param.rpartition(".")
+    setattr(shell.get_submodule(module_name), leaf, torch.nn.Parameter(tensor, requires_grad=False))
+
+
+def load_part(shell, part: list[str], names: dict[str, str], params: dict, index: dict[str, Path], stats: dict,
+              dtype, device, quant, folder: Path, bar) -> None:
+    """Read one part's tensors into the shell. Tensors stored in 4-bit become Linear4bit modules as
+    they are; the rest are cast to `dtype`. Returns with no reference to what it read but the shell's."""
+    plain = {p: names[p] for p in part if names[p] not in stats}
+    for param, tensor in read_tensors(plain, index, dtype, device, bar):
+        place(shell, param, tensor, params[param].shape, folder, names[param])
+    packed = [p for p in part if names[p] in stats]
+    if packed:
+        from model_parallel.quant import prequantized_linear, quantized_shape
+    for param in packed:
+        ckpt = names[param]
+        raw = dict(read_tensors({"weight": ckpt, **stats[ckpt]}, index, None, device, bar))
+        module_name = param.rpartition(".")[0]
+        like = shell.get_submodule(module_name)
+        linear = prequantized_linear(like, raw.pop("weight"), raw, like.bias, quant, device)
+        if quantized_shape(linear) != tuple(like.weight.shape):
+            raise ModelLoadError(f"{folder}: 4-bit tensor {ckpt} stands for shape {quantized_shape(linear)}, config.json implies "
+                                 f"{tuple(like.weight.shape)}; config and weights disagree")
+        shell.set_submodule(module_name, linear)
+
+
+def quantize_part(shell, part: int | str, names: dict[str, str], quant) -> None:
+    """Quantize the linears a part just brought: a layer's always, the head if asked (and only when
+    it has its own weight here: a head tied to embeddings this stage holds stays tied). Embeddings never."""
+    from model_parallel.quant import nf4_linear, quantize_linears, return_freed_heap
+    if isinstance(part, int):
+        quantize_linears(shell.model.layers[part], quant)
+        own_memory(shell.model.layers[part])
+    elif part == "head" and quant.lm_head and "lm_head.weight" in names:
+        shell.lm_head = nf4_linear(shell.lm_head, quant)
+        own_memory(shell.model.norm)
+    return_freed_heap()
+
+
+def own_memory(module: torch.nn.Module) -> None:
+    """Copy a quantized part's remaining full-precision tensors (norms, biases) out of the checkpoint.
+
+    A tensor read from safetensors keeps its open's mapping alive (see read_tensors): one small norm
+    weight would keep every page the quantizer read, the whole fp layer, resident. With copies the
+    mapping, and those pages, go when the part is done."""
+    for p in module.parameters():
+        if p.dtype.is_floating_point:  # a 4-bit weight is uint8 and already in memory of its own
+            p.data = p.data.clone()
 
 
 def load_stage(folder: str | Path, first: int, last: int, embed: bool, head: bool,
@@ -90,8 +183,10 @@ def load_stage(folder: str | Path, first: int, last: int, embed: bool, head: boo
                quant=None) -> Stage:
     """A stage with layers [first, last), plus the embeddings and/or norm + head.
 
-    `quant` (optional) is a callable(layer_module) that replaces a layer's linears in place after its
-    tensors arrived (NF4); it runs per layer so at most one full-precision layer exists at a time."""
+    `quant` (optional, a `model_parallel.quant.NF4Settings`) stores the linears in NF4. The stage is
+    read part by part (embeddings, one layer, ..., norm + head) and each part's linears are quantized
+    before the next part is read, so at most one layer exists in full precision at a time. A
+    checkpoint already saved in NF4 (transformers + BitsAndBytesConfig) is taken as saved."""
     folder = Path(folder)
     config = load_config(folder)
     num_layers = config.num_hidden_layers
@@ -101,24 +196,26 @@ def load_stage(folder: str | Path, first: int, last: int, embed: bool, head: boo
     with torch.device("meta"):
         shell = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     index = checkpoint_index(folder)
-    names = stage_tensor_names(config, first, last, embed, head, index)
+    stats = quantized_stats(index)
+    check_quantization(folder, config, stats, quant)
+    stat_names = {name for per_weight in stats.values() for name in per_weight.values()}
+    names = stage_tensor_names(config, first, last, embed, head, [n for n in index if n not in stat_names])
     params = dict(shell.named_parameters(remove_duplicate=False))
     unknown = [n for n in names if n not in params]
     if unknown:
         raise ModelLoadError(f"{folder}: checkpoint tensor {unknown[0]!r} has no place in a {config.model_type} model; is config.json from the same model?")
-    for param, tensor in read_tensors(names, index, torch_dtype, device, progress):
-        expected = params[param].shape
-        if tensor.shape != expected:
-            raise ModelLoadError(f"{folder}: tensor {names[param]} has shape {tuple(tensor.shape)}, config.json implies {tuple(expected)}; config and weights disagree")
-        module_name, _, leaf = param.rpartition(".")
-        module = shell.get_submodule(module_name)
-        setattr(module, leaf, torch.nn.Parameter(tensor, requires_grad=False))
+    missing = [ckpt for ckpt in names.values() if ckpt not in index]
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors this stage needs, e.g. {missing[0]!r}; is the folder complete?")
+    total = len(names) + sum(len(stats.get(ckpt, ())) for ckpt in names.values())
+    with tqdm(total=total, desc=progress, unit="tensor", disable=progress is None, leave=False) as bar:
+        for part, part_names in stage_parts(names):
+            load_part(shell, part_names, names, params, index, stats, torch_dtype, device, quant, folder, bar)
+            if quant is not None and not stats:  # a pre-quantized checkpoint is taken as saved
+                quantize_part(shell, part, names, quant)
     if head and embed and "lm_head.weight" not in names:
         shell.lm_head.weight = shell.model.embed_tokens.weight
     layers = list(shell.model.layers[first:last])
-    if quant is not None:
-        for layer in layers:
-            quant(layer)
     rotary = type(shell.model.rotary_emb)(config=config).to(device)  # built anew: its buffers are not in checkpoints
     stage = Stage(config, layers, first, rotary,
                   embed=shell.model.embed_tokens if embed else None,
