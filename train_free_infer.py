@@ -52,6 +52,7 @@ def rank0(cfg: TandemConfig, channel) -> None:
     drafter = build_drafter(cfg, tokenizer, stage.config)
     handshake(cfg, channel, 0)
     output = Output(tokenizer, eos_ids(cfg.model.target), cfg.gen.max_new_tokens, cfg.gen.stop, cfg.output.stream)
+    print(f"[prefill: {len(ids)} prompt tokens; k={cfg.spec.k}, drafter {cfg.draft.kind}]", file=sys.stderr, flush=True)
     telemetry = Telemetry(cfg, ids, tokenizer.decode(ids) if tokenizer else None) if cfg.log.dir else None
     gen = run_rank0(stage, drafter, channel, ids, output, cfg.spec.k, on_round=telemetry.on_round if telemetry else None)
     stats = summarize(gen, cfg.spec.k, cfg.draft.kind if cfg.spec.k else "none")
