@@ -245,6 +245,21 @@ def table(rows: list[dict], hf: dict | None) -> str:
     return "\n".join(lines)
 
 
+def header(info: dict) -> str:
+    m = info["machine"]
+    lines = [f"{info['date']}, `{info['command']}`: {m['cpu']} ({m['cores']} cores, {m['memory_gb']} GB, "
+             f"{m['gpu'] or 'no GPU'}), {m['threads_per_process']} thread(s) per process, {info['dtype']}, prompts of "
+             f"{' and '.join(str(p['tokens']) for p in info['prompts'])} tokens (chat template), "
+             f"{info['max_new_tokens']} new tokens each, greedy.",
+             "Delays are EMULATED (one-way, per message); both ranks on one host.",
+             f"Wall time of the whole benchmark: {info['runtime_s'] / 60:.1f} min."]
+    if info["load_avg_1min"]:
+        low, high = info["load_avg_1min"]
+        busy = "; other work shared the CPU, compare rows with care" if high > m["cores"] + 1 else ""
+        lines.append(f"Load average at the runs' starts: {low:.1f}-{high:.1f} (the benchmark itself is about 1{busy}).")
+    return " ".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     from omegaconf import OmegaConf
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -301,20 +316,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"# {row.label} @ {row.delay_ms:g} ms: " + (f"{p['tokens_per_s']:.2f} tok/s, {p['tokens_per_round']:.2f} tok/round"
               if p else f"FAILED {entry['error']}") + f" ({sum(r['wall_s'] for r in runs):.0f} s)", file=sys.stderr)
 
-    text = table(rows, hf)
     info["runtime_s"] = time.perf_counter() - t_start
     loads = [run["load_avg_1min"] for row in rows for run in row["runs"] if "load_avg_1min" in run]
     info["load_avg_1min"] = [min(loads), max(loads)] if loads else None
-    header = (f"{info['date']}, `{info['command']}`: {info['machine']['cpu']} ({info['machine']['cores']} cores, "
-              f"{info['machine']['memory_gb']} GB, no GPU), {args.threads} threads per process, {args.dtype}, "
-              f"prompts of {' and '.join(str(p['tokens']) for p in info['prompts'])} tokens (chat template), "
-              f"{args.max_new_tokens} new tokens each, greedy. Delays are EMULATED (one-way, per message); both ranks "
-              f"on one host. Wall time of the whole benchmark: {info['runtime_s'] / 60:.1f} min."
-              + (f" Load average at the runs' starts: {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores"
-                 + (" (other work shared the CPU: compare rows with care)." if max(loads) > os.cpu_count() + 0.5 else ".")
-                 if loads else ""))
-    print(header + "\n\n" + text)
-    (out / "table.md").write_text(header + "\n\n" + text + "\n")
+    text = header(info) + "\n\n" + table(rows, hf)
+    print(text)
+    (out / "table.md").write_text(text + "\n")
     (out / "results.json").write_text(json.dumps({**info, "rows": rows, "transformers": hf}, indent=1))
     print(f"\n[results: {out / 'results.json'}; TensorBoard: tensorboard --logdir {out / 'tb'}]", file=sys.stderr)
 

@@ -50,27 +50,22 @@ class ClockAlignment:
 
 
 def rank0_spans(gen) -> list[Span]:
-    """Rank 0's spans from the round records (all on rank 0's perf_counter clock)."""
+    """Rank 0's spans from the round records (all on rank 0's perf_counter clock). The send, wait and
+    commit edges are exact readings; draft and stage0 are placed by their durations."""
     spans = []
     for i, r in enumerate(gen.rounds):
-        t = gen.t0_s + r.start_s
-        marks = [("draft", r.draft_ms), ("stage0", r.stage0_ms), ("send", r.send_ms), ("wait", r.round_ms - r.send_ms)]
-        end_of_round = gen.t0_s + (gen.rounds[i + 1].start_s if i + 1 < len(gen.rounds) else gen.total_s)
-        spans.append(Span(0, "round", t, end_of_round, i))
-        for name, ms in marks:
-            spans.append(Span(0, name, t, t + ms / 1000, i))
-            t += ms / 1000
-        spans.append(Span(0, "commit", t, end_of_round, i))
+        start, sent = gen.t0_s + r.start_s, gen.t0_s + r.sent_s
+        replied = sent + r.round_ms / 1000
+        end = gen.t0_s + (gen.rounds[i + 1].start_s if i + 1 < len(gen.rounds) else gen.total_s)
+        spans += [Span(0, "round", start, end, i), Span(0, "draft", start, start + r.draft_ms / 1000, i),
+                  Span(0, "stage0", sent - r.stage0_ms / 1000, sent, i), Span(0, "send", sent, sent + r.send_ms / 1000, i),
+                  Span(0, "wait", sent + r.send_ms / 1000, replied, i), Span(0, "commit", replied, end, i)]
     return spans
 
 
 def round_windows(gen) -> list[tuple[float, float]]:
     """Rank 0's (send start, reply received) per round."""
-    out = []
-    for r in gen.rounds:
-        start = gen.t0_s + r.start_s + (r.draft_ms + r.stage0_ms) / 1000
-        out.append((start, start + r.round_ms / 1000))
-    return out
+    return [(gen.t0_s + r.sent_s, gen.t0_s + r.sent_s + r.round_ms / 1000) for r in gen.rounds]
 
 
 def align_clocks(windows: list[tuple[float, float]], rank1_marks: list[list[float]],

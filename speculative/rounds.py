@@ -35,6 +35,7 @@ class RoundRecord:
     stage1_ms: float  # rank 1's forward + verification, as it measured
     start_s: float = 0.0  # when the round started, seconds since generation started
     send_ms: float = 0.0  # the part of round_ms spent in channel.send (an emulated delay included)
+    sent_s: float = 0.0  # when the send began, seconds since generation started (round_ms starts here)
 
 
 @dataclass
@@ -90,7 +91,7 @@ def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], ou
         if not gen.rounds:
             gen.ttft_s = time.perf_counter() - t_start
         record = RoundRecord(len(drafts), accepted, kept, draft_ms, stage0_ms, round_ms, reply.meta["stage1_ms"],
-                             t_round - t_start, send_ms)
+                             t_round - t_start, send_ms, t0 - t_start)
         gen.rounds.append(record)
         if on_round is not None:
             on_round(record, reply.meta)
@@ -120,7 +121,7 @@ def run_rank1(stage: Stage, channel: Channel, temperature: float, top_p: float, 
             accepted, token = verify_sampled(probs, drafts, msg.tensors.get("q_ids"), msg.tensors.get("q_probs"), generator)
         else:
             accepted, token = verify_greedy(logits, drafts)
-        t_send = time.perf_counter()  # t1: rank 1's clock readings for the two-rank timeline (launch/timeline.py)
+        t_send = time.perf_counter()
         channel.send("reply", {"accepted": accepted, "token": token, "stage1_ms": (t_send - t0) * 1000,
-                               "t1": [t_wait, t0, t_forward, t_send]})
+                               "t1": [t_wait, t0, t_forward, t_send]})  # rank 1's clock, for launch/timeline.py
         rounds += 1

@@ -18,8 +18,9 @@ DELAY_MS = 3  # emulated one-way: the alignment may use it as the least time a m
 
 @pytest.fixture(scope="module")
 def logged_run(tiny_qwen, tmp_path_factory):
-    """One real run, K=3, the profiler on, a 3 ms emulated delay. The drafter is the target itself in bf16 against the fp32
-    target: right most of the time, wrong now and then, so both accepted and rejected drafts occur."""
+    """One real run, K=3, the profiler on, a 3 ms emulated delay. The drafter is the target itself in
+    bf16 against the fp32 target: right most of the time, wrong now and then, so both accepted and
+    rejected drafts occur."""
     tmp = tmp_path_factory.mktemp("telemetry")
     out, proc = run_tandem(tmp, f"model.target={tiny_qwen}", "model.dtype=float32", "draft.kind=model",
                            f"draft.model={tiny_qwen}", "draft.dtype=bfloat16", f"spec.k={K}", "gen.max_new_tokens=40",
