@@ -7,10 +7,11 @@ Tandem runs as the real entry under torchrun (two ranks on this host), once per 
 prompt, with an EMULATED one-way delay (transport.emulate_delay_ms: the sender sleeps before each
 message; this kernel has no netem). The baselines run in this process on the same prompts and token
 budget: transformers `generate` (greedy, the whole model in one process) and transformers assisted
-generation with the same drafter. Every figure is decode-only (the prefill and first token are TTFT).
+generation with the same drafter. The prefill and first token are TTFT; tok/s is what follows.
 
 Per Tandem row, over the decode rounds of all prompts pooled:
-    tok/s       (tokens - 1) / (total - TTFT)
+    tok/s       (tokens - 1) / (total - TTFT): decode only, as in Tandem's own stats
+    e2e tok/s   tokens / total, prefill included
     tok/round   tokens committed per round (accepted drafts + the target's own token)
     accept      accepted drafts / drafted tokens
     draft, stage0, network, stage1, other   mean ms per round: drafting, rank 0's layers, the wire
@@ -19,9 +20,11 @@ Per Tandem row, over the decode rounds of all prompts pooled:
     bound       tok/round / (2 x delay + draft + stage0 + stage1): the speed if the wire cost exactly
                 the emulated round trip and nothing else were spent; eff = tok/s / bound
     x K=0       tok/s over Tandem's K=0 at the same delay
+    x HF greedy e2e tok/s over transformers greedy's (end to end: assisted generation's first
+                emission already holds drafting work, which a decode-only figure would hide)
     = greedy    tokens identical to transformers greedy (common prefix / tokens; bf16 near-ties can differ)
 Writes <out>/results.json (every run's stats and round records), <out>/table.md, and TensorBoard
-logs with a two-rank trace per run under <out>/tb.
+logs with a two-rank trace per run under <out>/tb. `--from <out>/results.json` prints the table again.
 """
 from __future__ import annotations
 
@@ -124,12 +127,11 @@ def pool(runs: list[dict], delay_ms: float) -> dict:
     decode_s = sum(run["stats"]["total_s"] - run["stats"]["ttft_s"] for run in runs)
     n = len(decode)
     mean = lambda f: sum(map(f, decode)) / n if n else 0.0  # noqa: E731
-    other = []
-    for run in runs:  # rank 0's time per round outside draft, stage0 and send -> reply
-        rs, end = run["rounds"], run["stats"]["total_s"]
-        for i, r in enumerate(rs[1:], start=1):
-            nxt = rs[i + 1]["start_s"] if i + 1 < len(rs) else end
-            other.append((nxt - r["start_s"]) * 1000 - (r["draft_ms"] + r["stage0_ms"] + r["round_ms"]))
+    other = []  # rank 0's time per round outside draft, stage0 and send -> reply (the last round, which
+    for run in runs:  # also sends "stop" with its emulated delay, is left out)
+        rs = run["rounds"]
+        other += [(nxt["start_s"] - r["start_s"]) * 1000 - (r["draft_ms"] + r["stage0_ms"] + r["round_ms"])
+                  for r, nxt in zip(rs[1:-1], rs[2:])]
     drafted = sum(r["drafted"] for r in decode)
     ms = {"draft": mean(lambda r: r["draft_ms"]), "stage0": mean(lambda r: r["stage0_ms"]),
           "network": mean(lambda r: r["round_ms"] - r["stage1_ms"]), "stage1": mean(lambda r: r["stage1_ms"]),
@@ -138,7 +140,8 @@ def pool(runs: list[dict], delay_ms: float) -> dict:
     compute_s = (2 * delay_ms + ms["draft"] + ms["stage0"] + ms["stage1"]) / 1000
     bound = per_round / compute_s if compute_s else 0.0
     tok_s = tokens / decode_s if decode_s > 0 else 0.0
-    return {"tokens_per_s": tok_s, "tokens_per_round": per_round, "decode_rounds": n,
+    e2e = sum(len(run["token_ids"]) for run in runs) / sum(run["stats"]["total_s"] for run in runs)
+    return {"tokens_per_s": tok_s, "e2e_tokens_per_s": e2e, "tokens_per_round": per_round, "decode_rounds": n,
             "acceptance": sum(r["accepted"] for r in decode) / drafted if drafted else None, "ms": ms,
             "round_ms": sum(ms.values()), "bound_tokens_per_s": bound, "efficiency": tok_s / bound if bound else 0.0,
             "ttft_s": sum(run["stats"]["ttft_s"] for run in runs) / len(runs)}
@@ -195,15 +198,20 @@ def hf_baselines(args, prompts: list[list[int]]) -> dict:
     results = {}
     for name, kw in methods.items():
         hf_generate(target, prompts[0], 4, eos, **kw)  # warm-up, not measured
-        runs = [hf_generate(target, ids, args.max_new_tokens, eos, **kw) for ids in prompts]
-        decode_tokens, decode_s = sum(r["decode_tokens"] for r in runs), sum(r["decode_s"] for r in runs)
-        results[name] = {"runs": runs, "tokens_per_s": decode_tokens / decode_s if decode_s else 0.0,
-                         "tokens_per_forward": sum(len(r["token_ids"]) for r in runs) / sum(r["target_forwards"] for r in runs),
-                         "ttft_s": sum(r["ttft_s"] for r in runs) / len(runs)}
+        results[name] = {"runs": [hf_generate(target, ids, args.max_new_tokens, eos, **kw) for ids in prompts]}
     results["assisted"]["settings"] = settings
     del target, draft
     gc.collect()
     return results
+
+
+def pool_hf(runs: list[dict]) -> dict:
+    decode_tokens, decode_s = sum(r["decode_tokens"] for r in runs), sum(r["decode_s"] for r in runs)
+    tokens = sum(len(r["token_ids"]) for r in runs)
+    return {"tokens_per_s": decode_tokens / decode_s if decode_s else 0.0,
+            "e2e_tokens_per_s": tokens / sum(r["ttft_s"] + r["decode_s"] for r in runs),
+            "tokens_per_forward": tokens / sum(r["target_forwards"] for r in runs),
+            "ttft_s": sum(r["ttft_s"] for r in runs) / len(runs)}
 
 
 # ---------------------------------------------------------------- the table
@@ -217,11 +225,11 @@ def agreement(token_lists: list[list[int]], reference: list[list[int]]) -> tuple
 
 
 def table(rows: list[dict], hf: dict | None) -> str:
-    cols = ["run", "delay (ms, emulated)", "tok/s", "tok/round", "accept", "draft", "stage0", "network", "stage1", "other",
-            "bound tok/s", "eff", "x K=0", "x HF greedy", "= greedy"]
+    cols = ["run", "delay (ms, emulated)", "tok/s", "e2e tok/s", "tok/round", "accept", "draft", "stage0", "network", "stage1", "other",
+            "bound tok/s", "eff", "x K=0", "x HF greedy (e2e)", "= greedy"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     ref = [r["token_ids"] for r in hf["greedy"]["runs"]] if hf else None
-    hf_tps = hf["greedy"]["tokens_per_s"] if hf else None
+    hf_e2e = pool_hf(hf["greedy"]["runs"])["e2e_tokens_per_s"] if hf else None
     k0 = {r["delay_ms"]: r["pooled"]["tokens_per_s"] for r in rows if r["k"] == 0 and "pooled" in r}
     ratio = lambda a, b: f"{a / b:.2f}" if b else "-"  # noqa: E731
     for r in rows:
@@ -231,17 +239,18 @@ def table(rows: list[dict], hf: dict | None) -> str:
         p, ms = r["pooled"], r["pooled"]["ms"]
         agree = "%d/%d" % agreement([run["token_ids"] for run in r["runs"]], ref) if ref else "-"
         acc = "-" if p["acceptance"] is None else f"{p['acceptance']:.0%}"
-        lines.append(f"| {r['label']} | {r['delay_ms']:g} | {p['tokens_per_s']:.2f} | {p['tokens_per_round']:.2f} | {acc} "
+        lines.append(f"| {r['label']} | {r['delay_ms']:g} | {p['tokens_per_s']:.2f} | {p['e2e_tokens_per_s']:.2f} "
+                     f"| {p['tokens_per_round']:.2f} | {acc} "
                      f"| {ms['draft']:.0f} | {ms['stage0']:.0f} | {ms['network']:.1f} | {ms['stage1']:.0f} | {ms['other']:.1f} "
                      f"| {p['bound_tokens_per_s']:.2f} | {p['efficiency']:.0%} | {ratio(p['tokens_per_s'], k0.get(r['delay_ms']))} "
-                     f"| {ratio(p['tokens_per_s'], hf_tps)} | {agree} |")
+                     f"| {ratio(p['e2e_tokens_per_s'], hf_e2e)} | {agree} |")
     for name, label in (("greedy", "HF generate, greedy (1 process)"), ("assisted", "HF assisted generation, same drafter")):
         if not hf:
             break
-        h = hf[name]
-        agree = "%d/%d" % agreement([run["token_ids"] for run in h["runs"]], ref)
-        lines.append(f"| {label} | - | {h['tokens_per_s']:.2f} | {h['tokens_per_forward']:.2f} | - | - | - | - | - | - "
-                     f"| - | - | - | {ratio(h['tokens_per_s'], hf_tps)} | {agree} |")
+        h = pool_hf(hf[name]["runs"])
+        agree = "%d/%d" % agreement([run["token_ids"] for run in hf[name]["runs"]], ref)
+        lines.append(f"| {label} | - | {h['tokens_per_s']:.2f} | {h['e2e_tokens_per_s']:.2f} | {h['tokens_per_forward']:.2f} "
+                     f"| - | - | - | - | - | - | - | - | - | {ratio(h['e2e_tokens_per_s'], hf_e2e)} | {agree} |")
     return "\n".join(lines)
 
 
@@ -273,12 +282,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-hf", action="store_true", help="no transformers baselines (the table then has no x HF column)")
     ap.add_argument("--only", nargs="*", default=None, help="run only these rows, by slug (e.g. model-k4-d0 none-k0-d40)")
     ap.add_argument("--set", nargs="*", default=[], help="more Tandem key=value overrides for every run")
+    ap.add_argument("--from", dest="saved", default=None, help="print the table of a saved results.json again, measuring nothing")
     args = ap.parse_args(argv)
+    if args.saved:
+        saved = json.loads(Path(args.saved).read_text())
+        for row in saved["rows"]:
+            if "error" not in row:
+                row["pooled"] = pool(row["runs"], row["delay_ms"])
+        print(header(saved) + "\n\n" + table(saved["rows"], saved["transformers"]))
+        return
     t_start = time.perf_counter()
     cfg = OmegaConf.load(args.config)
     args.target = os.path.expanduser(OmegaConf.to_container(cfg, resolve=True)["model"]["target"])
     args.draft = os.path.expanduser(OmegaConf.to_container(cfg, resolve=True)["draft"]["model"])
-    args.dtype = cfg.model.dtype
+    overrides = dict(item.split("=", 1) for item in args.set if "=" in item)
+    args.dtype = overrides.get("model.dtype", cfg.model.dtype)  # the baselines run in Tandem's dtype
     out = Path(args.out or ROOT / "runs" / "bench" / time.strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
 

@@ -15,9 +15,10 @@ after rank 1 began sending it:
     recv_end - theta >= send_start_0   ->  theta <= recv_end - send_start_0
     send_start - theta <= reply_end_0  ->  theta >= send_start - reply_end_0
 
-Every round narrows the interval [lo, hi]; theta is its midpoint and the uncertainty its half-width
-(about half of the fastest round trip's time on the wire). After alignment every rank-1 span of a
-round lies inside that round's send..reply window on rank 0. If the bounds cross (clocks drifting
+Every reading sits on the safe side (a send time is read before the send, a receive time after the
+receive), so the true theta is always inside. Every round narrows the interval [lo, hi]; theta is
+its midpoint and the uncertainty its half-width (at most half of one round trip's time on the wire).
+After alignment every rank-1 span of a round lies inside that round's send..reply window on rank 0. If the bounds cross (clocks drifting
 apart over a long run), the fastest round's NTP estimate is used and `consistent` is false.
 A known least one-way time tightens both bounds by it: the emulated delay (transport.emulate_delay_ms)
 is a sleep before each message leaves, so no message arrives sooner than that after its send began.
