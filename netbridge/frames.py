@@ -79,6 +79,9 @@ def _check_spec(spec):
         dtype = DTYPES[dtype_name]
         if not isinstance(name, str) or not all(isinstance(s, int) and 0 <= s < 2**31 for s in shape) or len(shape) > 8:
             raise TypeError
+        # bound the shape even where a 0 makes it empty: torch computes strides from the other dims
+        if math.prod(max(s, 1) for s in shape) * dtype.itemsize > MAX_FRAME_BYTES:
+            raise TypeError
     except (ValueError, KeyError, TypeError):
         raise FrameError(f"bad tensor spec in frame header: {spec!r}"[:200]) from None
     return name, dtype, shape
