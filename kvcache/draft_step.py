@@ -14,7 +14,7 @@ from model_parallel.stage import Stage
 
 class DraftStep:
     def __init__(self, stage: Stage, max_k: int, top_k: int, temperature: float, generator: torch.Generator | None,
-                 use_graph: bool):
+                 use_graph: bool, static_shapes: bool | None = None):
         dev = stage.device
         self.stage = stage
         self.temperature = temperature
@@ -26,11 +26,14 @@ class DraftStep:
         self.out_q_ids = torch.zeros((max_k, self.top_k), dtype=torch.long, device=dev)
         self.out_q_probs = torch.zeros((max_k, self.top_k), dtype=torch.float32, device=dev)
         self.noise = torch.full((max_k, self.top_k), 0.5, dtype=torch.float32, device=dev)
+        # Eager steps attend over the live slots only (cheaper on CPU); a graph needs static shapes.
+        self.static_shapes = use_graph if static_shapes is None else static_shapes
+        self.live = None
         self.graph = self._capture() if use_graph else None
 
     @torch.inference_mode()
     def _step(self) -> None:
-        logits = self.stage(self.token, num_logits=1)[0, -1]  # advances the cache length in place
+        logits = self.stage(self.token, num_logits=1, live=self.live)[0, -1]  # advances the cache length in place
         if self.temperature > 0:
             # sample from the drafter's top-k at the given temperature with the Gumbel-max trick, so
             # the randomness is a buffer filled before the round (a graph cannot call the host RNG)
@@ -62,16 +65,18 @@ class DraftStep:
         cache.rewind(start)  # the warm-up steps wrote slots that the next round overwrites
         return graph
 
-    def run(self, first_token: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """K steps from `first_token`: drafts [k] and, when sampling, q ids/probs [k, top_k] (on CPU)."""
+    def run(self, first_token: int, k: int, start: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """K steps from `first_token` written at slot `start` (= the cache length): drafts [k] and, when
+        sampling, q ids/probs [k, top_k] (on CPU)."""
         self.token.fill_(first_token)
         self.step_idx.zero_()
         if self.temperature > 0:
             self.noise.uniform_(1e-12, 1.0, generator=self.generator)
-        for _ in range(k):
+        for i in range(k):
             if self.graph is not None:
                 self.graph.replay()
             else:
+                self.live = None if self.static_shapes else start + i + 1
                 self._step()
         if self.temperature > 0:
             return self.out_tokens[:k].cpu(), self.out_q_ids[:k].cpu(), self.out_q_probs[:k].cpu()

@@ -32,21 +32,30 @@ class StaticKVCache:
         self.length = torch.zeros((), dtype=torch.long, device=device)  # committed + in-flight tokens
         self.slot_ids = torch.arange(capacity, device=device)
         self.slots = None  # positions being written by the current forward, set by `begin`
+        self.live = None  # slots the current forward attends over (None: all), set by `begin`
 
     # --- the step: begin -> layers call update -> advance ------------------------------------
-    def begin(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions [1, T] of the next T tokens and the boolean attention mask [1, 1, T, capacity]."""
+    def begin(self, num_tokens: int, live: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [1, T] of the next T tokens and the boolean attention mask [1, 1, T, slots].
+
+        `live` (a host-side int: the cache length after this write) lets an eager step attend over
+        the live slots only; on CPU attending over all 4096 slots of a default cache costs a third of
+        a small model's step. A captured step passes None: shapes stay static, the mask does the work."""
         positions = self.length + self.slot_ids[:num_tokens]
         self.slots = positions
-        visible = self.slot_ids[None, :] <= positions[:, None]
+        self.live = live
+        slot_ids = self.slot_ids if live is None else self.slot_ids[:live]
+        visible = slot_ids[None, :] <= positions[:, None]
         if self.sliding_window:
-            visible &= self.slot_ids[None, :] > positions[:, None] - self.sliding_window
+            visible &= slot_ids[None, :] > positions[:, None] - self.sliding_window
         return positions[None, :], visible[None, None]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         self.keys[layer_idx].index_copy_(2, self.slots, key)
         self.values[layer_idx].index_copy_(2, self.slots, value)
-        return self.keys[layer_idx], self.values[layer_idx]
+        if self.live is None:
+            return self.keys[layer_idx], self.values[layer_idx]
+        return self.keys[layer_idx][:, :, :self.live], self.values[layer_idx][:, :, :self.live]
 
     def advance(self, num_tokens: int) -> None:
         self.length.add_(num_tokens)

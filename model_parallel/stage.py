@@ -40,14 +40,15 @@ class Stage(nn.Module):
         return next(self.parameters()).device
 
     @torch.inference_mode()
-    def forward(self, x: torch.Tensor, num_logits: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, num_logits: int = 0, live: int | None = None) -> torch.Tensor:
         """x: token ids [1, T] when this stage has the embeddings, else hidden states [1, T, H].
 
         Writes the T tokens into the cache at its current length and advances it. Returns hidden
         states [1, T, H], or with a head the logits of the last `num_logits` positions [1, n, V]
-        (the head over a long prompt's every position would cost more than the layers)."""
+        (the head over a long prompt's every position would cost more than the layers). `live`: the
+        cache length after this call when the caller knows it (eager), see StaticKVCache.begin."""
         h = self.embed(x) if self.embed is not None else x
-        positions, mask = self.cache.begin(h.shape[1])
+        positions, mask = self.cache.begin(h.shape[1], live)
         cos_sin = self.rotary(h, positions)
         for layer in self.layers:
             h = layer(h, attention_mask=mask, position_ids=positions, cache=self.cache,

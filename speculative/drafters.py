@@ -91,8 +91,8 @@ class ModelDrafter:
         catch_up = context[self.cached:]
         self.stage.cache.check_room(len(context) + k - 1)
         if len(catch_up) > 1:
-            self.stage(torch.tensor([catch_up[:-1]], device=self.device), num_logits=1)
-        tokens, q_ids, q_probs = self.step.run(catch_up[-1], k)
+            self.stage(torch.tensor([catch_up[:-1]], device=self.device), num_logits=1, live=len(context) - 1)
+        tokens, q_ids, q_probs = self.step.run(catch_up[-1], k, start=len(context) - 1)
         self.cached = len(context) + k - 1
         return Drafts(tokens, q_ids, q_probs) if q_ids is not None else Drafts(tokens)
 

@@ -69,7 +69,7 @@ def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], ou
         start = len(committed) - len(pending)
         stage.cache.check_room(start + len(pending) + len(drafts))
         ids = torch.tensor([pending + drafts.tokens.tolist()], device=stage.device)
-        hidden = stage(ids)
+        hidden = stage(ids, live=start + ids.shape[1])
         stage0_ms = _ms(t0)
 
         t0 = time.perf_counter()
@@ -114,7 +114,7 @@ def run_rank1(stage: Stage, channel: Channel, temperature: float, top_p: float, 
         start, k = msg.meta["start"], drafts.numel()
         stage.cache.rewind(start)  # rank 0 is the authority on the committed length
         stage.cache.check_room(start + hidden.shape[1])
-        logits = stage(hidden, num_logits=k + 1)[0].cpu()
+        logits = stage(hidden, num_logits=k + 1, live=start + hidden.shape[1])[0].cpu()
         t_forward = time.perf_counter()
         if temperature > 0:
             probs = target_probs(logits, temperature, top_p)

@@ -109,7 +109,9 @@ def test_step_has_no_python_position_state(temperature, tiny_qwen):
     stage = load_stage(tiny_qwen, 0, 4, embed=True, head=True)
     stage.allocate_cache(128, torch.float32, setting="draft.max_len")
     generator = torch.Generator().manual_seed(0)
-    step = DraftStep(stage, max_k=8, top_k=16, temperature=temperature, generator=generator, use_graph=False)
+    # static_shapes: the shapes a captured graph runs with (all slots, masked), here without CUDA
+    step = DraftStep(stage, max_k=8, top_k=16, temperature=temperature, generator=generator, use_graph=False,
+                     static_shapes=True)
     stage(torch.tensor([[3, 1, 4, 1, 5]]), num_logits=1)
     before = step_buffers(step)
     eager_runs = []
@@ -117,7 +119,7 @@ def test_step_has_no_python_position_state(temperature, tiny_qwen):
     plan = [(rng.randint(1, 60), rng.randrange(VOCAB), rng.randint(1, 8)) for _ in range(12)]
     for length, first, k in plan:
         stage.cache.rewind(length)
-        eager_runs.append(step.run(first, k))
+        eager_runs.append(step.run(first, k, start=length))
     assert step_buffers(step) == before
 
     compiled = torch.compile(step._step, fullgraph=True, backend="eager")
@@ -129,7 +131,7 @@ def test_step_has_no_python_position_state(temperature, tiny_qwen):
             stage.cache.rewind(length)
             stage(torch.tensor([[1, 2]]), num_logits=1)  # eager prefill between rounds, as the drafter does
             stage.cache.rewind(length)
-            got = step.run(first, k)
+            got = step.run(first, k, start=length)
             assert torch.equal(got[0], eager[0])
             if temperature > 0:
                 assert torch.equal(got[1], eager[1]) and torch.allclose(got[2], eager[2])
