@@ -54,7 +54,8 @@ def rank0(cfg: TandemConfig, channel) -> None:
     output = Output(tokenizer, eos_ids(cfg.model.target), cfg.gen.max_new_tokens, cfg.gen.stop, cfg.output.stream)
     print(f"[prefill: {len(ids)} prompt tokens; k={cfg.spec.k}, drafter {cfg.draft.kind}]", file=sys.stderr, flush=True)
     telemetry = Telemetry(cfg, ids, tokenizer.decode(ids) if tokenizer else None) if cfg.log.dir else None
-    gen = run_rank0(stage, drafter, channel, ids, output, cfg.spec.k, on_round=telemetry.on_round if telemetry else None)
+    gen = run_rank0(stage, drafter, channel, ids, output, cfg.spec.k, on_round=telemetry.on_round if telemetry else None,
+                    adaptive=cfg.spec.adaptive)
     stats = summarize(gen, cfg.spec.k, cfg.draft.kind if cfg.spec.k else "none")
     warning = broken_drafter_warning(stats)
     if warning:

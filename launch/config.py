@@ -50,7 +50,8 @@ class DraftConfig:
 
 @dataclass
 class SpecConfig:
-    k: int = 4  # draft tokens per round (0 = one token per round trip)
+    k: int = 4  # draft tokens per round (0 = one token per round trip); the most with spec.adaptive
+    adaptive: bool = True  # K grows by 2 after a fully accepted round, shrinks by 1 after a miss (1..k)
 
 
 @dataclass

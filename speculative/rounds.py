@@ -52,16 +52,25 @@ def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
+def next_k(k: int, drafted: int, accepted: int, k_max: int) -> int:
+    """Draft more after a full hit, less after a miss (transformers' assisted-generation schedule):
+    a miss means the later drafts were wasted work. Any K is lossless; only speed depends on it."""
+    if drafted == 0:
+        return k
+    return min(k + 2, k_max) if accepted == drafted else max(k - 1, 1)
+
+
 def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], output: Output, k: int,
-              on_round=None) -> Generation:
+              on_round=None, adaptive: bool = False) -> Generation:
     gen = Generation(prompt_ids, output)
     committed = list(prompt_ids)
     pending = list(prompt_ids)  # tokens the target has not yet seen
     t_start = gen.t0_s = time.perf_counter()
+    k_now = k
     while not output.done:
         t_round = time.perf_counter()
         remaining = output.max_new_tokens - len(output.tokens)
-        k_round = 0 if len(committed) == len(prompt_ids) else min(k, remaining - 1)  # never overshoot
+        k_round = 0 if len(committed) == len(prompt_ids) else min(k_now, remaining - 1)  # never overshoot
         drafts = drafter.propose(committed, k_round)
         draft_ms = _ms(t_round)
 
@@ -93,6 +102,8 @@ def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], ou
         record = RoundRecord(len(drafts), accepted, kept, draft_ms, stage0_ms, round_ms, reply.meta["stage1_ms"],
                              t_round - t_start, send_ms, t0 - t_start)
         gen.rounds.append(record)
+        if adaptive:
+            k_now = next_k(k_now, len(drafts), accepted, k)
         if on_round is not None:
             on_round(record, reply.meta)
     channel.send("stop")

@@ -28,6 +28,8 @@ def summarize(gen: Generation, k: int, drafter: str) -> dict:
         "rounds": len(gen.rounds),
         "decode_rounds": len(rounds),
         "tokens_per_round": mean(r.committed for r in rounds),
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "acceptance_per_position": per_position,
         "full_hit_rate": mean(r.accepted == r.drafted for r in rounds if r.drafted),

@@ -17,7 +17,7 @@ MAX_NEW = 23  # not a multiple of K+1 for any K tested
 
 def spec_args(target, drafter: str, k: int, draft_folder=None, max_new=MAX_NEW):
     args = [f"model.target={target}", "model.dtype=float32", f"spec.k={k}", f"prompt_ids={ids_arg(PROMPT)}",
-            f"gen.max_new_tokens={max_new}"]
+            f"gen.max_new_tokens={max_new}", "spec.adaptive=false"]  # a fixed K: every K really exercised
     if drafter == "ngram":
         return args + ["draft.kind=ngram"]
     return args + ["draft.kind=model", f"draft.model={draft_folder}", "draft.dtype=float32"]
@@ -45,6 +45,17 @@ def test_ngram_drafter_is_exact(k, tiny_llama, tmp_path):
     out, _ = run_tandem(tmp_path, *spec_args(tiny_llama, "ngram", k))
     assert out["token_ids"] == reference_greedy(tiny_llama, PROMPT, MAX_NEW)
     assert len(out["token_ids"]) == MAX_NEW
+
+
+def test_adaptive_k_drafts_less_for_a_bad_drafter_and_stays_exact(tiny_qwen, tiny_qwen_draft, tmp_path):
+    fixed, _ = run_tandem(tmp_path, *spec_args(tiny_qwen, "model", 8, tiny_qwen_draft))
+    adaptive, _ = run_tandem(tmp_path, *spec_args(tiny_qwen, "model", 8, tiny_qwen_draft), "spec.adaptive=true")
+    expected = reference_greedy(tiny_qwen, PROMPT, MAX_NEW)
+    assert fixed["token_ids"] == expected and adaptive["token_ids"] == expected
+    assert adaptive["stats"]["drafted_tokens"] < fixed["stats"]["drafted_tokens"] / 2
+    own, _ = run_tandem(tmp_path, *spec_args(tiny_qwen, "model", 8, tiny_qwen), "spec.adaptive=true")
+    assert own["token_ids"] == expected and own["stats"]["acceptance_rate"] == 1.0  # full hits keep K at 8
+    assert own["stats"]["decode_rounds"] == math.ceil((MAX_NEW - 1) / 9)
 
 
 @pytest.mark.parametrize("k", [4, 8])
