@@ -74,6 +74,8 @@ def sweep(full: bool) -> list[Row]:
         rows.append(Row("none", 0, d))
         rows += [Row("model", k, d) for k in ks]
         rows += [Row("ngram", k, d) for k in (ks if full else (4,))]
+        if d == 0:  # the model-drafter rows run with spec.adaptive (the default); fixed K beside them
+            rows += [Row("model", k, d, ["spec.adaptive=false"], note="fixed") for k in ks]
     if (ROOT / "model_parallel" / "quant.py").exists():
         rows.append(Row("model", 4, 0, ["model.quant=nf4"], note="nf4"))
     return rows
