@@ -16,9 +16,15 @@ class Output:
         self.done = False
         self.stop_reason = None
         self._printed = 0
+        # A stop string completed by the newest token lies within its last few tokens (a character
+        # takes at most 4 byte-level tokens), so only that tail is decoded per token.
+        self._stop_window = 4 * max(map(len, stop), default=0) + 4
 
     def text(self) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+
+    def _tail(self) -> str:
+        return self.tokenizer.decode(self.tokens[-self._stop_window:], skip_special_tokens=True)
 
     def commit(self, new_tokens: list[int]) -> int:
         """Append tokens one by one until a stop; returns how many were kept."""
@@ -32,7 +38,7 @@ class Output:
                 self.stop_reason = "eos"
             elif len(self.tokens) >= self.max_new_tokens:
                 self.stop_reason = "max_new_tokens"
-            elif self.stop and any(s in self.text() for s in self.stop):
+            elif self.stop and any(s in self._tail() for s in self.stop):
                 self.stop_reason = "stop_string"
             self.done = self.stop_reason is not None
         self._stream()
