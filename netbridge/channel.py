@@ -24,13 +24,11 @@ class Channel(ABC):
         self.timeout_s = timeout_s
         self.emulate_delay_s = emulate_delay_ms / 1000
         self.emulate_bytes_per_s = emulate_mbps * 1e6 / 8
-        self.bytes_sent = 0
 
     def send(self, kind: str, meta: dict | None = None, **tensors: torch.Tensor) -> None:
         frame = encode(Message(kind, meta or {}, tensors))
         self._emulate_wire(len(frame))
         self.send_frame(frame)
-        self.bytes_sent += len(frame)
 
     def recv(self, expect: str | tuple[str, ...] | None = None) -> Message:
         msg = decode(self.recv_frame())
