@@ -1,8 +1,9 @@
 """Tandem's entry: the same script on both ranks; each asks torchrun which rank it is.
 
     torchrun --nproc_per_node=2 train_free_infer.py prompt="Write a Python function that reverses a string."
+    torchrun --nproc_per_node=2 train_free_infer.py serve.port=8000      # an OpenAI-compatible API
 
-Rank 0: embeddings + layers [0, split), the drafter, the tokenizer and the output.
+Rank 0: embeddings + layers [0, split), the drafter, the tokenizer and the output (or the HTTP API).
 Rank 1: layers [split, L), the final norm and the LM head, and verification.
 """
 from __future__ import annotations
@@ -10,52 +11,75 @@ from __future__ import annotations
 import json
 import sys
 
-from launch.build import build_drafter, build_stage, check_tokenizer, eos_ids, load_tokenizer, prompt_ids, split_point
+from launch.build import (build_drafter, build_stage, check_tokenizer, eos_ids, load_tokenizer, prompt_ids,
+                          split_point)
 from launch.config import ConfigError, TandemConfig, config_from_argv
 from launch.distributed import LaunchError, close_channel, open_channel, report, torchrun_rank
 from launch.telemetry import Telemetry
 from kvcache.static_cache import CacheOverflowError
 from model_parallel.loader import ModelLoadError
+from netbridge import protocol
 from netbridge.channel import PeerError
 from netbridge.frames import FrameError
+from netbridge.protocol import Hello, Request
 from speculative.output import Output
-from speculative.rounds import run_rank0, run_rank1
+from speculative.rounds import run_rank1
+from speculative.session import Session
 from speculative.stats import broken_drafter_warning, summarize
 
 EXPECTED = (ConfigError, LaunchError, ModelLoadError, PeerError, FrameError, CacheOverflowError)
 
 
 def handshake(cfg: TandemConfig, channel, rank: int) -> None:
-    """Both ranks must run the same model, split and sampling settings (two hosts, two command lines)."""
+    """Both ranks must run the same model and split (two hosts, two command lines)."""
     split, num_layers = split_point(cfg)
-    mine = {"split": split, "num_layers": num_layers, "temperature": cfg.gen.temperature,
-            "top_p": cfg.gen.top_p, "seed": cfg.gen.seed, "dtype": cfg.model.dtype, "quant": cfg.model.quant}
+    mine = Hello(split, num_layers, cfg.model.dtype, cfg.model.quant)
     if rank == 0:
-        channel.send("hello", mine)
-        channel.recv("hello")
-    else:
-        theirs = channel.recv("hello").meta
-        diff = {key: (theirs[key], mine[key]) for key in mine if theirs.get(key) != mine[key]}
-        if diff:
-            message = "the ranks disagree on " + ", ".join(f"{k} (rank 0: {a}, rank 1: {b})" for k, (a, b) in diff.items()) \
-                + "; give both the same config"
-            channel.send("error", {"error": message})
-            raise ConfigError(message)
-        channel.send("hello", mine)
+        protocol.send(channel, mine)
+        protocol.recv(channel, Hello)
+        return
+    theirs = protocol.recv(channel, Hello)
+    diff = {k: (v, getattr(mine, k)) for k, v in vars(theirs).items() if v != getattr(mine, k)}
+    if diff:
+        message = "the ranks disagree on " + ", ".join(f"{k} (rank 0: {a}, rank 1: {b})" for k, (a, b) in diff.items()) \
+            + "; give both the same config and Tandem version"
+        protocol.send(channel, protocol.Error(message))
+        raise ConfigError(message)
+    protocol.send(channel, mine)
 
 
-def rank0(cfg: TandemConfig, channel) -> None:
+def rank0(cfg: TandemConfig, channel) -> dict | None:
+    """Rank 0's whole life: one answer (returned as the output JSON), or serving until a signal."""
     stage = build_stage(cfg, 0)
     tokenizer = load_tokenizer(cfg.model.target)
     check_tokenizer(tokenizer, stage.config, cfg.model.target)
-    ids = prompt_ids(cfg, tokenizer, stage.config.vocab_size)
+    ids = prompt_ids(cfg, tokenizer, stage.config.vocab_size) if cfg.serve.port is None else None
     drafter = build_drafter(cfg, tokenizer, stage.config)
     handshake(cfg, channel, 0)
+    session = Session(stage, drafter, channel, cfg.spec.k, cfg.spec.adaptive)
+    if cfg.serve.port is not None:
+        from launch.server import serve
+        serve(cfg, session, tokenizer, eos_ids(cfg.model.target), stage.config.vocab_size)
+        return None
     output = Output(tokenizer, eos_ids(cfg.model.target), cfg.gen.max_new_tokens, cfg.gen.stop, cfg.output.stream)
+    try:
+        result = answer(cfg, session, ids, output, tokenizer)
+    except BaseException as e:
+        # keep what was generated: the tokens committed so far, the text, and why it stopped
+        kept = {"token_ids": output.tokens, "text": output.text(), "error": _one_line(e)}
+        write_output(cfg, kept)
+        print(f"[stopped after {len(output.tokens)} tokens]", file=sys.stderr, flush=True)
+        raise
+    session.close()
+    write_output(cfg, result)
+    return result
+
+
+def answer(cfg: TandemConfig, session: Session, ids: list[int], output: Output, tokenizer) -> dict:
     print(f"[prefill: {len(ids)} prompt tokens; k={cfg.spec.k}, drafter {cfg.draft.kind}]", file=sys.stderr, flush=True)
     telemetry = Telemetry(cfg, ids, tokenizer.decode(ids) if tokenizer else None) if cfg.log.dir else None
-    gen = run_rank0(stage, drafter, channel, ids, output, cfg.spec.k, on_round=telemetry.on_round if telemetry else None,
-                    adaptive=cfg.spec.adaptive)
+    request = Request(cfg.gen.temperature, cfg.gen.top_p, cfg.gen.seed)
+    gen = session.generate(ids, output, request, on_round=telemetry.on_round if telemetry else None)
     stats = summarize(gen, cfg.spec.k, cfg.draft.kind if cfg.spec.k else "none")
     warning = broken_drafter_warning(stats)
     if warning:
@@ -66,15 +90,19 @@ def rank0(cfg: TandemConfig, channel) -> None:
         clock = telemetry.finish(gen, stats, output.text())
         print(f"[log: {telemetry.dir}; rank 1's clock {clock['offset_ms']:+.3f} +/- {clock['uncertainty_ms']:.3f} ms "
               f"from rank 0's over {clock['rounds']} round trips]", file=sys.stderr)
+    return {"token_ids": output.tokens, "text": output.text(), "stats": stats}
+
+
+def write_output(cfg: TandemConfig, result: dict) -> None:
     if cfg.output.json:
         with open(cfg.output.json, "w") as f:
-            json.dump({"token_ids": output.tokens, "text": output.text(), "stats": stats}, f, indent=1)
+            json.dump(result, f, indent=1)
 
 
 def rank1(cfg: TandemConfig, channel) -> None:
     stage = build_stage(cfg, 1)
     handshake(cfg, channel, 1)
-    run_rank1(stage, channel, cfg.gen.temperature, cfg.gen.top_p, cfg.gen.seed)
+    run_rank1(stage, channel)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -89,11 +117,15 @@ def main(argv: list[str] | None = None) -> None:
         _tell_peer(channel, str(e))
         sys.exit(1)
     except BaseException as e:
-        _tell_peer(channel, f"{type(e).__name__}: {e}")
+        _tell_peer(channel, _one_line(e))
         raise
     finally:
         if channel is not None:
             close_channel(channel)
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if not isinstance(e, EXPECTED) else str(e)
 
 
 def _tell_peer(channel, message: str) -> None:
@@ -102,7 +134,7 @@ def _tell_peer(channel, message: str) -> None:
         return
     try:
         channel.timeout_s = min(channel.timeout_s, 5.0)
-        channel.send("error", {"error": message})
+        protocol.send(channel, protocol.Error(message))
     except Exception:  # noqa: BLE001 - the peer may be gone already; our own error is what matters
         pass
 

@@ -23,7 +23,7 @@ def ms_per_round(drafter, k: int, rounds: int, context: list[int]) -> float:
     """Mean wall ms of propose(K) + commit over `rounds` rounds from the same committed context."""
     drafter.commit(1)
     drafter.propose(context, k)  # prefill and warm-up
-    sync = torch.cuda.synchronize if drafter.device.startswith("cuda") else (lambda: None)
+    sync = torch.cuda.synchronize if drafter.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
     for _ in range(rounds):
@@ -33,9 +33,20 @@ def ms_per_round(drafter, k: int, rounds: int, context: list[int]) -> float:
     return (time.perf_counter() - t0) * 1000 / rounds
 
 
+def make_drafter(folder: str, device: str, dtype: str, graph: str, temperature: float = 0.0, seed: int = 0,
+                 max_len: int = 1024, max_k: int = 8):
+    """A drafter built by the entry's own code (launch.build), set up for one request."""
+    from launch.build import model_drafter
+    from launch.config import load_config
+    cfg = load_config([f"draft.model={folder}", f"draft.device={device}", f"draft.dtype={dtype}", f"draft.graph={graph}",
+                       f"draft.max_len={max_len}", f"spec.k={max_k}", "prompt_ids=[1]"])
+    drafter = model_drafter(cfg)
+    drafter.reset(0, temperature, seed)
+    return drafter
+
+
 def main() -> None:
     from model_parallel.fetch_weights import model_dir
-    from speculative.drafters import ModelDrafter
     from transformers import AutoTokenizer
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -49,8 +60,8 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(folder)
     context = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                       tokenize=True, return_dict=True)["input_ids"]
-    drafter = ModelDrafter(folder, device=args.device, dtype=args.dtype, max_len=1024, max_k=8, graph=args.graph)
-    graph = drafter.step.graph is not None
+    drafter = make_drafter(folder, args.device, args.dtype, args.graph)
+    graph = drafter.step.use_graph
     print(f"drafter {Path(folder).name}, {args.dtype}, {args.device}, CUDA graph {'on' if graph else 'off'}, "
           f"torch threads {torch.get_num_threads()}, prompt {len(context)} tokens, {args.rounds} rounds each\n")
     print("| K | draft ms / round | ms / step |\n|---|---|---|")

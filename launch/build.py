@@ -1,4 +1,7 @@
-"""Config -> the pieces a rank runs: its stage, (rank 0) the drafter, tokenizer and prompt ids."""
+"""Config -> the pieces a rank runs: its stage, (rank 0) the drafter, tokenizer and prompt ids.
+
+Every stage is built here: the target's two slices and the drafter's whole small model go through
+`_load_stage`, with one rule for devices, dtypes and caches; the capacity rule is `check_capacity`."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,12 +35,26 @@ def quantizer(cfg: TandemConfig, which: str):
 
 
 def build_stage(cfg: TandemConfig, rank: int):
+    """Rank 0: embeddings + layers [0, split); rank 1: layers [split, L), the final norm and the head."""
     split, num_layers = split_point(cfg)
     first, last = (0, split) if rank == 0 else (split, num_layers)
-    stage = load_stage(cfg.model.target, first, last, embed=rank == 0, head=rank == 1, dtype=cfg.model.dtype,
-                       device=device_for(cfg), progress=f"rank {rank} layers {first}-{last - 1}",
-                       quant=quantizer(cfg, "model"))
-    stage.allocate_cache(cfg.model.max_len, compute_dtype(stage))
+    return _load_stage(cfg.model.target, first, last, embed=rank == 0, head=rank == 1, dtype=cfg.model.dtype,
+                       device=device_for(cfg), quant=quantizer(cfg, "model"), max_len=cfg.model.max_len,
+                       setting="model.max_len", progress=f"rank {rank} layers {first}-{last - 1}")
+
+
+def build_draft_stage(cfg: TandemConfig):
+    """The drafter's whole model (embeddings, every layer, head) as one stage on draft.device."""
+    d = cfg.draft
+    return _load_stage(d.model, 0, load_config(d.model).num_hidden_layers, embed=True, head=True, dtype=d.dtype,
+                       device=d.device, quant=quantizer(cfg, "draft"), max_len=d.max_len, setting="draft.max_len",
+                       progress="drafter")
+
+
+def _load_stage(folder, first, last, *, embed, head, dtype, device, quant, max_len, setting, progress):
+    stage = load_stage(folder, first, last, embed=embed, head=head, dtype=dtype, device=device, progress=progress,
+                       quant=quant)
+    stage.allocate_cache(max_len, compute_dtype(stage), setting=setting)
     return stage
 
 
@@ -91,10 +108,25 @@ def prompt_ids(cfg: TandemConfig, tokenizer, vocab_size: int) -> list[int]:
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
         raise ConfigError(f"prompt_ids holds {bad[0]}, outside the model's vocabulary of {vocab_size}")
-    if len(ids) + cfg.gen.max_new_tokens + cfg.spec.k > cfg.model.max_len:
-        raise ConfigError(f"prompt ({len(ids)} tokens) + gen.max_new_tokens ({cfg.gen.max_new_tokens}) + spec.k "
-                          f"({cfg.spec.k}) exceed model.max_len={cfg.model.max_len}; raise model.max_len or shorten")
+    check_capacity(cfg, len(ids), cfg.gen.max_new_tokens)
     return ids
+
+
+def check_capacity(cfg: TandemConfig, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Every cache must hold prompt + output + the drafts of the last round: checked before any round,
+    so a generation never fails half-way for want of room."""
+    needed = prompt_tokens + max_new_tokens + cfg.spec.k
+    caches = [("model.max_len", cfg.model.max_len)]
+    if cfg.draft.kind == "model" and cfg.spec.k > 0:
+        caches.append(("draft.max_len", cfg.draft.max_len))
+    for setting, capacity in caches:
+        if needed > capacity:
+            raise CapacityError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) + spec.k "
+                                f"({cfg.spec.k}) = {needed} exceed {setting}={capacity}; raise {setting} or shorten")
+
+
+class CapacityError(ConfigError):
+    """A request that does not fit the caches (one-shot: at start; serving: a 400 for that request)."""
 
 
 def check_tokenizer(tokenizer, config, folder: str) -> None:
@@ -111,11 +143,24 @@ def build_drafter(cfg: TandemConfig, target_tokenizer, target_config):
     if d.kind == "ngram":
         return NgramDrafter(d.ngram_max, d.ngram_min)
     check_same_vocabulary(cfg.model.target, d.model, target_tokenizer, target_config)
-    if cfg.gen.max_new_tokens + cfg.spec.k > d.max_len:
-        raise ConfigError(f"draft.max_len={d.max_len} is smaller than gen.max_new_tokens + spec.k; raise draft.max_len")
-    return ModelDrafter(d.model, device=d.device, dtype=d.dtype, max_len=d.max_len, max_k=cfg.spec.k,
-                        temperature=cfg.gen.temperature, top_k=d.top_k, seed=cfg.gen.seed + 1,
-                        graph=d.graph, quant=quantizer(cfg, "draft"))
+    return model_drafter(cfg)
+
+
+def model_drafter(cfg: TandemConfig):
+    """draft.model as a ModelDrafter (what build_drafter gives once the vocabularies are checked)."""
+    from speculative.drafters import ModelDrafter
+    return ModelDrafter(build_draft_stage(cfg), max_k=max(cfg.spec.k, 1), top_k=cfg.draft.top_k,
+                        use_graph=use_graph(cfg.draft))
+
+
+def use_graph(d) -> bool:
+    """draft.graph: auto = capture on CUDA; on = insist (and say why it cannot be)."""
+    import torch
+    on_cuda = d.device.startswith("cuda")
+    if d.graph == "on" and not (on_cuda and torch.cuda.is_available()):
+        raise ConfigError(f"draft.graph=on needs a CUDA draft.device (got {d.device!r}"
+                          f"{'' if torch.cuda.is_available() else ', no CUDA here'}); use draft.graph=auto")
+    return d.graph == "on" or (d.graph == "auto" and on_cuda)
 
 
 def check_same_vocabulary(target: str, draft: str, target_tokenizer, target_config) -> None:

@@ -1,7 +1,11 @@
-"""The configuration tree: structured dataclasses, merged with a YAML file and `key=value` overrides.
+"""The configuration tree: the dataclasses below hold every key's default and its meaning, once.
+
+    defaults (these dataclasses) <- config=FILE (optional YAML) <- key=value overrides
 
 Structured configs make omegaconf reject an unknown key at start; we turn its exception into one line
-that lists the valid keys of the section the typo is in.
+that lists the valid keys of the section the typo is in. `configs/default.yaml` spells the defaults
+out as a documented example (a test keeps it equal to the dataclasses); `validate` is the one place
+that checks values.
 """
 from __future__ import annotations
 
@@ -11,11 +15,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import MISSING, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
+MODELS = "${oc.env:TANDEM_CACHE,'~/.cache/tandem'}/models"  # where model_parallel.fetch_weights puts them
 
 
 class ConfigError(ValueError):
@@ -24,7 +27,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    target: str = MISSING  # a local Hugging Face folder (config.json, *.safetensors, tokenizer)
+    target: str = f"{MODELS}/qwen2.5-coder-1.5b-instruct"  # a local HF folder (config.json, *.safetensors, tokenizer)
     split: int | None = None  # first layer of rank 1; None = half of the layers
     dtype: str = "bfloat16"  # float32 | bfloat16 | float16
     max_len: int = 4096  # KV-cache capacity of each stage, in tokens (prompt + output + K)
@@ -36,8 +39,8 @@ class ModelConfig:
 
 @dataclass
 class DraftConfig:
-    kind: str = "none"  # none | model | ngram
-    model: str | None = None  # a local HF folder with the same tokenizer as the target (kind=model)
+    kind: str = "model"  # none (one token per round trip) | model (a small LM) | ngram (prompt lookup)
+    model: str | None = f"{MODELS}/qwen2.5-coder-0.5b-instruct"  # a local HF folder sharing the target's tokenizer
     device: str = "cpu"
     dtype: str = "bfloat16"
     graph: str = "auto"  # auto | on | off : capture the draft step as a CUDA graph (CUDA only)
@@ -89,6 +92,14 @@ class LogConfig:
 
 
 @dataclass
+class ServeConfig:
+    port: int | None = None  # serve an OpenAI-compatible HTTP API on rank 0 instead of answering `prompt` once
+    host: str = "127.0.0.1"  # 0.0.0.0 to accept other hosts (no authentication: keep it on a trusted network)
+    model_name: str | None = None  # the model id clients send; None = the target folder's name
+    max_queue: int = 64  # requests waiting beyond this are refused with 429
+
+
+@dataclass
 class TandemConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
@@ -97,6 +108,7 @@ class TandemConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     prompt: str | None = None  # plain text; the chat template is applied when the model has one
     prompt_ids: list[int] | None = None  # token ids, used as they are (tests)
     chat: bool = True
@@ -117,7 +129,7 @@ def _expand(path: str | None) -> str | None:
 
 
 def load_config(overrides: list[str], config_file: str | Path | None = None) -> TandemConfig:
-    """Schema <- YAML file <- `key=value` overrides. `config=PATH` among the overrides picks the file."""
+    """Defaults <- YAML file (if any) <- `key=value` overrides. `config=PATH` among the overrides picks the file."""
     rest = []
     for item in overrides:
         if item.startswith("config="):
@@ -126,19 +138,23 @@ def load_config(overrides: list[str], config_file: str | Path | None = None) -> 
             raise ConfigError(f"unexpected option {item!r}: settings are given as key=value (e.g. gen.max_new_tokens=64)")
         else:
             rest.append(item)
-    config_file = Path(config_file) if config_file else DEFAULT_CONFIG
-    if not config_file.is_file():
-        raise ConfigError(f"config file {config_file} not found; pass config=PATH to a YAML file such as configs/default.yaml")
-    schema = OmegaConf.structured(TandemConfig)
+    layers = [OmegaConf.structured(TandemConfig)]
+    where = "command line"
+    if config_file:
+        config_file = Path(config_file)
+        if not config_file.is_file():
+            raise ConfigError(f"config file {config_file} not found; pass config=PATH to a YAML file such as configs/default.yaml")
+        layers.append(OmegaConf.load(config_file))
+        where = f"{config_file.name} or command line"
     try:
-        merged = OmegaConf.merge(schema, OmegaConf.load(config_file), OmegaConf.from_dotlist(rest))
+        merged = OmegaConf.merge(*layers, OmegaConf.from_dotlist(rest))
         cfg: TandemConfig = OmegaConf.to_object(merged)
     except ConfigKeyError as e:
         key = str(getattr(e, "full_key", "") or "")
         parts = key.split(".")
         valid = _valid_keys(TandemConfig, parts[:-1])
         section = ".".join(parts[:-1]) or "top level"
-        raise ConfigError(f"unknown config key {key!r} ({config_file.name} or command line); valid keys in {section}: {', '.join(valid)}") from None
+        raise ConfigError(f"unknown config key {key!r} ({where}); valid keys in {section}: {', '.join(valid)}") from None
     except OmegaConfBaseException as e:
         msg = str(e).splitlines()[0]
         raise ConfigError(f"bad config value: {msg} (full key: {getattr(e, 'full_key', '?')})") from None
@@ -146,6 +162,8 @@ def load_config(overrides: list[str], config_file: str | Path | None = None) -> 
         setattr(cfg.model, name, _expand(getattr(cfg.model, name)))
     cfg.draft.model = _expand(cfg.draft.model)
     cfg.transport.secret_file = _expand(cfg.transport.secret_file)
+    # YAML 1.1 reads a bare on/off as a boolean, which omegaconf then stores in this str field as True/False
+    cfg.draft.graph = {"True": "on", "False": "off"}.get(cfg.draft.graph, cfg.draft.graph)
     validate(cfg)
     return cfg
 
@@ -173,8 +191,10 @@ def validate(cfg: TandemConfig) -> None:
         raise ConfigError("gen.temperature must be >= 0 (0 = greedy)")
     if not 0 < cfg.gen.top_p <= 1:
         raise ConfigError("gen.top_p must be in (0, 1]")
-    if cfg.prompt is None and cfg.prompt_ids is None:
-        raise ConfigError('give a prompt: prompt="..." (or prompt_ids=[1,2,3])')
+    if cfg.prompt is None and cfg.prompt_ids is None and cfg.serve.port is None:
+        raise ConfigError('give a prompt: prompt="..." (or prompt_ids=[1,2,3]), or serve.port=PORT to serve an API')
+    if cfg.serve.port is not None and not 0 <= cfg.serve.port <= 65535:
+        raise ConfigError(f"serve.port={cfg.serve.port} is not a TCP port (0..65535)")
     if cfg.draft.top_k < 1:
         raise ConfigError("draft.top_k must be >= 1")
 

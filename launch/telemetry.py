@@ -71,13 +71,14 @@ class Telemetry:
                                        on_trace_ready=tp.tensorboard_trace_handler(str(self.dir), worker_name="rank0"))
             self.profiler.start()
 
-    def on_round(self, r, reply_meta: dict) -> None:
+    def on_round(self, r, reply) -> None:
+        """r: the round's RoundRecord; reply: rank 1's protocol.Reply (its clock marks feed the trace)."""
         w, step = self.writer, self.step
         for tag, value in (("draft_ms", r.draft_ms), ("stage0_ms", r.stage0_ms), ("stage1_ms", r.stage1_ms),
                            ("network_ms", r.round_ms - r.stage1_ms), ("round_ms", r.draft_ms + r.stage0_ms + r.round_ms),
                            ("drafted", r.drafted), ("accepted", r.accepted), ("tokens", r.committed)):
             w.add_scalar(f"round/{tag}", value, step)
-        self.rank1_marks.append(list(reply_meta.get("t1") or []))
+        self.rank1_marks.append(list(reply.marks))
         self.step += 1
         if self.profiler is not None:
             self.profiler.step()

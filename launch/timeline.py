@@ -1,7 +1,7 @@
 """The two ranks on one time axis: per-round spans, rank 1's clock aligned to rank 0's, one Chrome trace.
 
 Rank 0 knows its own spans from its round records (draft, stage0, send, wait, commit). Rank 1 puts
-four `time.perf_counter()` readings in each reply (`reply.meta["t1"]`):
+four `time.perf_counter()` readings in each reply (`protocol.Reply.marks`):
 
     [wait_start, recv_end, forward_end, send_start]     on rank 1's clock
 

@@ -1,4 +1,5 @@
-"""Drafters behind one small interface: `propose(context, k)` -> Drafts; `commit(n)` after the round.
+"""Drafters behind one small interface: `reset(keep, temperature, seed)` when a request starts,
+`propose(context, k)` -> Drafts each round, `commit(n)` after it.
 
 `context` is every committed token (prompt + output), its last one the token the target has yet to
 see. A drafter returns at most k tokens (fewer is fine) and, when the target samples, the sparse
@@ -10,8 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache.draft_step import DraftStep
-from model_parallel.loader import load_stage
+from speculative.draft_step import DraftStep
 
 
 @dataclass
@@ -30,17 +30,24 @@ def one_hot_drafts(tokens: list[int]) -> Drafts:
     return Drafts(t, t[:, None].clone(), torch.ones(len(tokens), 1))
 
 
-class NoDrafter:
-    """K=0: one token per round trip."""
+class StatelessDrafter:
+    """A drafter that keeps nothing between rounds."""
 
-    def propose(self, context: list[int], k: int) -> Drafts:
-        return Drafts(torch.zeros(0, dtype=torch.long))
+    def reset(self, keep: int, temperature: float, seed: int) -> None:
+        pass
 
     def commit(self, n_committed: int) -> None:
         pass
 
 
-class NgramDrafter:
+class NoDrafter(StatelessDrafter):
+    """K=0: one token per round trip."""
+
+    def propose(self, context: list[int], k: int) -> Drafts:
+        return Drafts(torch.zeros(0, dtype=torch.long))
+
+
+class NgramDrafter(StatelessDrafter):
     """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (n from
     `max_n` down to `min_n`) and propose what followed it. Free, and strong on code and quotes."""
 
@@ -56,34 +63,29 @@ class NgramDrafter:
                         return one_hot_drafts(context[start + n:start + n + k])
         return one_hot_drafts([])
 
-    def commit(self, n_committed: int) -> None:
-        pass
-
 
 class ModelDrafter:
-    """A small causal LM on its own device with a static KV cache indexed by position.
+    """A small causal LM (a built Stage with embeddings and head) with a static KV cache indexed by position.
 
     Its cache holds `cached` tokens of the context. A round feeds whatever the cache lacks (the
     prompt at first; normally just the last committed token; after a fully accepted round also dK,
     so the cache never has a hole), then runs K single-token steps."""
 
-    def __init__(self, folder: str, device: str = "cpu", dtype: str = "float32", max_len: int = 4096,
-                 max_k: int = 8, temperature: float = 0.0, top_k: int = 32, seed: int = 0,
-                 graph: str = "auto", quant=None):
-        use_graph = {"on": True, "off": False, "auto": device.startswith("cuda")}[graph]
-        if use_graph and not (device.startswith("cuda") and torch.cuda.is_available()):
-            raise ValueError(f"draft.graph=on needs a CUDA draft.device (got {device!r}{', no CUDA here' if not torch.cuda.is_available() else ''}); use draft.graph=auto")
-        self.stage = load_stage(folder, 0, _num_layers(folder), embed=True, head=True, dtype=dtype,
-                                device=device, progress="drafter", quant=quant)
-        self.stage.allocate_cache(max_len, self.stage.embed.weight.dtype, setting="draft.max_len")
-        self.device = device
+    def __init__(self, stage, max_k: int = 8, top_k: int = 32, use_graph: bool = False):
+        self.stage = stage
+        self.device = stage.device
         self.cached = 0
-        generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
-        self.step = DraftStep(self.stage, max(max_k, 1), top_k, temperature, generator, use_graph)
+        self.step = DraftStep(stage, max(max_k, 1), top_k, use_graph)
 
     @property
     def vocab_size(self) -> int:
         return self.stage.config.vocab_size
+
+    def reset(self, keep: int, temperature: float, seed: int) -> None:
+        """A new request whose context shares its first `keep` tokens with what the cache holds."""
+        self.cached = min(self.cached, keep)
+        self.stage.cache.rewind(self.cached)
+        self.step.configure(temperature, seed)
 
     def propose(self, context: list[int], k: int) -> Drafts:
         if k == 0:
@@ -100,8 +102,3 @@ class ModelDrafter:
         # Valid: the committed prefix the cache saw. Its last committed token is fed next round.
         self.cached = min(self.cached, n_committed - 1)
         self.stage.cache.rewind(self.cached)
-
-
-def _num_layers(folder: str) -> int:
-    from model_parallel.loader import load_config
-    return load_config(folder).num_hidden_layers

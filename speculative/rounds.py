@@ -10,6 +10,8 @@
 
 `pending` is the prompt in the first round (the prefill) and the last committed token after that;
 both caches then hold exactly the committed tokens but the newest, which the next round feeds.
+A request may start with the first `reuse` tokens of its prompt already in every cache (the last
+request's conversation): the prefill then feeds only the rest. Messages: netbridge.protocol.
 """
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 from model_parallel.stage import Stage
+from netbridge import protocol
 from netbridge.channel import Channel
+from netbridge.protocol import Reply, Request, Round
 from speculative.output import Output
 from speculative.verify import target_probs, verify_greedy, verify_sampled
 
@@ -46,6 +50,7 @@ class Generation:
     ttft_s: float = 0.0
     total_s: float = 0.0
     t0_s: float = 0.0  # time.perf_counter() at the start: start_s + t0_s is a round's clock reading
+    reused: int = 0  # prompt tokens found in the caches (not prefilled again)
 
 
 def _ms(t0: float) -> float:
@@ -61,13 +66,18 @@ def next_k(k: int, drafted: int, accepted: int, k_max: int) -> int:
 
 
 def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], output: Output, k: int,
-              on_round=None, adaptive: bool = False) -> Generation:
-    gen = Generation(prompt_ids, output)
+              on_round=None, adaptive: bool = False, request: Request = Request(), reuse: int = 0,
+              cancelled=lambda: False) -> Generation:
+    """One generation. `reuse`: prompt tokens every cache already holds. `cancelled()` is asked
+    between rounds (a client that went away); the caches stay consistent whenever it stops."""
+    gen = Generation(prompt_ids, output, reused=reuse)
+    protocol.send(channel, request)
+    drafter.reset(reuse, request.temperature, request.seed + 1)
     committed = list(prompt_ids)
-    pending = list(prompt_ids)  # tokens the target has not yet seen
+    pending = committed[reuse:]  # tokens the target has not yet seen
     t_start = gen.t0_s = time.perf_counter()
     k_now = k
-    while not output.done:
+    while not output.done and not cancelled():
         t_round = time.perf_counter()
         remaining = output.max_new_tokens - len(output.tokens)
         k_round = 0 if len(committed) == len(prompt_ids) else min(k_now, remaining - 1)  # never overshoot
@@ -76,63 +86,65 @@ def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], ou
 
         t0 = time.perf_counter()
         start = len(committed) - len(pending)
+        stage.cache.rewind(start)
         stage.cache.check_room(start + len(pending) + len(drafts))
         ids = torch.tensor([pending + drafts.tokens.tolist()], device=stage.device)
         hidden = stage(ids, live=start + ids.shape[1])
         stage0_ms = _ms(t0)
 
         t0 = time.perf_counter()
-        tensors = dict(hidden=hidden, drafts=drafts.tokens)
-        if drafts.q_ids is not None:
-            tensors.update(q_ids=drafts.q_ids, q_probs=drafts.q_probs)
-        channel.send("round", {"start": start}, **tensors)
+        protocol.send(channel, Round(start, hidden, drafts.tokens, drafts.q_ids, drafts.q_probs))
         send_ms = _ms(t0)
-        reply = channel.recv("reply")
+        reply = protocol.recv(channel, Reply)
         round_ms = _ms(t0)
 
-        accepted, token = reply.meta["accepted"], reply.meta["token"]
-        new_tokens = drafts.tokens[:accepted].tolist() + [token]
+        new_tokens = drafts.tokens[:reply.accepted].tolist() + [reply.token]
         kept = output.commit(new_tokens)
         committed += new_tokens[:kept]
         pending = committed[-1:]
-        stage.cache.rewind(len(committed) - 1)
         drafter.commit(len(committed))
         if not gen.rounds:
             gen.ttft_s = time.perf_counter() - t_start
-        record = RoundRecord(len(drafts), accepted, kept, draft_ms, stage0_ms, round_ms, reply.meta["stage1_ms"],
+        record = RoundRecord(len(drafts), reply.accepted, kept, draft_ms, stage0_ms, round_ms, reply.stage1_ms,
                              t_round - t_start, send_ms, t0 - t_start)
         gen.rounds.append(record)
         if adaptive:
-            k_now = next_k(k_now, len(drafts), accepted, k)
+            k_now = next_k(k_now, len(drafts), reply.accepted, k)
         if on_round is not None:
-            on_round(record, reply.meta)
-    channel.send("stop")
+            on_round(record, reply)
     gen.total_s = time.perf_counter() - t_start
     return gen
 
 
-def run_rank1(stage: Stage, channel: Channel, temperature: float, top_p: float, seed: int) -> int:
-    """Serve rounds until rank 0 says stop; returns the number of rounds served."""
-    generator = torch.Generator().manual_seed(seed)
+def run_rank1(stage: Stage, channel: Channel) -> int:
+    """Serve rounds until rank 0 says Bye; returns the number of rounds served."""
+    request, generator = Request(), torch.Generator()
     rounds = 0
     while True:
         t_wait = time.perf_counter()
-        msg = channel.recv(("round", "stop"))
-        if msg.kind == "stop":
+        msg = protocol.recv(channel, Request, Round, protocol.Idle, protocol.Bye)
+        if isinstance(msg, protocol.Bye):
             return rounds
+        if isinstance(msg, Request):
+            request = msg
+            generator.manual_seed(request.seed)
+        if not isinstance(msg, Round):
+            continue
         t0 = time.perf_counter()
-        hidden, drafts = msg.tensors["hidden"].to(stage.device), msg.tensors["drafts"]
-        start, k = msg.meta["start"], drafts.numel()
-        stage.cache.rewind(start)  # rank 0 is the authority on the committed length
-        stage.cache.check_room(start + hidden.shape[1])
-        logits = stage(hidden, num_logits=k + 1, live=start + hidden.shape[1])[0].cpu()
-        t_forward = time.perf_counter()
-        if temperature > 0:
-            probs = target_probs(logits, temperature, top_p)
-            accepted, token = verify_sampled(probs, drafts, msg.tensors.get("q_ids"), msg.tensors.get("q_probs"), generator)
-        else:
-            accepted, token = verify_greedy(logits, drafts)
+        accepted, token, t_forward = verify_round(stage, msg, request, generator)
         t_send = time.perf_counter()
-        channel.send("reply", {"accepted": accepted, "token": token, "stage1_ms": (t_send - t0) * 1000,
-                               "t1": [t_wait, t0, t_forward, t_send]})  # rank 1's clock, for launch/timeline.py
+        protocol.send(channel, Reply(accepted, token, (t_send - t0) * 1000, [t_wait, t0, t_forward, t_send]))
         rounds += 1
+
+
+def verify_round(stage: Stage, msg: Round, request: Request, generator: torch.Generator) -> tuple[int, int, float]:
+    """Rank 1's half of a round: (accepted drafts, the next token, when the forward finished)."""
+    hidden, k = msg.hidden.to(stage.device), msg.drafts.numel()
+    stage.cache.rewind(msg.start)  # rank 0 is the authority on the committed length
+    stage.cache.check_room(msg.start + hidden.shape[1])
+    logits = stage(hidden, num_logits=k + 1, live=msg.start + hidden.shape[1])[0].cpu()
+    t_forward = time.perf_counter()
+    if request.temperature > 0:
+        probs = target_probs(logits, request.temperature, request.top_p)
+        return (*verify_sampled(probs, msg.drafts, msg.q_ids, msg.q_probs, generator), t_forward)
+    return (*verify_greedy(logits, msg.drafts), t_forward)

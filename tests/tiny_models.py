@@ -92,3 +92,34 @@ def save_tiny_tokenizer(folder: Path, vocab_size: int = VOCAB) -> None:
     bpe.train_from_iterator(corpus, vocab_size=vocab_size - 1, min_frequency=1, special_tokens=["<eos>"], show_progress=False)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>")
     tok.save_pretrained(folder)
+
+
+def run_pair(*overrides: str, timeout_s: float = 60.0) -> dict:
+    """Both ranks of train_free_infer in this process, as two threads over an in-process channel pair
+    (netbridge.channel.local_pair): the whole entry path but torchrun, in seconds. Returns rank 0's
+    result (the output JSON); an exception on either rank is raised here."""
+    import threading
+
+    import train_free_infer
+    from launch.config import load_config
+    from netbridge.channel import local_pair
+
+    cfg = load_config(["output.stream=false", "chat=false", *overrides])
+    channels = local_pair(timeout_s)
+    results, errors = {}, {}
+
+    def rank(r: int) -> None:
+        try:
+            results[r] = (train_free_infer.rank0 if r == 0 else train_free_infer.rank1)(cfg, channels[r])
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            errors[r] = e
+            channels[r].close()  # the other rank fails at once instead of waiting out its timeout
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s * 4)
+    assert not any(t.is_alive() for t in threads), "a rank did not finish"
+    if errors:
+        raise errors.get(0) or errors[1]
+    return results[0]

@@ -22,8 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.draft_speed import ms_per_round  # noqa: E402
-from speculative.drafters import ModelDrafter  # noqa: E402
+from bench.draft_speed import make_drafter, ms_per_round  # noqa: E402
 
 
 def drive(drafters, rounds: int, vocab: int, seed: int) -> int:
@@ -71,13 +70,11 @@ def main() -> None:
         raise SystemExit("no CUDA device here; run with --device cpu for a dry run of the script")
     graph_mode = "on" if on_gpu else "off"  # on CPU: eager vs eager, which checks only this script
     for temperature in (0.0, 0.8):
-        make = lambda graph: ModelDrafter(folder, device=args.device, dtype=args.dtype, max_len=1024, max_k=8,  # noqa: E731
-                                          temperature=temperature, seed=3, graph=graph)
+        make = lambda graph: make_drafter(folder, args.device, args.dtype, graph, temperature, seed=3)  # noqa: E731
         graphed, eager = make(graph_mode), make("off")
         n = drive([graphed, eager], args.rounds, graphed.vocab_size, seed=11)
         print(f"temperature {temperature}: {n} rounds, graph == eager token for token ({'graph' if on_gpu else 'DRY RUN: eager'} vs eager)")
-    graphed, eager = ModelDrafter(folder, device=args.device, dtype=args.dtype, max_len=1024, max_k=8, graph=graph_mode), \
-        ModelDrafter(folder, device=args.device, dtype=args.dtype, max_len=1024, max_k=8, graph="off")
+    graphed, eager = make_drafter(folder, args.device, args.dtype, graph_mode), make_drafter(folder, args.device, args.dtype, "off")
     print(f"\n| K | eager ms/step | graph ms/step | eager/graph |\n|---|---|---|---|")
     context = list(range(1, 65))
     for k in (1, 4, 8):

@@ -1,0 +1,105 @@
+"""Every message between the two ranks, in one place.
+
+    rank 0                                   rank 1
+    Hello(split, layers, dtype, quant)  -->  checks it against its own; Hello back, or Error
+    Request(temperature, top_p, seed)   -->  a new generation: reseed the verifier
+    Round(start, hidden, drafts, [q])   -->  forward its slice from `start`, verify
+                                        <--  Reply(accepted, token, stage1_ms, marks)
+    ... more Rounds, more Requests (serving) ...
+    Idle                                -->  nothing to do yet (serving): the link is alive
+    Bye                                 -->  the session is over
+    Error(error)                        <->  the sender failed; the receiver reports it and exits
+
+A message is a dataclass: its tensor fields travel as tensors, the rest as the frame's JSON `meta`
+(netbridge.frames). `send` and `recv` are the only way the ranks talk; `recv` turns an Error from the
+peer, a kind it did not expect and a missing field into one PeerError line.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from netbridge.channel import Channel, PeerError
+
+VERSION = 2  # bumped when a message changes; Hello carries it
+
+
+@dataclass
+class Hello:
+    split: int
+    num_layers: int
+    dtype: str
+    quant: str
+    version: int = VERSION
+
+
+@dataclass
+class Request:
+    """Sampling settings of one generation; rank 1 verifies with them until the next Request."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class Round:
+    start: int  # the committed length before this block: rank 1 rewinds its cache here
+    hidden: torch.Tensor  # [1, T, H]: rank 0's slice over [pending..., d1..dK]
+    drafts: torch.Tensor  # [K]
+    q_ids: torch.Tensor | None = None  # [K, m] when sampling: the support of each draft's distribution
+    q_probs: torch.Tensor | None = None  # [K, m]
+
+
+@dataclass
+class Reply:
+    accepted: int
+    token: int  # the target's next token after the accepted drafts
+    stage1_ms: float
+    marks: list[float] = field(default_factory=list)  # rank 1's clock: wait, start, forward done, send
+
+
+@dataclass
+class Idle:
+    pass
+
+
+@dataclass
+class Bye:
+    pass
+
+
+@dataclass
+class Error:
+    error: str
+
+
+MESSAGES = {cls.__name__.lower(): cls for cls in (Hello, Request, Round, Reply, Idle, Bye, Error)}
+
+
+def send(channel: Channel, msg) -> None:
+    meta, tensors = {}, {}
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        if isinstance(value, torch.Tensor):
+            tensors[f.name] = value
+        elif value is not None:
+            meta[f.name] = value
+    channel.send(type(msg).__name__.lower(), meta, **tensors)
+
+
+def recv(channel: Channel, *expect: type):
+    """The next message, which must be one of `expect`; an Error from the peer raises PeerError."""
+    raw = channel.recv()
+    cls = MESSAGES.get(raw.kind)
+    if cls is Error and Error not in expect:
+        raise PeerError(f"the other rank failed: {raw.meta.get('error', '?')}")
+    if cls not in expect:
+        names = " or ".join(e.__name__ for e in expect)
+        raise PeerError(f"protocol error: expected {names}, got {raw.kind!r}; are both ranks the same Tandem version?")
+    try:
+        return cls(**raw.meta, **raw.tensors)
+    except TypeError:
+        raise PeerError(f"protocol error: a {raw.kind!r} message with fields {sorted({**raw.meta, **raw.tensors})}; "
+                        "are both ranks the same Tandem version?") from None
