@@ -37,12 +37,12 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from netbridge import auth
-from netbridge.relay import HEARTBEAT, RDZV_BODY, RDZV_DONE
-from netbridge.relay_channel import LinkClosed, LinkSocket, LinkTimeout
+from netbridge.link import RDZV_BODY, RDZV_DONE, LinkClosed, LinkGarbage, LinkSocket, LinkTimeout, UnexpectedFrame
 
 log = logging.getLogger(__name__)
 BACKEND = "tandem-relay"
 DEFAULT_PORT = 29400
+HEARTBEAT_S = 5.0  # while an agent waits for the others; well inside the relay's --idle-timeout-s (30 s)
 
 
 class StoreProxy:
@@ -158,19 +158,14 @@ class RelayRendezvousHandler(RendezvousHandler):
         except auth.HandshakeError as e:
             raise RendezvousConnectionError(str(e)) from None
         link = LinkSocket(sock, self.endpoint, send_timeout_s=30.0)
-
-        def keep_alive(now: float) -> None:
-            if now - link.last_tx >= 5.0:
-                link.try_heartbeat()
         try:
-            deadline = time.monotonic() + self.join_timeout_s
-            while True:
-                kind, body = link.recv(deadline, keep_alive)
-                if kind == RDZV_DONE and len(body) == RDZV_BODY.size:
-                    rank, world, token, has_store = RDZV_BODY.unpack(body)
-                    break
-                if kind != HEARTBEAT:
-                    raise RendezvousError(f"the relay at {self.endpoint} sent frame type {kind} during the rendezvous; same Tandem version?")
+            body = link.wait_for(RDZV_DONE, time.monotonic() + self.join_timeout_s, HEARTBEAT_S)
+            if len(body) != RDZV_BODY.size:
+                raise UnexpectedFrame(RDZV_DONE)  # a done frame of another layout: another version's relay
+        except UnexpectedFrame as e:
+            raise RendezvousError(f"the relay at {self.endpoint} sent frame type {e.kind} during the rendezvous; same Tandem version?") from None
+        except LinkGarbage as e:
+            raise RendezvousError(str(e)) from None
         except LinkTimeout:
             raise RendezvousTimeoutError(f"not all {self.world} nodes of run {self.run_id!r} joined at the relay {self.endpoint} "
                                          f"within {self.join_timeout_s:.0f} s: start torchrun on the other node(s) with the same "
@@ -179,6 +174,7 @@ class RelayRendezvousHandler(RendezvousHandler):
             raise RendezvousConnectionError(f"the relay at {self.endpoint} closed the rendezvous connection ({e.reason}); check its log") from None
         finally:
             link.close()
+        rank, world, token, has_store = RDZV_BODY.unpack(body)
         if not has_store:
             raise RendezvousError(f"the relay at {self.endpoint} could not start the rendezvous store (is torch installed there? see its log)")
         return rank, world, token.decode()

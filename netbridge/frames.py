@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from netbridge.link import MAX_FRAME_BYTES  # one bound for the message and the link frame carrying it
+
 MAGIC = b"TDM1"
-MAX_FRAME_BYTES = 256 * 1024 * 1024  # one frame's bound: a 64k-token prefill of hidden size 2048 in bf16
 DTYPES = {str(d).removeprefix("torch."): d for d in
           (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool, torch.uint8)}
 

@@ -9,9 +9,9 @@ Every connection starts with the HMAC handshake of netbridge.auth and then is on
          relay gives each its node rank and the token of a fresh store
   store  a byte pipe to that run's c10d TCPStore, which listens on the relay's loopback only
 
-Link frames after the handshake: u8 type | u32 length | body. The length is checked against the
-bound before any body byte is read; a bad type, an oversized or empty DATA frame, or DATA before the
-peer has joined closes that connection with one log line, and its session with it.
+Link frames after the handshake: u8 type | u32 length | body (netbridge.link). The length is checked
+against the bound before any body byte is read; a bad type, an oversized or empty DATA frame, or DATA
+before the peer has joined closes that connection with one log line, and its session with it.
 
 No torch import unless the rendezvous store is enabled (then torch.distributed, CPU is enough).
 """
@@ -24,21 +24,15 @@ import os
 import secrets
 import signal
 import socket
-import struct
 import sys
 import time
 from collections import deque
 
 from netbridge import auth
+from netbridge.link import DATA, HEADER, HEARTBEAT, MAX_FRAME_BYTES, PAIRED, PEER_LEFT, RDZV_BODY, RDZV_DONE
 
 log = logging.getLogger("tandem.relay")
 
-HEADER = struct.Struct("!BI")
-DATA, HEARTBEAT, PAIRED, PEER_LEFT, RDZV_DONE = 1, 2, 3, 4, 5
-RDZV_BODY = struct.Struct("!BB16sB")  # node rank, world, store token (hex), store available
-# The bound of one frame. Equal to netbridge.frames.MAX_FRAME_BYTES (a test checks); not imported from
-# there because frames imports torch and this process must stay small.
-MAX_FRAME_BYTES = 256 * 1024 * 1024
 HIGH_WATER = 1024 * 1024  # bytes queued towards a receiver before the sender is paused
 STORE_GRACE_S = 120.0  # a run's store lives this long after its last connection closed
 

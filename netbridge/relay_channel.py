@@ -11,140 +11,13 @@ and every error names the relay and what to check.
 from __future__ import annotations
 
 import os
-import select
 import socket
 import threading
 import time
 
 from netbridge import auth
 from netbridge.channel import Channel, PeerError
-from netbridge.frames import MAX_FRAME_BYTES
-from netbridge.relay import DATA, HEADER, HEARTBEAT, PAIRED, PEER_LEFT, RDZV_DONE
-
-_SMALL = 64 * 1024  # frames up to this size go out in one send together with their header
-_KNOWN = (DATA, HEARTBEAT, PAIRED, PEER_LEFT, RDZV_DONE)
-
-
-class LinkTimeout(Exception):
-    """The deadline of one receive passed (the caller turns it into a message)."""
-
-
-class LinkClosed(Exception):
-    def __init__(self, mid_frame: bool, reason: str = ""):
-        super().__init__(reason)
-        self.mid_frame, self.reason = mid_frame, reason
-
-
-class LinkSocket:
-    """Link frames (u8 type | u32 length | body) over a connected socket, with deadlines.
-
-    Receiving waits in poll() in short slices so the caller can check liveness while it waits; a
-    frame body is read straight into its own buffer. Sending is serialized by a lock, so a heartbeat
-    thread may send while the owner receives.
-    """
-
-    def __init__(self, sock: socket.socket, name: str, send_timeout_s: float, max_frame_bytes: int = MAX_FRAME_BYTES):
-        self.sock, self.name, self.max_frame_bytes = sock, name, max_frame_bytes
-        sock.settimeout(send_timeout_s)  # bounds each send call (no progress that long = stalled); receives poll first
-        self.poll = select.poll()
-        self.poll.register(sock, select.POLLIN)
-        self.lock = threading.Lock()
-        self.buf = bytearray(256 * 1024)
-        self.start = self.end = 0
-        now = time.monotonic()
-        self.last_rx = self.last_tx = now
-
-    def send(self, kind: int, body: bytes | bytearray | memoryview = b"") -> None:
-        header = HEADER.pack(kind, len(body))
-        with self.lock:
-            if len(body) <= _SMALL:
-                self._send_all(header + body)
-            else:
-                self._send_all(header)
-                self._send_all(body)
-            self.last_tx = time.monotonic()
-
-    def _send_all(self, data) -> None:
-        # Not sendall: its timeout bounds the whole call, and a big frame on a slow link may rightly take
-        # longer than that. Each send() here waits at most the timeout for room: a timeout means no progress.
-        view, sent = memoryview(data).cast("B"), 0
-        while sent < len(view):
-            sent += self.sock.send(view[sent:])
-
-    def try_heartbeat(self) -> None:
-        """Send a heartbeat unless a send is in progress (bytes moving are liveness enough)."""
-        if self.lock.acquire(blocking=False):
-            try:
-                self._send_all(HEADER.pack(HEARTBEAT, 0))
-                self.last_tx = time.monotonic()
-            finally:
-                self.lock.release()
-
-    def recv(self, deadline: float, on_wait=None, tick: float = 0.5, progress_s: float | None = None):
-        """(type, body) of the next frame. The header must come by `deadline`; once it has, the body may take
-        as long as it keeps arriving (no `progress_s` without a byte). Raises LinkTimeout, LinkClosed, or
-        what on_wait raises."""
-        kind, length = HEADER.unpack(self._read(HEADER.size, deadline, on_wait, tick, False, None))
-        if kind not in _KNOWN or length > self.max_frame_bytes or (kind == DATA and length == 0):
-            raise PeerError(f"garbage from the relay at {self.name} (frame type {kind}, {length} bytes); "
-                            "is that address a Tandem relay of the same version?")
-        return kind, (self._read(length, deadline, on_wait, tick, True, progress_s) if length else b"")
-
-    def _read(self, n: int, deadline: float, on_wait, tick: float, frame_started: bool, progress_s: float | None):
-        avail = self.end - self.start
-        if n <= avail:
-            out = bytes(self.buf[self.start:self.start + n])
-            self.start += n
-            return out
-        if n <= len(self.buf):  # small: gather in the ring buffer
-            if self.start:
-                self.buf[:avail] = self.buf[self.start:self.end]
-                self.start, self.end = 0, avail
-            view = memoryview(self.buf)
-            while self.end < n:
-                dl = time.monotonic() + progress_s if progress_s else deadline
-                self.end += self._recv_into(view[self.end:], dl, on_wait, tick, frame_started or self.end > 0)
-            out = bytes(self.buf[:n])
-            self.start = n
-            return out
-        out = bytearray(n)  # large: straight into the frame's own buffer, at most the frame bound
-        out[:avail] = self.buf[self.start:self.end]
-        self.start = self.end = 0
-        view, got = memoryview(out), avail
-        while got < n:
-            got += self._recv_into(view[got:], time.monotonic() + progress_s if progress_s else deadline, on_wait, tick, True)
-        return out
-
-    def _recv_into(self, view: memoryview, deadline: float, on_wait, tick: float, mid_frame: bool) -> int:
-        while True:
-            now = time.monotonic()
-            if now >= deadline:
-                raise LinkTimeout()
-            if on_wait is not None:
-                on_wait(now)
-            try:
-                ready = self.poll.poll(max(1, int(min(tick, deadline - now) * 1000)))
-            except OSError as e:
-                raise LinkClosed(mid_frame, e.strerror or "poll failed") from None
-            if not ready:
-                continue
-            try:
-                got = self.sock.recv_into(view)
-            except (BlockingIOError, InterruptedError, socket.timeout):
-                continue
-            except OSError as e:
-                raise LinkClosed(mid_frame, e.strerror or type(e).__name__) from None
-            if got == 0:
-                raise LinkClosed(mid_frame, "closed by the other end")
-            self.last_rx = time.monotonic()
-            return got
-
-    def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
+from netbridge.link import DATA, HEARTBEAT, PAIRED, PEER_LEFT, LinkClosed, LinkGarbage, LinkSocket, LinkTimeout, UnexpectedFrame
 
 
 class RelayChannel(Channel):
@@ -174,26 +47,8 @@ class RelayChannel(Channel):
         except auth.HandshakeError as e:
             raise PeerError(str(e)) from None
         link = LinkSocket(sock, relay, send_timeout_s=timeout_s)
-
-        def keep_alive(now: float) -> None:
-            if now - link.last_tx >= heartbeat_s:
-                link.try_heartbeat()
         try:
-            while True:
-                kind, _ = link.recv(time.monotonic() + join_timeout_s, keep_alive, tick=min(0.5, heartbeat_s))
-                if kind == PAIRED:
-                    break
-                if kind != HEARTBEAT:
-                    raise PeerError(f"the relay at {relay} sent frame type {kind} before pairing; is it the same Tandem version?")
-        except LinkTimeout:
-            link.close()
-            raise PeerError(f"rank {1 - rank} did not join session {session!r} at the relay {relay} within {join_timeout_s:g} s; "
-                            "is it running, with the same transport.session and the same secret? (a wrong secret is "
-                            "refused at the relay: check the relay's log)") from None
-        except LinkClosed as e:
-            link.close()
-            raise PeerError(f"the relay at {relay} closed the connection while rank {rank} waited for rank {1 - rank} "
-                            f"({e.reason}); the relay stopped or dropped it (check its log and --idle-timeout-s)") from None
+            _wait_for_peer(link, session, rank, join_timeout_s, heartbeat_s)
         except BaseException:
             link.close()
             raise
@@ -248,6 +103,8 @@ class RelayChannel(Channel):
             raise PeerError(f"rank {self.peer} is connected (its heartbeats arrive through the relay {self.link.name}) but sent "
                             f"no message for {self.timeout_s:g} s (transport.timeout_s); is it stuck, or is the timeout "
                             "too short for its step?") from None
+        except LinkGarbage as e:
+            raise PeerError(str(e)) from None
         except LinkClosed as e:
             where = " in the middle of a frame" if e.mid_frame else ""
             raise PeerError(f"the relay at {self.link.name} closed the connection{where} ({e.reason}): rank {self.peer} left or "
@@ -273,6 +130,24 @@ class RelayChannel(Channel):
         self._closed.set()
         self._hb.join(timeout=2)
         self.link.close()
+
+
+def _wait_for_peer(link: LinkSocket, session: str, rank: int, join_timeout_s: float, heartbeat_s: float) -> None:
+    """Heartbeat until the relay says the other rank of `session` is there; every failure becomes a PeerError."""
+    relay = link.name
+    try:
+        link.wait_for(PAIRED, time.monotonic() + join_timeout_s, heartbeat_s)
+    except UnexpectedFrame as e:
+        raise PeerError(f"the relay at {relay} sent frame type {e.kind} before pairing; is it the same Tandem version?") from None
+    except LinkTimeout:
+        raise PeerError(f"rank {1 - rank} did not join session {session!r} at the relay {relay} within {join_timeout_s:g} s; "
+                        "is it running, with the same transport.session and the same secret? (a wrong secret is "
+                        "refused at the relay: check the relay's log)") from None
+    except LinkClosed as e:
+        raise PeerError(f"the relay at {relay} closed the connection while rank {rank} waited for rank {1 - rank} "
+                        f"({e.reason}); the relay stopped or dropped it (check its log and --idle-timeout-s)") from None
+    except LinkGarbage as e:
+        raise PeerError(str(e)) from None
 
 
 def default_heartbeat(timeout_s: float) -> float:

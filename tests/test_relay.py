@@ -22,7 +22,8 @@ import torch
 
 from netbridge import auth
 from netbridge.channel import PeerError
-from netbridge.relay import DATA, HEADER, HEARTBEAT, PAIRED, PEER_LEFT
+from netbridge.link import (DATA, HEADER, HEARTBEAT, MAX_FRAME_BYTES, PAIRED, PEER_LEFT, LinkClosed, LinkGarbage, LinkSocket,
+                            LinkTimeout, UnexpectedFrame)
 from netbridge.relay_channel import RelayChannel
 
 REPO = Path(__file__).resolve().parent.parent
@@ -169,13 +170,66 @@ def relay(tmp_path_factory, request):
         yield r
 
 
-def test_frame_bound_is_the_wire_formats():
-    from netbridge import frames, relay as relay_mod
-    assert relay_mod.MAX_FRAME_BYTES == frames.MAX_FRAME_BYTES
+@contextmanager
+def link_pair(send_timeout_s: float = 5.0):
+    """A LinkSocket and the raw socket at its other end (playing the relay), without a relay."""
+    ours, theirs = socket.socketpair()
+    link = LinkSocket(ours, "fake-relay", send_timeout_s)
+    try:
+        yield link, theirs
+    finally:
+        link.close()
+        theirs.close()
+
+
+def test_wait_for_skips_heartbeats_and_sends_its_own():
+    with link_pair() as (link, relay_end):
+        relay_end.sendall(HEADER.pack(HEARTBEAT, 0) * 3)
+        threading.Timer(0.3, lambda: relay_end.sendall(HEADER.pack(PAIRED, 0))).start()
+        assert link.wait_for(PAIRED, time.monotonic() + 5, heartbeat_s=0.05) == b""
+        relay_end.settimeout(1)
+        sent = relay_end.recv(4096)
+    assert len(sent) >= 2 * HEADER.size and sent == HEADER.pack(HEARTBEAT, 0) * (len(sent) // HEADER.size)
+
+
+def test_wait_for_raises_on_another_kind_at_the_deadline_and_on_close():
+    with link_pair() as (link, relay_end):
+        relay_end.sendall(HEADER.pack(HEARTBEAT, 0) + HEADER.pack(PEER_LEFT, 0))
+        with pytest.raises(UnexpectedFrame) as caught:
+            link.wait_for(PAIRED, time.monotonic() + 5, heartbeat_s=1)
+        assert caught.value.kind == PEER_LEFT
+        t0 = time.monotonic()
+        with pytest.raises(LinkTimeout):
+            link.wait_for(PAIRED, t0 + 0.2, heartbeat_s=1)
+        assert time.monotonic() - t0 < 1
+        relay_end.shutdown(socket.SHUT_WR)
+        with pytest.raises(LinkClosed, match="closed by the other end"):
+            link.wait_for(PAIRED, time.monotonic() + 5, heartbeat_s=1)
+
+
+def test_a_header_beyond_the_frame_bound_is_garbage_before_any_body_is_read():
+    from netbridge import frames
+    assert frames.MAX_FRAME_BYTES is MAX_FRAME_BYTES  # the message bound is the link's, one definition
+    with link_pair() as (link, relay_end):
+        relay_end.sendall(HEADER.pack(DATA, MAX_FRAME_BYTES + 1))  # no body follows: reading one would hang
+        with pytest.raises(LinkGarbage, match=r"garbage from the relay at fake-relay \(frame type 1, 268435457 bytes\)"):
+            link.recv(time.monotonic() + 5)
+
+
+def test_relay_channel_reports_garbage_from_the_relay_as_a_peer_error():
+    with link_pair() as (link, relay_end):
+        channel = RelayChannel(link, 0, "garbage", timeout_s=5)
+        try:
+            relay_end.sendall(HEADER.pack(99, 0))
+            with pytest.raises(PeerError, match=r"garbage from the relay at fake-relay \(frame type 99, 0 bytes\); is that address"):
+                channel.recv_frame()
+        finally:
+            channel.close()
 
 
 def test_relay_imports_without_torch_or_model_code():
-    code = "import sys, netbridge.relay; bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')]; print(bad); assert not bad"
+    code = ("import sys, netbridge.relay; bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'transformers', 'model_parallel', 'speculative', 'launch')]; print(bad); assert not bad")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -306,7 +360,7 @@ def test_from_config_reads_transport_and_secret_file(relay, tmp_path):
 def test_oversized_and_unknown_frames_close_only_that_session(relay):
     healthy0, healthy1 = pair(relay, "healthy")
     try:
-        for bad in (HEADER.pack(DATA, (256 << 20) + 1), HEADER.pack(DATA, 0), HEADER.pack(77, 3) + b"abc", HEADER.pack(HEARTBEAT, 4) + b"xxxx"):
+        for bad in (HEADER.pack(DATA, MAX_FRAME_BYTES + 1), HEADER.pack(DATA, 0), HEADER.pack(77, 3) + b"abc", HEADER.pack(HEARTBEAT, 4) + b"xxxx"):
             box: dict = {}
             t = threading.Thread(target=lambda: box.setdefault("victim", RelayChannel.connect(relay.addr, "bad", 1, SECRET, timeout_s=5)))
             t.start()

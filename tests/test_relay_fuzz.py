@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from netbridge import auth
 from netbridge.channel import PeerError
 from netbridge.frames import FrameError, Message, encode
-from netbridge.relay import DATA, HEADER, HEARTBEAT, PAIRED, PEER_LEFT
+from netbridge.link import DATA, HEADER, HEARTBEAT, PAIRED, PEER_LEFT
 from netbridge.relay_channel import RelayChannel
 from tests.test_relay import SECRET, _exact, closed_by_peer, dial_raw, loops, pair, read_link, relay_process
 
