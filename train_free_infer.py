@@ -9,7 +9,9 @@ Rank 1: layers [split, L), the final norm and the LM head, and verification.
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 
 from launch.build import (build_drafter, build_stage, check_tokenizer, eos_ids, load_tokenizer, prompt_ids,
                           split_point)
@@ -27,7 +29,13 @@ from speculative.rounds import run_rank1
 from speculative.session import Session
 from speculative.stats import broken_drafter_warning, summarize
 
-EXPECTED = (ConfigError, LaunchError, ModelLoadError, PeerError, FrameError, CacheOverflowError)
+
+
+class Interrupted(Exception):
+    """SIGINT (Ctrl-C) or SIGTERM (torchrun stopping its workers): one line, never a traceback."""
+
+
+EXPECTED = (ConfigError, LaunchError, ModelLoadError, PeerError, FrameError, CacheOverflowError, Interrupted)
 
 
 def handshake(cfg: TandemConfig, channel, rank: int) -> None:
@@ -102,11 +110,30 @@ def write_output(cfg: TandemConfig, result: dict) -> None:
 def rank1(cfg: TandemConfig, channel) -> None:
     stage = build_stage(cfg, 1)
     handshake(cfg, channel, 1)
+    if threading.current_thread() is threading.main_thread():
+        _stop_after_grace()
     run_rank1(stage, channel)
+
+
+def _stop_after_grace(grace_s: int = 2) -> None:
+    """Rank 1 on a signal: a Ctrl-C reaches both ranks at once, and rank 0 then ends the session itself
+    (Bye, or its own error), so rank 1 keeps serving the round in flight; only if that does not come
+    within `grace_s` does it stop on its own."""
+    def on_signal(signum, _frame):
+        signal.signal(signal.SIGALRM, lambda *_: _raise_interrupted(signum))
+        signal.alarm(grace_s)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+
+
+def _raise_interrupted(signum, _frame=None):
+    raise Interrupted(f"stopped by {signal.Signals(signum).name}")
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = config_from_argv(argv)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _raise_interrupted)
     channel = None
     try:
         rank, _ = torchrun_rank()
@@ -115,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     except EXPECTED as e:
         report(str(e))  # first: torchrun stops this rank as soon as the peer exits
         _tell_peer(channel, str(e))
-        sys.exit(1)
+        sys.exit(130 if isinstance(e, Interrupted) else 1)
     except BaseException as e:
         _tell_peer(channel, _one_line(e))
         raise

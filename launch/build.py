@@ -100,29 +100,44 @@ def prompt_ids(cfg: TandemConfig, tokenizer, vocab_size: int) -> list[int]:
         raise ConfigError(f"{cfg.model.target} has no tokenizer: give prompt_ids=[...] instead of prompt")
     elif cfg.chat and tokenizer.chat_template:
         messages = ([{"role": "system", "content": cfg.system}] if cfg.system else []) + [{"role": "user", "content": cfg.prompt}]
-        ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        ids = chat_ids(tokenizer, messages)
     else:
         ids = tokenizer(cfg.prompt)["input_ids"]
+    check_ids(ids, vocab_size)
+    check_capacity(cfg, len(ids), cfg.gen.max_new_tokens)
+    return ids
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The conversation through the model's chat template, ready for the assistant's answer."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return list(out["input_ids"])
+
+
+def check_ids(ids: list[int], vocab_size: int) -> None:
     if not ids:
         raise ConfigError("the prompt is empty")
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
         raise ConfigError(f"prompt_ids holds {bad[0]}, outside the model's vocabulary of {vocab_size}")
-    check_capacity(cfg, len(ids), cfg.gen.max_new_tokens)
-    return ids
+
+
+def output_room(cfg: TandemConfig, prompt_tokens: int) -> tuple[int, str]:
+    """(new tokens that fit every cache after this prompt, the setting that bounds it). Every cache must
+    hold prompt + output + the drafts of the last round."""
+    caches = [(cfg.model.max_len, "model.max_len")]
+    if cfg.draft.kind == "model" and cfg.spec.k > 0:
+        caches.append((cfg.draft.max_len, "draft.max_len"))
+    capacity, setting = min(caches, key=lambda c: c[0])  # on a tie, the target's setting
+    return capacity - prompt_tokens - cfg.spec.k, setting
 
 
 def check_capacity(cfg: TandemConfig, prompt_tokens: int, max_new_tokens: int) -> None:
-    """Every cache must hold prompt + output + the drafts of the last round: checked before any round,
-    so a generation never fails half-way for want of room."""
-    needed = prompt_tokens + max_new_tokens + cfg.spec.k
-    caches = [("model.max_len", cfg.model.max_len)]
-    if cfg.draft.kind == "model" and cfg.spec.k > 0:
-        caches.append(("draft.max_len", cfg.draft.max_len))
-    for setting, capacity in caches:
-        if needed > capacity:
-            raise CapacityError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) + spec.k "
-                                f"({cfg.spec.k}) = {needed} exceed {setting}={capacity}; raise {setting} or shorten")
+    """Checked before any round, so a generation never fails half-way for want of room."""
+    room, setting = output_room(cfg, prompt_tokens)
+    if max_new_tokens > room:
+        raise CapacityError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) + spec.k ({cfg.spec.k}) "
+                            f"exceed {setting}={room + prompt_tokens + cfg.spec.k}; raise {setting} or shorten")
 
 
 class CapacityError(ConfigError):

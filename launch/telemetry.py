@@ -22,6 +22,10 @@ Per run (step 0): run/ttft_ms, run/tokens_per_s, run/tokens_per_round, run/accep
 run/full_hit_rate, run/tokens, run/clock_offset_ms, run/clock_uncertainty_ms; run/accepted_per_round
 (histogram of accepted drafts per decode round); position/acceptance (step = draft position 1..K);
 text run/prompt, run/output, run/config; and the config as hparams with hparam/* final figures.
+
+Serving (serve.port) writes the round/* scalars with one global step across requests, and per request
+(step = the request's index): request/ttft_ms, request/tokens_per_s, request/tokens,
+request/prompt_tokens, request/prompt_tokens_reused, request/prefilled_tokens.
 """
 from __future__ import annotations
 
@@ -56,7 +60,7 @@ def _unique_dir(root: Path, name: str) -> Path:
 class Telemetry:
     """`on_round` is the round loop's callback; `finish` writes the per-run figures and the trace."""
 
-    def __init__(self, cfg, prompt_ids: list[int], prompt_text: str | None = None):
+    def __init__(self, cfg, prompt_ids: list[int] | None, prompt_text: str | None = None):
         from torch.utils.tensorboard import SummaryWriter
         self.cfg = cfg
         self.dir = _unique_dir(Path(cfg.log.dir).expanduser(), run_name(cfg))
@@ -82,6 +86,20 @@ class Telemetry:
         self.step += 1
         if self.profiler is not None:
             self.profiler.step()
+
+    def on_request(self, stats: dict, index: int) -> None:
+        """Serving: one request's figures, step = its index."""
+        for tag, value in (("ttft_ms", stats["ttft_s"] * 1000), ("tokens_per_s", stats["tokens_per_s"]),
+                           ("tokens", stats["tokens"]), ("prompt_tokens", stats["prompt_tokens"]),
+                           ("prompt_tokens_reused", stats["prompt_tokens_reused"]),
+                           ("prefilled_tokens", stats["prefilled_tokens"])):
+            self.writer.add_scalar(f"request/{tag}", value, index)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.profiler is not None:
+            self.profiler.stop()
+        self.writer.close()
 
     def finish(self, gen, stats: dict, output_text: str | None) -> dict:
         """Per-run figures, hparams, trace.json and summary.json; returns the clock alignment."""

@@ -6,7 +6,7 @@ import sys
 
 
 class Output:
-    def __init__(self, tokenizer, eos_ids: set[int], max_new_tokens: int, stop: list[str], stream: bool):
+    def __init__(self, tokenizer, eos_ids: set[int], max_new_tokens: int, stop: list[str], stream: bool = False):
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_new_tokens = max_new_tokens

@@ -1,0 +1,98 @@
+"""tandem-chat: a multi-turn chat in the terminal, on top of a served Tandem (serve.port=PORT).
+
+    tandem-chat --url http://127.0.0.1:8000/v1 [--system "..."] [--max-tokens 512] [--temperature 0.7]
+
+Each turn sends the whole conversation; the server finds it in its caches and prefills only the new
+message. Type /reset to start over, /exit or Ctrl-D to leave. Standard library only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.request
+
+
+def stream_chat(url: str, body: dict, timeout_s: float = 600.0):
+    """Yield the answer's text pieces from a streamed /chat/completions; the last item is the final chunk."""
+    req = urllib.request.Request(f"{url.rstrip('/')}/chat/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        for raw in resp:
+            line = raw.decode("utf-8").strip()
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                return
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"].get("message", "server error"))
+            choice = chunk["choices"][0]
+            if choice.get("delta", {}).get("content"):
+                yield choice["delta"]["content"]
+            if choice.get("finish_reason"):
+                yield chunk
+
+
+def turn(url: str, messages: list[dict], args, out=sys.stdout) -> tuple[str, dict | None]:
+    """Send the conversation, print the answer as it streams; returns (answer, the final chunk)."""
+    body = {"messages": messages, "max_tokens": args.max_tokens}
+    if args.temperature is not None:
+        body["temperature"] = args.temperature
+    answer, final = "", None
+    for piece in stream_chat(url, body):
+        if isinstance(piece, dict):
+            final = piece
+            continue
+        answer += piece
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    return answer, final
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's /v1 address")
+    ap.add_argument("--system", default=None, help="a system message for the whole conversation")
+    ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--temperature", type=float, default=None, help="default: the server's gen.temperature")
+    ap.add_argument("--stats", action="store_true", help="after each answer, print tokens/s and reused prompt tokens")
+    args = ap.parse_args(argv)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print(f"tandem-chat: {args.url} (/reset starts over, /exit or Ctrl-D leaves)", file=sys.stderr)
+    while True:
+        try:
+            text = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return
+        if text.strip() in ("/exit", "/quit"):
+            return
+        if text.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        if not text.strip():
+            continue
+        messages.append({"role": "user", "content": text})
+        try:
+            answer, final = turn(args.url, messages, args)
+        except KeyboardInterrupt:  # stop this answer (closing the stream cancels it on the server), keep chatting
+            print("\n[interrupted]", file=sys.stderr)
+            messages.pop()
+            continue
+        except (urllib.error.URLError, RuntimeError, OSError) as e:
+            print(f"tandem-chat: {getattr(e, 'reason', e)}; is the server running at {args.url}?", file=sys.stderr)
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": answer})
+        if args.stats and final and "tandem" in final:
+            t = final["tandem"]
+            print(f"[{t['tokens_per_s']:.1f} tokens/s, {t['prompt_tokens_reused']} prompt tokens reused, "
+                  f"{t['prefilled_tokens']} prefilled]", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""serve.port=PORT: rank 0 answers an OpenAI-compatible HTTP API; rank 1 serves rounds as always.
+
+    POST /v1/chat/completions   POST /v1/completions   (stream=true: server-sent events, then [DONE])
+    GET  /v1/models             GET  /health
+
+The HTTP side (FastAPI on uvicorn, in the main thread so it owns SIGINT/SIGTERM) only parses and
+queues. One engine thread owns the channel and the caches: it takes requests one at a time in arrival
+order and runs each through the Session, which reuses the longest prefix the caches already hold.
+Text goes back to the request's event loop as it commits; a client that goes away sets a flag the
+round loop reads between rounds. When rank 1 is lost, the request in flight gets a 503 naming the
+cause and the server stops; `serve` then raises, and the entry reports one line and exits non-zero.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import signal
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from launch.api import ApiError, Prompt, parse_chat, parse_completion, visible_text
+from launch.build import CapacityError, check_capacity, check_ids, output_room
+from launch.config import TandemConfig
+from speculative.output import Output
+from speculative.stats import summarize
+
+FINISH = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length"}
+
+
+@dataclass
+class Job:
+    """One queued request and the way back to its HTTP handler."""
+    prompt: Prompt
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, kind: str, value) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+
+class Engine:
+    """The one thread that talks to rank 1: requests in arrival order, batch size 1."""
+
+    def __init__(self, cfg: TandemConfig, session, tokenizer, eos_ids: set[int], telemetry=None):
+        self.cfg, self.session, self.tokenizer, self.eos_ids = cfg, session, tokenizer, eos_ids
+        self.telemetry = telemetry
+        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=cfg.serve.max_queue)
+        self.fatal: BaseException | None = None  # rank 1 lost: the server stops and the entry reports it
+        self.on_fatal = lambda: None
+        self.current: Job | None = None
+        self.served = 0
+        self.cancelled = 0  # requests whose client went away before the end
+        self.thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+
+    def submit(self, job: Job) -> None:
+        if self.fatal is not None:
+            raise ApiError(503, f"the server is stopping: {self.fatal}", "server_error")
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise ApiError(429, f"{self.cfg.serve.max_queue} requests are already waiting (serve.max_queue); retry later",
+                           "rate_limit_exceeded") from None
+
+    def stop(self) -> None:
+        """Cancel the request in flight (it ends at its next round), drop the waiting ones, say Bye."""
+        if self.current is not None:
+            self.current.cancelled.set()
+        self._fail_waiting(RuntimeError("the server is shutting down"))
+        self.jobs.put(None)
+        self.thread.join()
+
+    def _run(self) -> None:
+        idle_s = max(0.5, self.cfg.transport.timeout_s / 4)  # rank 1's receive times out after timeout_s
+        try:
+            while True:
+                try:
+                    job = self.jobs.get(timeout=idle_s)
+                except queue.Empty:
+                    self.session.idle()
+                    continue
+                if job is None:
+                    break
+                if not job.cancelled.is_set():
+                    self.current = job
+                    self._serve(job)
+                    self.current = None
+            self.session.close()
+        except Exception as e:  # noqa: BLE001 - the peer is gone or the link broke: stop serving
+            self.fatal = e
+            self._fail_waiting(e)
+            self.on_fatal()
+
+    def _serve(self, job: Job) -> None:
+        p = job.prompt
+        output = Output(self.tokenizer, self.eos_ids, p.max_tokens, p.stop)
+        sent = ""
+
+        def on_round(record, reply) -> None:
+            nonlocal sent
+            if self.telemetry is not None:
+                self.telemetry.on_round(record, reply)
+            text = visible_text(output.text(), p.stop, output.done)
+            if len(text) > len(sent):
+                job.emit("text", text[len(sent):])
+                sent = text
+        try:
+            gen = self.session.generate(p.ids, output, p.request, on_round=on_round, cancelled=job.cancelled.is_set)
+        except Exception as e:
+            job.emit("error", ApiError(503, f"generation failed: {e}", "server_error"))
+            raise
+        stats = summarize(gen, self.cfg.spec.k, self.cfg.draft.kind if self.cfg.spec.k else "none")
+        stats["prompt_tokens_reused"] = gen.reused
+        stats["prefilled_tokens"] = len(p.ids) - gen.reused
+        if self.telemetry is not None:
+            self.telemetry.on_request(stats, self.served)
+        self.served += 1
+        self.cancelled += job.cancelled.is_set() and not output.done
+        job.emit("done", {"text": visible_text(output.text(), p.stop, True), "token_ids": output.tokens,
+                          "finish_reason": FINISH.get(output.stop_reason, "stop"), "stats": stats})
+
+    def _fail_waiting(self, cause: BaseException) -> None:
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job.emit("error", ApiError(503, f"the server is stopping: {cause}", "server_error"))
+
+
+def build_app(cfg: TandemConfig, engine: Engine, tokenizer, vocab_size: int, model_name: str):
+    app = FastAPI(title="Tandem", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.get("/health")
+    async def health():
+        if engine.fatal is not None:
+            raise ApiError(503, str(engine.fatal), "server_error")
+        return {"status": "ok", "served": engine.served, "cancelled": engine.cancelled, "waiting": engine.jobs.qsize()}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "tandem"}]}
+
+    async def handle(http: HttpRequest, parse, kind: str):
+        try:
+            body = json.loads(await http.body())
+        except ValueError:
+            raise ApiError(400, "the request body is not valid JSON") from None
+        prompt = parse(body, tokenizer, cfg, model_name)
+        check_prompt(cfg, prompt, vocab_size)
+        job = Job(prompt, asyncio.get_running_loop())
+        engine.submit(job)
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        if prompt.stream:
+            return StreamingResponse(stream(job, rid, kind, model_name), media_type="text/event-stream")
+        return await complete(http, job, rid, kind, model_name)
+
+    @app.post("/v1/chat/completions")
+    async def chat(http: HttpRequest):
+        return await handle(http, parse_chat, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        return await handle(http, parse_completion, "text")
+
+    return app
+
+
+def check_prompt(cfg: TandemConfig, prompt: Prompt, vocab_size: int) -> None:
+    """Refuse what cannot be served before it is queued; an absent max_tokens becomes what fits."""
+    try:
+        check_ids(prompt.ids, vocab_size)
+        if prompt.max_tokens is None:
+            prompt.max_tokens = max(1, min(cfg.gen.max_new_tokens, output_room(cfg, len(prompt.ids))[0]))
+        check_capacity(cfg, len(prompt.ids), prompt.max_tokens)
+    except CapacityError as e:
+        raise ApiError(400, f"{e} (prompt + max_tokens must fit)", code="context_length_exceeded") from None
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+
+
+async def complete(http, job: Job, rid: str, kind: str, model: str) -> dict:
+    """A non-streamed answer: wait for it, cancelling the job if the client leaves meanwhile."""
+    try:
+        while True:
+            try:
+                what, value = await asyncio.wait_for(job.events.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    raise ApiError(499, "client closed the request") from None
+                continue
+            if what == "error":
+                raise value
+            if what == "done":
+                return answer(job, value, rid, kind, model)
+    finally:
+        job.cancelled.set()  # a no-op when done; otherwise the client left or the server is stopping
+
+
+def answer(job: Job, done: dict, rid: str, kind: str, model: str) -> dict:
+    choice = {"index": 0, "finish_reason": done["finish_reason"], "logprobs": None}
+    choice.update({"message": {"role": "assistant", "content": done["text"]}} if kind == "chat" else {"text": done["text"]})
+    return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice], "usage": usage(job, done), "tandem": tandem_fields(done)}
+
+
+async def stream(job: Job, rid: str, kind: str, model: str):
+    """Server-sent events, one per committed round; closing the connection cancels the job."""
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def chunk(delta: dict | str, finish=None, **extra) -> str:
+        choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+        choice.update({"delta": delta} if kind == "chat" else {"text": delta})
+        body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice], **extra}
+        return f"data: {json.dumps(body)}\n\n"
+    try:
+        if kind == "chat":
+            yield chunk({"role": "assistant", "content": ""})
+        while True:
+            what, value = await job.events.get()
+            if what == "error":
+                yield f"data: {json.dumps(value.body())}\n\n"
+                break
+            if what == "text":
+                yield chunk({"content": value} if kind == "chat" else value)
+            if what == "done":
+                yield chunk({} if kind == "chat" else "", value["finish_reason"], usage=usage(job, value),
+                            tandem=tandem_fields(value))
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancelled.set()  # the client went away (or we are done): the round loop stops at the next round
+
+
+def usage(job: Job, done: dict) -> dict:
+    n_prompt, n_out = len(job.prompt.ids), len(done["token_ids"])
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+
+def tandem_fields(done: dict) -> dict:
+    """Beyond OpenAI's fields: what Tandem measured for this request."""
+    s = done["stats"]
+    return {"token_ids": done["token_ids"], "prompt_tokens_reused": s["prompt_tokens_reused"],
+            "prefilled_tokens": s["prefilled_tokens"], "ttft_ms": s["ttft_s"] * 1000, "tokens_per_s": s["tokens_per_s"],
+            "tokens_per_round": s["tokens_per_round"], "acceptance_rate": s["acceptance_rate"]}
+
+
+def serve(cfg: TandemConfig, session, tokenizer, eos_ids: set[int], vocab_size: int) -> None:
+    """Serve until SIGINT/SIGTERM (returns) or until rank 1 is lost (raises its PeerError)."""
+    import uvicorn
+    from pathlib import Path
+    model_name = cfg.serve.model_name or Path(cfg.model.target.rstrip("/")).name
+    telemetry = None
+    if cfg.log.dir:
+        from launch.telemetry import Telemetry
+        telemetry = Telemetry(cfg, None)
+    engine = Engine(cfg, session, tokenizer, eos_ids, telemetry)
+    app = build_app(cfg, engine, tokenizer, vocab_size, model_name)
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.serve.host, port=cfg.serve.port, log_level="warning",
+                                           lifespan="off", timeout_graceful_shutdown=2))
+    engine.on_fatal = lambda: setattr(server, "should_exit", True)
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn restores the handlers it found and re-raises the signal it caught once it has shut
+        # down: finding these, that re-raise is a no-op, and the entry exits cleanly
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
+    engine.thread.start()
+    print(f"[serving {model_name} on http://{cfg.serve.host}:{cfg.serve.port}/v1 (OpenAI-compatible); "
+          f"Ctrl-C stops both ranks]", file=sys.stderr, flush=True)
+    server.run()
+    if engine.fatal is None:
+        engine.stop()  # finishes the request in flight, then says Bye to rank 1
+    if telemetry is not None:
+        telemetry.close()
+    if engine.fatal is not None:
+        raise engine.fatal
+    print(f"[stopped after {engine.served} requests]", file=sys.stderr, flush=True)
+
