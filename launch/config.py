@@ -55,6 +55,7 @@ class DraftConfig:
 class SpecConfig:
     k: int = 4  # draft tokens per round (0 = one token per round trip); the most with spec.adaptive
     adaptive: bool = True  # K grows by 2 after a fully accepted round, shrinks by 1 after a miss (1..k)
+    overlap: bool = False  # while a round is in flight, draft (and run stage 0 on) the next one; output unchanged
 
 
 @dataclass
@@ -74,6 +75,7 @@ class TransportConfig:
     secret: str | None = None  # shared secret; prefer secret_file
     secret_file: str | None = None
     timeout_s: float = 120.0  # per-operation timeout: a silent peer fails within this
+    reconnect_s: float = 60.0  # kind=relay: after a dropped link, re-dial and resume the session for up to this long
     emulate_delay_ms: float = 0.0  # emulated one-way delay added to every message (tests, benchmarks)
     emulate_mbps: float = 0.0  # emulated bandwidth cap; 0 = none
 

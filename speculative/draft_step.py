@@ -92,6 +92,9 @@ class DraftStep:
             else:
                 self.live = None if self.static_shapes else start + i + 1
                 self._step()
+        # copies, also on CPU (where .cpu() would alias): the next run overwrites these buffers while the
+        # caller may still hold this round's drafts (draft_ahead runs before the reply is read)
+        out = lambda t: t[:k].to("cpu", copy=True)  # noqa: E731
         if self.sampling:
-            return self.out_tokens[:k].cpu(), self.out_q_ids[:k].cpu(), self.out_q_probs[:k].cpu()
-        return self.out_tokens[:k].cpu(), None, None
+            return out(self.out_tokens), out(self.out_q_ids), out(self.out_q_probs)
+        return out(self.out_tokens), None, None

@@ -23,6 +23,11 @@ class Drafts:
     def __len__(self) -> int:
         return self.tokens.numel()
 
+    def after_first(self) -> Drafts:
+        """The drafts after the first (which draft_ahead uses as its guess of the target's next token)."""
+        cut = (lambda t: None if t is None else t[1:])
+        return Drafts(self.tokens[1:], cut(self.q_ids), cut(self.q_probs))
+
 
 def one_hot_drafts(tokens: list[int]) -> Drafts:
     """A deterministic proposal is a one-hot q: rejection sampling then keeps d with probability p(d)."""
@@ -75,7 +80,7 @@ class ModelDrafter:
         self.stage = stage
         self.device = stage.device
         self.cached = 0
-        self.step = DraftStep(stage, max(max_k, 1), top_k, use_graph)
+        self.step = DraftStep(stage, max(max_k, 1) + 1, top_k, use_graph)  # + 1: draft_ahead's guess
 
     @property
     def vocab_size(self) -> int:

@@ -24,6 +24,7 @@ from model_parallel.stage import Stage
 from netbridge import protocol
 from netbridge.channel import Channel
 from netbridge.protocol import Reply, Request, Round
+from speculative.drafters import Drafts
 from speculative.output import Output
 from speculative.verify import target_probs, verify_greedy, verify_sampled
 
@@ -40,6 +41,8 @@ class RoundRecord:
     start_s: float = 0.0  # when the round started, seconds since generation started
     send_ms: float = 0.0  # the part of round_ms spent in channel.send (an emulated delay included)
     sent_s: float = 0.0  # when the send began, seconds since generation started (round_ms starts here)
+    from_ahead: bool = False  # drafts and stage 0 were prepared while the previous round was in flight
+    ahead_ms: float = 0.0  # of round_ms: preparing the next round while this one was in flight (spec.overlap)
 
 
 @dataclass
@@ -69,36 +72,71 @@ def next_k(k: int, drafted: int, accepted: int, k_max: int) -> int:
     return min(k + 2, k_max) if accepted == drafted else max(k - 1, 1)
 
 
+@dataclass
+class Ahead:
+    """The next round, prepared while this one was in flight, on the bet that every draft is accepted
+    and the target's next token is the drafter's own guess. It is used only if the reply says so."""
+    guess: int
+    drafts: Drafts
+    hidden: torch.Tensor
+    ms: float
+
+    def hit(self, reply: Reply, drafted: int) -> bool:
+        return reply.accepted == drafted and reply.token == self.guess
+
+
+def draft_ahead(stage: Stage, drafter, context: list[int], k_next: int) -> Ahead | None:
+    """Draft the guess plus k_next tokens after `context` (committed + this round's drafts) and run
+    stage 0 over them; both caches are then exactly where the next round needs them on a hit."""
+    t0 = time.perf_counter()
+    proposal = drafter.propose(context, k_next + 1)
+    if len(proposal) < k_next + 1:  # a drafter with nothing to propose (n-gram miss, no drafter)
+        return None
+    guess, drafts = int(proposal.tokens[0]), proposal.after_first()
+    ids = torch.tensor([[guess] + drafts.tokens.tolist()], device=stage.device)
+    hidden = stage(ids, live=len(context) + ids.shape[1])
+    return Ahead(guess, drafts, hidden, _ms(t0))
+
+
 def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], output: Output, k: int,
               on_round=None, adaptive: bool = False, request: Request = Request(), reuse: int = 0,
-              cancelled=lambda: False) -> Generation:
+              cancelled=lambda: False, overlap: bool = False) -> Generation:
     """One generation. `reuse`: prompt tokens every cache already holds. `cancelled()` is asked
-    between rounds (a client that went away); the caches stay consistent whenever it stops."""
+    between rounds (a client that went away); the caches stay consistent whenever it stops.
+    `overlap`: while a round is in flight, prepare the next one (draft_ahead)."""
     gen = Generation(prompt_ids, output, reused=reuse)
     protocol.send(channel, request)
     drafter.reset(reuse, request.temperature, request.seed + 1)
     committed = list(prompt_ids)
     pending = committed[reuse:]  # tokens the target has not yet seen
     t_start = gen.t0_s = time.perf_counter()
-    k_now = k
+    k_now, ahead = k, None
     while not output.done and not cancelled():
         t_round = time.perf_counter()
-        remaining = output.max_new_tokens - len(output.tokens)
-        k_round = 0 if len(committed) == len(prompt_ids) else min(k_now, remaining - 1)  # never overshoot
-        drafts = drafter.propose(committed, k_round)
-        draft_ms = _ms(t_round)
-
-        t0 = time.perf_counter()
         start = len(committed) - len(pending)
-        stage.cache.rewind(start)
-        stage.cache.check_room(start + len(pending) + len(drafts))
-        ids = torch.tensor([pending + drafts.tokens.tolist()], device=stage.device)
-        hidden = stage(ids, live=start + ids.shape[1])
-        stage0_ms = _ms(t0)
+        if ahead is not None:  # prepared during the last round, which accepted everything and the guess
+            drafts, hidden, draft_ms, stage0_ms = ahead.drafts, ahead.hidden, 0.0, 0.0
+        else:
+            remaining = output.max_new_tokens - len(output.tokens)
+            k_round = 0 if len(committed) == len(prompt_ids) else min(k_now, remaining - 1)  # never overshoot
+            drafts = drafter.propose(committed, k_round)
+            draft_ms = _ms(t_round)
+            t0 = time.perf_counter()
+            stage.cache.rewind(start)
+            stage.cache.check_room(start + len(pending) + len(drafts))
+            ids = torch.tensor([pending + drafts.tokens.tolist()], device=stage.device)
+            hidden = stage(ids, live=start + ids.shape[1])
+            stage0_ms = _ms(t0)
 
         t0 = time.perf_counter()
         protocol.send(channel, Round(start, hidden, drafts.tokens, drafts.q_ids, drafts.q_probs))
         send_ms = _ms(t0)
+        used_ahead, ahead = ahead is not None, None
+        k_next = next_k(k_now, len(drafts), len(drafts), k) if adaptive else k_now
+        k_next = min(k_next, output.max_new_tokens - len(output.tokens) - len(drafts) - 2)
+        if overlap and k_next > 0:
+            ahead = draft_ahead(stage, drafter, committed + drafts.tokens.tolist(), k_next)
+        ahead_ms = ahead.ms if ahead is not None else 0.0
         reply = protocol.recv(channel, Reply)
         round_ms = _ms(t0)
 
@@ -106,11 +144,14 @@ def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], ou
         kept = output.commit(new_tokens)
         committed += new_tokens[:kept]
         pending = committed[-1:]
-        drafter.commit(len(committed))
+        if ahead is not None and not (ahead.hit(reply, len(drafts)) and not output.done):
+            ahead = None
+        if ahead is None:  # on a hit the drafter's cache already runs ahead, exactly as it should
+            drafter.commit(len(committed))
         if not gen.rounds:
             gen.ttft_s = time.perf_counter() - t_start
         record = RoundRecord(len(drafts), reply.accepted, kept, draft_ms, stage0_ms, round_ms, reply.stage1_ms,
-                             t_round - t_start, send_ms, t0 - t_start)
+                             t_round - t_start, send_ms, t0 - t_start, used_ahead, ahead_ms)
         gen.rounds.append(record)
         if adaptive:
             k_now = next_k(k_now, len(drafts), reply.accepted, k)
