@@ -67,7 +67,10 @@ class Row:
         return f"{self.drafter}-k{self.k}-d{self.delay_ms:g}{'-' + self.note if self.note else ''}"
 
 
-def sweep(full: bool) -> list[Row]:
+def sweep(full: bool, overlap: bool = False) -> list[Row]:
+    if overlap:  # spec.overlap on/off beside K=0 at 0, 40 and 80 ms
+        return [row for d in (0, 40, 80) for row in
+                (Row("none", 0, d), Row("model", 4, d), Row("model", 4, d, ["spec.overlap=true"], note="overlap"))]
     delays, ks = ((0, 10, 40), (1, 2, 4, 8)) if full else ((0, 40), (4, 8))
     rows = []
     for d in delays:
@@ -136,8 +139,11 @@ def pool(runs: list[dict], delay_ms: float) -> dict:
                   for r, nxt in zip(rs[1:-1], rs[2:])]
     drafted = sum(r["drafted"] for r in decode)
     ms = {"draft": mean(lambda r: r["draft_ms"]), "stage0": mean(lambda r: r["stage0_ms"]),
-          "network": mean(lambda r: r["round_ms"] - r["stage1_ms"]), "stage1": mean(lambda r: r["stage1_ms"]),
-          "other": sum(other) / len(other) if other else 0.0}
+          "network": mean(lambda r: max(0.0, r["round_ms"] - r.get("ahead_ms", 0.0) - r["stage1_ms"])),
+          "stage1": mean(lambda r: r["stage1_ms"]), "other": sum(other) / len(other) if other else 0.0}
+    # each rank's busy fraction of the decode wall time (rank 0: drafting, its slice, drafting ahead)
+    busy0 = sum(r["draft_ms"] + r["stage0_ms"] + r.get("ahead_ms", 0.0) for r in decode) / 1000 / decode_s if decode_s else 0.0
+    busy1 = sum(r["stage1_ms"] for r in decode) / 1000 / decode_s if decode_s else 0.0
     per_round = sum(r["committed"] for r in decode) / n if n else 0.0
     compute_s = (2 * delay_ms + ms["draft"] + ms["stage0"] + ms["stage1"]) / 1000
     bound = per_round / compute_s if compute_s else 0.0
@@ -146,7 +152,7 @@ def pool(runs: list[dict], delay_ms: float) -> dict:
     return {"tokens_per_s": tok_s, "e2e_tokens_per_s": e2e, "tokens_per_round": per_round, "decode_rounds": n,
             "acceptance": sum(r["accepted"] for r in decode) / drafted if drafted else None, "ms": ms,
             "round_ms": sum(ms.values()), "bound_tokens_per_s": bound, "efficiency": tok_s / bound if bound else 0.0,
-            "ttft_s": sum(run["stats"]["ttft_s"] for run in runs) / len(runs)}
+            "ttft_s": sum(run["stats"]["ttft_s"] for run in runs) / len(runs), "busy": [busy0, busy1]}
 
 
 # ---------------------------------------------------------------- transformers baselines, in process
@@ -228,7 +234,7 @@ def agreement(token_lists: list[list[int]], reference: list[list[int]]) -> tuple
 
 def table(rows: list[dict], hf: dict | None) -> str:
     cols = ["run", "delay (ms, emulated)", "tok/s", "e2e tok/s", "tok/round", "accept", "draft", "stage0", "network", "stage1", "other",
-            "bound tok/s", "eff", "x K=0", "x HF greedy (e2e)", "= greedy"]
+            "bound tok/s", "eff", "busy 0/1", "x K=0", "x HF greedy (e2e)", "= greedy"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     ref = [r["token_ids"] for r in hf["greedy"]["runs"]] if hf else None
     hf_e2e = pool_hf(hf["greedy"]["runs"])["e2e_tokens_per_s"] if hf else None
@@ -244,7 +250,8 @@ def table(rows: list[dict], hf: dict | None) -> str:
         lines.append(f"| {r['label']} | {r['delay_ms']:g} | {p['tokens_per_s']:.2f} | {p['e2e_tokens_per_s']:.2f} "
                      f"| {p['tokens_per_round']:.2f} | {acc} "
                      f"| {ms['draft']:.0f} | {ms['stage0']:.0f} | {ms['network']:.1f} | {ms['stage1']:.0f} | {ms['other']:.1f} "
-                     f"| {p['bound_tokens_per_s']:.2f} | {p['efficiency']:.0%} | {ratio(p['tokens_per_s'], k0.get(r['delay_ms']))} "
+                     f"| {p['bound_tokens_per_s']:.2f} | {p['efficiency']:.0%} "
+                     f"| {'/'.join(f'{b:.0%}' for b in p.get('busy', [0, 0]))} | {ratio(p['tokens_per_s'], k0.get(r['delay_ms']))} "
                      f"| {ratio(p['e2e_tokens_per_s'], hf_e2e)} | {agree} |")
     for name, label in (("greedy", "HF generate, greedy (1 process)"), ("assisted", "HF assisted generation, same drafter")):
         if not hf:
@@ -252,7 +259,7 @@ def table(rows: list[dict], hf: dict | None) -> str:
         h = pool_hf(hf[name]["runs"])
         agree = "%d/%d" % agreement([run["token_ids"] for run in hf[name]["runs"]], ref)
         lines.append(f"| {label} | - | {h['tokens_per_s']:.2f} | {h['e2e_tokens_per_s']:.2f} | {h['tokens_per_forward']:.2f} "
-                     f"| - | - | - | - | - | - | - | - | - | {ratio(h['e2e_tokens_per_s'], hf_e2e)} | {agree} |")
+                     f"| - | - | - | - | - | - | - | - | - | - | {ratio(h['e2e_tokens_per_s'], hf_e2e)} | {agree} |")
     return "\n".join(lines)
 
 
@@ -275,6 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     from omegaconf import OmegaConf
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="delays 0/10/40 ms x K 0/1/2/4/8 x drafters model/ngram")
+    ap.add_argument("--overlap", action="store_true", help="spec.overlap on/off beside K=0 at 0, 40 and 80 ms")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"use the first N of the {len(PROMPTS)} prompts")
     ap.add_argument("--threads", type=int, default=1, help="threads per process: each Tandem rank (torchrun's default) and the baselines")
@@ -321,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"# transformers baselines: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
     rows = []
-    for row in sweep(args.full):
+    for row in sweep(args.full, args.overlap):
         if args.only is not None and row.slug not in args.only:
             continue
         runs = [run_tandem(row, i, ids, args, out) for i, ids in enumerate(prompts)]

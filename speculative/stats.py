@@ -33,6 +33,7 @@ def summarize(gen: Generation, k: int, drafter: str) -> dict:
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "acceptance_per_position": per_position,
         "full_hit_rate": mean(r.accepted == r.drafted for r in rounds if r.drafted),
+        "rounds_from_ahead": sum(r.from_ahead for r in rounds),  # spec.overlap: prepared while the last was in flight
         "ttft_s": gen.ttft_s,
         "total_s": gen.total_s,
         "tokens_per_s": (tokens - 1) / decode_s if decode_s > 0 and tokens > 1 else 0.0,
@@ -40,7 +41,9 @@ def summarize(gen: Generation, k: int, drafter: str) -> dict:
             "draft": mean(r.draft_ms for r in rounds),
             "stage0": mean(r.stage0_ms for r in rounds),
             "stage1": mean(r.stage1_ms for r in rounds),
-            "network": mean(r.round_ms - r.stage1_ms for r in rounds),
+            # under spec.overlap a reply may wait while rank 0 drafts ahead: then this is a lower bound
+            "network": mean(max(0.0, r.round_ms - r.ahead_ms - r.stage1_ms) for r in rounds),
+            "ahead": mean(r.ahead_ms for r in rounds),
             "round": mean(r.draft_ms + r.stage0_ms + r.round_ms for r in rounds),
         },
     }
