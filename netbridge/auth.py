@@ -5,6 +5,11 @@
                                 | 32-byte client nonce | 32-byte HMAC(secret, "client", both nonces, claim fields)
     relay  -> client   u8 status; OK is followed by HMAC(secret, "relay", both nonces, claim fields)
 
+Two answers concern load, not the claim, and come to anyone: a relay whose table of unfinished
+handshakes is full sheds the oldest (of the busiest source address) with the status byte SHED, sent
+right after HELLO; a source address with too many unfinished handshakes gets BUSY = b"TNDB" | u8 version
+| u8 SOURCE_LIMIT instead of HELLO, then the connection closes. dial() retries both until its timeout.
+
 A client without the secret cannot produce the MAC, so it gets the single byte REFUSED whatever it
 sent: it learns nothing about which sessions exist. The relay's answer proves to the client that the
 relay knows the secret too. Every field has a fixed bound, so the relay reads at most CLAIM_MAX bytes
@@ -18,13 +23,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import random
 import re
 import secrets
 import socket
 import struct
+import time
 
 VERSION = 1
-HELLO_MAGIC, CLAIM_MAGIC = b"TNDR", b"TNDC"
+HELLO_MAGIC, CLAIM_MAGIC, BUSY_MAGIC = b"TNDR", b"TNDC", b"TNDB"
 NONCE_BYTES = MAC_BYTES = 32
 HELLO_BYTES = 4 + 1 + NONCE_BYTES
 CLAIM_PREFIX = struct.Struct("!4sBBBBB")  # magic, version, role, rank, world, session length
@@ -36,8 +43,11 @@ SESSION_RE = re.compile(rb"[A-Za-z0-9._:@/+=-]{1,128}")
 ROLE_DATA, ROLE_STORE, ROLE_RDZV = 1, 2, 3
 ANY_RANK = 255  # ROLE_RDZV: "give me any free node rank"
 
-# statuses; everything but REFUSED is only ever sent to a client whose MAC was right
+# statuses; everything but REFUSED, SHED and SOURCE_LIMIT is only ever sent to a client whose MAC was right
 OK, REFUSED, TAKEN, FULL, MISMATCH, UNKNOWN, NO_STORE = 0, 1, 2, 3, 4, 5, 6
+SHED = 7  # after HELLO: this unfinished handshake was dropped to admit a newer connection (the relay is flooded); retry
+SOURCE_LIMIT = 8  # in BUSY, instead of HELLO: too many unfinished handshakes from this address (--max-pending-per-source)
+RETRY_STATUSES = (SHED, SOURCE_LIMIT)  # load, not a verdict on the claim: dial() tries again until its timeout
 
 
 class HandshakeError(RuntimeError):
@@ -84,6 +94,11 @@ def relay_mac(secret: bytes, relay_nonce, client_nonce, role, rank, world, sessi
 def hello() -> tuple[bytes, bytes]:
     nonce = secrets.token_bytes(NONCE_BYTES)
     return HELLO_MAGIC + bytes([VERSION]) + nonce, nonce
+
+
+def busy_greeting(status: int) -> bytes:
+    """What the relay sends instead of HELLO when it will not start a handshake at all."""
+    return BUSY_MAGIC + bytes([VERSION, status])
 
 
 def claim_length(prefix: bytes) -> int | None:
@@ -139,16 +154,37 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def dial(endpoint: str, secret: bytes, session: str, role: int, rank: int, world: int, timeout_s: float,
-         what: str = "") -> socket.socket:
+         what: str = "", source_address: str | None = None) -> socket.socket:
     """Connect to the relay, prove we know the secret, check that the relay does too; return the socket.
 
-    Raises HandshakeError naming the relay and what to check. `what` names the caller in messages.
+    A relay under a flood of unauthenticated connections may shed our handshake or turn our address away
+    for a moment; that is retried with backoff until `timeout_s` has passed. Raises HandshakeError
+    naming the relay and what to check. `what` names the caller in messages; `source_address` is the
+    local address to dial from (tests use 127.0.0.2 to be a second client host).
     """
     host, port = parse_endpoint(endpoint)
     raw_session = check_session(session)
     who = what or f"rank {rank} of session {session!r}"
+    deadline = time.monotonic() + timeout_s
+    backoff_s = 0.02
+    while True:
+        sock, status = _dial_once(host, port, secret, raw_session, role, rank, world, timeout_s, who, source_address)
+        if sock is not None:
+            return sock
+        wait_s = backoff_s * (0.5 + random.random())  # jitter: clients shed together must not come back together
+        if status not in RETRY_STATUSES or time.monotonic() + wait_s >= deadline:
+            raise HandshakeError(_refusal(status, host, port, who, session))
+        time.sleep(wait_s)
+        backoff_s = min(1.0, backoff_s * 2)
+        timeout_s = max(0.05, deadline - time.monotonic())
+
+
+def _dial_once(host: str, port: int, secret: bytes, raw_session: bytes, role: int, rank: int, world: int,
+               timeout_s: float, who: str, source_address: str | None) -> tuple[socket.socket | None, int | None]:
+    """One connection and handshake: (socket, None) when admitted, (None, status) when refused."""
     try:
-        sock = socket.create_connection((host, port), timeout=timeout_s)
+        sock = socket.create_connection((host, port), timeout=timeout_s,
+                                        source_address=(source_address, 0) if source_address else None)
     except OSError as e:
         reason = "timed out" if isinstance(e, TimeoutError) else (e.strerror or type(e).__name__)
         raise HandshakeError(f"cannot reach the relay at {host}:{port} ({reason}); is `tandem-relay` running there, "
@@ -156,6 +192,13 @@ def dial(endpoint: str, secret: bytes, session: str, role: int, rank: int, world
     try:
         tune(sock)
         hello_bytes = _recv_exact(sock, HELLO_BYTES)
+        busy = _busy_status(hello_bytes)
+        if busy is not None:
+            sock.close()
+            return None, busy
+        if not hello_bytes:
+            raise HandshakeError(f"{host}:{port} closed the connection before greeting {who}: a relay of an older Tandem "
+                                 "version does that when it is at a connection limit; check the relay's log")
         if len(hello_bytes) != HELLO_BYTES or hello_bytes[:4] != HELLO_MAGIC or hello_bytes[4] != VERSION:
             raise HandshakeError(f"{host}:{port} did not greet like a Tandem relay (version {VERSION}); "
                                  "is that address the relay, and is it the same Tandem version?")
@@ -168,8 +211,9 @@ def dial(endpoint: str, secret: bytes, session: str, role: int, rank: int, world
             if not hmac.compare_digest(proof, relay_mac(secret, relay_nonce, client_nonce, role, rank, world, raw_session)):
                 raise HandshakeError(f"the server at {host}:{port} does not know our secret: it is not our relay, "
                                      "or it was started with another --secret-file")
-            return sock
-        raise HandshakeError(_refusal(status[0] if status else None, host, port, who, session))
+            return sock, None
+        sock.close()
+        return None, status[0] if status else None
     except OSError as e:
         sock.close()
         raise HandshakeError(f"the relay at {host}:{port} dropped the handshake of {who} ({e.strerror or type(e).__name__}); "
@@ -179,15 +223,30 @@ def dial(endpoint: str, secret: bytes, session: str, role: int, rank: int, world
         raise
 
 
+def _busy_status(greeting: bytes) -> int | None:
+    """The status of a BUSY greeting (the relay would not start a handshake), else None."""
+    if len(greeting) == len(BUSY_MAGIC) + 2 and greeting[:4] == BUSY_MAGIC and greeting[4] == VERSION:
+        return greeting[5]
+    return None
+
+
 def _refusal(status: int | None, host: str, port: int, who: str, session: str) -> str:
     at = f"the relay at {host}:{port}"
     return {
-        None: f"{at} closed the connection during the handshake of {who}; it may be full or overloaded (check its log)",
+        None: f"{at} closed the connection during the handshake of {who} without an answer; check its log (it drops "
+              "handshakes that take longer than its --handshake-timeout-s)",
         REFUSED: f"{at} refused {who}: the secret does not match. transport.secret_file (or TANDEM_SECRET_FILE) must hold "
                  "the same secret as the relay's --secret-file",
         TAKEN: f"{at} already has {who} connected: another job uses the same session id (transport.session / "
                "torchrun --rdzv_id) or an earlier run of this rank is still alive",
-        FULL: f"{at} is at its connection limit (--max-connections); try again later or raise the limit",
+        FULL: f"{at} is full: it already serves its --max-connections authenticated connections, so it cannot admit "
+              f"{who}; try again when other runs have ended, or restart the relay with a larger --max-connections",
+        SHED: f"{at} is flooded with unfinished handshakes (its --max-pending table stayed full) and kept shedding the "
+              f"handshake of {who} until the timeout; check its log, and rate-limit new connections in front of it "
+              "(e.g. iptables hashlimit)",
+        SOURCE_LIMIT: f"{at} turned away {who}: this address already has --max-pending-per-source unfinished handshakes "
+                      "at the relay, until the timeout. If many nodes share one public (NAT) address, raise that limit on "
+                      "the relay; otherwise something on this network is flooding it (check the relay's log)",
         MISMATCH: f"{at}: another node joined session {session!r} with a different number of nodes (--nnodes)",
         UNKNOWN: f"{at} has no rendezvous store {session!r} (expired or the relay restarted); restart both torchruns",
         NO_STORE: f"{at} was started with --no-store, so it cannot serve torchrun's rendezvous; restart it without that flag",

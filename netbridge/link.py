@@ -4,7 +4,7 @@ Every frame is a 5-byte header, then its body:
 
     u8 type | u32 length (of the body, network byte order) | body
 
-    DATA       1  one netbridge.frames message, 1..MAX_FRAME_BYTES bytes; client -> relay -> peer
+    DATA       1  one end-to-end envelope (netbridge.secure), 1..MAX_FRAME_BYTES bytes; client -> relay -> peer
     HEARTBEAT  2  empty; sent by a client that has nothing else to say, forwarded once paired
     PAIRED     3  empty; relay -> both data ranks: the other rank of the session is there
     PEER_LEFT  4  empty; relay -> a data rank: the other rank left (sent only at a frame boundary)
@@ -160,13 +160,15 @@ class LinkSocket:
             now = time.monotonic()
             if now >= deadline:
                 raise LinkTimeout()
-            if on_wait is not None:
-                on_wait(now)
             try:
                 ready = self.poll.poll(max(1, int(min(tick, deadline - now) * 1000)))
             except OSError as e:
                 raise LinkClosed(mid_frame, e.strerror or "poll failed") from None
             if not ready:
+                # liveness is judged only while nothing is there to read: after a long computation the
+                # owner may come back to bytes that arrived long ago, and last_rx is as old as its last read
+                if on_wait is not None:
+                    on_wait(time.monotonic())
                 continue
             try:
                 got = self.sock.recv_into(view)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import secrets
@@ -26,7 +27,7 @@ import signal
 import socket
 import sys
 import time
-from collections import deque
+from collections import OrderedDict, deque
 
 from netbridge import auth
 from netbridge.link import DATA, HEADER, HEARTBEAT, MAX_FRAME_BYTES, PAIRED, PEER_LEFT, RDZV_BODY, RDZV_DONE
@@ -35,6 +36,86 @@ log = logging.getLogger("tandem.relay")
 
 HIGH_WATER = 1024 * 1024  # bytes queued towards a receiver before the sender is paused
 STORE_GRACE_S = 120.0  # a run's store lives this long after its last connection closed
+MAX_PENDING_PER_SOURCE = 16  # default --max-pending-per-source: unfinished handshakes from one address at once
+# An honest handshake is done one round trip after connecting; an unfinished one this old is stale and
+# gives its slot to a newcomer from the same address (a flooder behind your NAT cannot lock you out)
+STALE_HANDSHAKE_S = 1.0
+
+
+def source_of(address: str) -> str:
+    """The key a connection's unfinished handshakes are counted under: its IPv4 address, or its IPv6 /64
+    (one IPv6 host usually owns a whole /64, so counting single addresses would bound nothing)."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    if ip.version == 6:
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
+class _PendingHandshakes:
+    """The connections still in the handshake, by source and by age, so that making room is O(sources).
+
+    Age is the signal a flood cannot fake: an honest client finishes its handshake one round trip after
+    connecting, so the oldest unfinished handshake is the least likely to be honest. Having sent a few
+    bytes proves nothing (a flooder can send one byte), so silent and talking connections are ranked alike.
+    """
+
+    def __init__(self, limit: int, per_source: int):
+        self.limit, self.per_source = max(1, limit), max(1, per_source)
+        self.by_source: dict[str, OrderedDict] = {}  # source -> its connections, oldest first
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def source_is_full(self, source: str) -> bool:
+        return len(self.by_source.get(source, ())) >= self.per_source
+
+    def oldest_of(self, source: str) -> _Conn:
+        return next(iter(self.by_source[source]))
+
+    def add(self, conn: _Conn) -> None:
+        self.by_source.setdefault(conn.source, OrderedDict())[conn] = None
+        self.count += 1
+
+    def remove(self, conn: _Conn) -> None:
+        conns = self.by_source.get(conn.source)
+        if conns is None or conn not in conns:
+            return
+        del conns[conn]
+        self.count -= 1
+        if not conns:
+            del self.by_source[conn.source]  # keeps memory bounded by the number of pending connections
+
+    def victim(self) -> _Conn | None:
+        """Whom to shed for a newcomer: the oldest connection of the source holding the most slots, so a
+        flood from a few addresses sheds its own connections before a lone client's."""
+        busiest = max(self.by_source.values(), key=lambda conns: (len(conns), -next(iter(conns)).born), default=None)
+        return next(iter(busiest)) if busiest else None
+
+
+class _RareLog:
+    """At most one log line per interval for one kind of event, counting the ones left out: a flood of
+    connections must not become a flood of log lines."""
+
+    def __init__(self, interval_s: float = 1.0):
+        self.interval_s = interval_s
+        self.next_at = 0.0
+        self.left_out = 0
+
+    def warning(self, msg: str, *args) -> None:
+        now = time.monotonic()
+        if now < self.next_at:
+            self.left_out += 1
+            return
+        if self.left_out:
+            msg, args = msg + " (and %d more like it since the last such line)", (*args, self.left_out)
+        log.warning(msg, *args)
+        self.left_out, self.next_at = 0, now + self.interval_s
 
 
 class _Rdzv:
@@ -53,7 +134,8 @@ class _Store:
 class Relay:
     def __init__(self, secret: bytes, host: str = "0.0.0.0", port: int = 29400, *, max_frame_bytes: int = MAX_FRAME_BYTES,
                  handshake_timeout_s: float = 10.0, idle_timeout_s: float = 30.0, max_connections: int = 1024,
-                 max_pending: int = 128, emulate_delay_ms: float = 0.0, emulate_mbps: float = 0.0, store: bool = True):
+                 max_pending: int = 128, max_pending_per_source: int = MAX_PENDING_PER_SOURCE, emulate_delay_ms: float = 0.0,
+                 emulate_mbps: float = 0.0, store: bool = True):
         if not secret:
             raise ValueError("the relay needs a non-empty secret")
         self.secret, self.host, self.port = secret, host, port
@@ -67,8 +149,9 @@ class Relay:
         self.sessions: dict[str, list] = {}
         self.rdzv: dict[str, _Rdzv] = {}
         self.stores: dict[str, _Store] = {}
-        self.pending = 0
-        self.stats = {"accepted": 0, "refused": 0, "dropped": 0, "sessions": 0, "bytes": 0}
+        self.handshakes = _PendingHandshakes(max_pending, max_pending_per_source)
+        self.shed_log, self.turned_away_log = _RareLog(), _RareLog()
+        self.stats = {"accepted": 0, "refused": 0, "dropped": 0, "sessions": 0, "bytes": 0, "shed": 0, "turned_away": 0}
         self._server = None
         self._sweeper = None
 
@@ -105,14 +188,34 @@ class Relay:
                 if st.conns == 0 and now - st.idle_since > STORE_GRACE_S:
                     self._drop_store(token)
 
+    # ---- admission: who may start a handshake, and whether an authenticated client fits -----------
+    def make_room_for(self, conn: _Conn) -> bool:
+        """Take `conn` into the handshake table; False when its source already has --max-pending-per-source
+        handshakes open, all younger than STALE_HANDSHAKE_S (a burst: turned away without taking a slot).
+
+        A full table, or a source at its bound whose oldest handshake is stale, sheds one (see
+        _PendingHandshakes.victim) instead of turning the newcomer away, so idle sockets can delay an
+        honest client by a retry, not lock it out."""
+        hs = self.handshakes
+        if hs.source_is_full(conn.source):
+            oldest = hs.oldest_of(conn.source)
+            if time.monotonic() - oldest.born < STALE_HANDSHAKE_S:
+                return False
+            oldest.shed(f"{conn.source} has --max-pending-per-source ({hs.per_source}) handshakes open")
+        if len(hs) >= hs.limit:
+            hs.victim().shed(f"--max-pending ({hs.limit}) handshakes are open")
+        hs.add(conn)
+        return True
+
+    def is_full(self) -> bool:
+        """True when --max-connections authenticated connections are open (the handshake table is apart)."""
+        return len(self.conns) - len(self.handshakes) >= self.max_connections
+
     # ---- sessions ----------------------------------------------------------------------------
     def admit(self, conn: _Conn) -> int:
         """Decide on an authenticated claim; returns a status from netbridge.auth."""
         if conn.role == auth.ROLE_DATA:
-            slots = self.sessions.setdefault(conn.session, [None, None])
-            if slots[conn.rank] is not None:
-                return auth.TAKEN
-            slots[conn.rank] = conn
+            self._take_data_slot(conn)
             return auth.OK
         if conn.role == auth.ROLE_RDZV:
             if not self.store_enabled:
@@ -133,6 +236,18 @@ class Relay:
             st.conns += 1
             return auth.OK
         return auth.REFUSED
+
+    def _take_data_slot(self, conn: _Conn) -> None:
+        """A rank of a session joins. If that rank's old connection is still here (its link died without the
+        relay noticing yet), the newcomer replaces it: it proved the secret, and a rank that re-dials has
+        given up the old link. The old one is dropped like any leaver, which ends its peer's connection too
+        (PEER_LEFT), so both ranks re-dial and pair afresh and no stale byte crosses into the new pairing."""
+        old = self.sessions.get(conn.session, [None, None])[conn.rank]
+        if old is not None:
+            log.info("session %s: rank %d re-joined from %s; dropping its old connection %s", conn.session, conn.rank,
+                     conn.name, old.name)
+            old.drop(None)
+        self.sessions.setdefault(conn.session, [None, None])[conn.rank] = conn
 
     def joined(self, conn: _Conn) -> None:
         """Called after OK went out: pair data ranks, complete rendezvous, connect store pipes."""
@@ -200,7 +315,9 @@ class Relay:
             log.info("store %s: dropped", token)
 
     def left(self, conn: _Conn) -> None:
-        """A connection ended (any reason): free its slot and end its session."""
+        """A connection ended (any reason): free its slot, and end the peer's connection too (PEER_LEFT at a frame
+        boundary). The relay keeps no other session state: ranks that resume re-dial and pair afresh, and
+        the session id is free for them (or anyone with the secret) at once."""
         if conn.role == auth.ROLE_DATA and conn.session in self.sessions:
             slots = self.sessions[conn.session]
             if slots[conn.rank] is conn:
@@ -211,7 +328,7 @@ class Relay:
                 if slots == [None, None]:
                     del self.sessions[conn.session]
                 if peer is not None:
-                    log.info("session %s: rank %d left, closing rank %d", conn.session, conn.rank, peer.rank)
+                    log.info("session %s: rank %d left, closing rank %d (they may re-dial and resume)", conn.session, conn.rank, peer.rank)
                     conn.forward_end()
         elif conn.role == auth.ROLE_RDZV and conn.session in self.rdzv:
             group = self.rdzv[conn.session]
@@ -241,9 +358,11 @@ class _Conn(asyncio.Protocol):
         self.buf = bytearray()
         self.nonce = b""
         now = time.monotonic()
+        self.born = now
         self.deadline = now + relay.handshake_timeout_s
         self.last_rx = now
-        self.pending = True
+        self.source = "?"
+        self.pending = False  # in relay.handshakes
         # link-frame parser: header bytes seen so far, body bytes still to come, is this frame forwarded
         self.hdr = bytearray()
         self.body_left = 0
@@ -262,15 +381,13 @@ class _Conn(asyncio.Protocol):
         self.transport = transport
         peer = transport.get_extra_info("peername")
         self.name = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self.source = source_of(peer[0]) if peer else "?"
         relay = self.relay
-        if len(relay.conns) >= relay.max_connections or relay.pending >= relay.max_pending:
-            log.warning("%s: refused, at the connection limit (%d open, %d in handshake)", self.name, len(relay.conns), relay.pending)
-            self.pending = False
-            self.state = "closed"
-            transport.abort()
+        if not relay.make_room_for(self):
+            self._turn_away()
             return
+        self.pending = True
         relay.conns.add(self)
-        relay.pending += 1
         sock = transport.get_extra_info("socket")
         if sock is not None:
             auth.tune(sock)
@@ -326,8 +443,9 @@ class _Conn(asyncio.Protocol):
         if claim is None:
             return self._refuse("wrong MAC (secret mismatch) or invalid claim fields")
         self.role, self.rank, self.world, self.session, client_nonce = claim
+        full = self.relay.is_full()  # counted while this one is still pending
         self._end_pending()
-        status = self.relay.admit(self)
+        status = auth.FULL if full else self.relay.admit(self)
         if status != auth.OK:
             log.warning("%s: %s of %s refused: %s", self.name, _ROLE_NAMES.get(self.role), self.session, _STATUS_NAMES.get(status))
             self.relay.stats["refused"] += 1
@@ -354,7 +472,37 @@ class _Conn(asyncio.Protocol):
     def _end_pending(self) -> None:
         if self.pending:
             self.pending = False
-            self.relay.pending -= 1
+            self.relay.handshakes.remove(self)
+
+    def shed(self, why: str) -> None:
+        """Make room for a newer connection: this one is told SHED (an honest client retries) and its slot
+        is free at once."""
+        relay = self.relay
+        relay.stats["shed"] += 1
+        relay.shed_log.warning("%s: unfinished handshake shed after %.1f s to admit a newer connection: %s; "
+                               "a flood of unauthenticated connections?", self.name, time.monotonic() - self.born, why)
+        self._say_and_close(bytes([auth.SHED]))
+        self._finish()
+
+    def _turn_away(self) -> None:
+        """Refused before the handshake: its source has --max-pending-per-source handshakes open. No slot,
+        no timer; a short greeting says why, so a client behind a crowded NAT learns what to raise."""
+        relay = self.relay
+        relay.stats["turned_away"] += 1
+        relay.turned_away_log.warning("%s: turned away: %d unfinished handshakes from %s already (--max-pending-per-source)",
+                                      self.name, relay.handshakes.per_source, self.source)
+        self.state = "closed"
+        self._say_and_close(auth.busy_greeting(auth.SOURCE_LIMIT))
+
+    def _say_and_close(self, data: bytes) -> None:
+        """Write a few bytes and close: they fit the socket buffer at once, so the socket goes now; the
+        abort is only for a peer whose buffer is somehow full."""
+        transport = self.transport
+        transport.write(data)
+        stuck = transport.get_write_buffer_size() > 0
+        transport.close()
+        if stuck:
+            asyncio.get_running_loop().call_later(5.0, transport.abort)
 
     # ---- link frames ---------------------------------------------------------------------------
     def _frames(self, data: bytes) -> None:
@@ -547,8 +695,9 @@ class _StorePipe(asyncio.Protocol):
 
 
 _ROLE_NAMES = {auth.ROLE_DATA: "data", auth.ROLE_STORE: "store", auth.ROLE_RDZV: "rendezvous"}
-_STATUS_NAMES = {auth.TAKEN: "slot already taken", auth.FULL: "relay full", auth.MISMATCH: "node count differs",
-                 auth.UNKNOWN: "unknown store", auth.NO_STORE: "store disabled (--no-store)", auth.REFUSED: "refused"}
+_STATUS_NAMES = {auth.TAKEN: "slot already taken", auth.FULL: "relay full (--max-connections authenticated connections open)",
+                 auth.MISMATCH: "node count differs", auth.UNKNOWN: "unknown store", auth.NO_STORE: "store disabled (--no-store)",
+                 auth.REFUSED: "refused"}
 
 
 def peak_rss_mb() -> float:
@@ -571,10 +720,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--secret-file", default=os.environ.get("TANDEM_SECRET_FILE"),
                    help="file holding the shared secret (default: $TANDEM_SECRET_FILE); there is no --secret on purpose")
     p.add_argument("--max-frame-bytes", type=int, default=MAX_FRAME_BYTES, help="bound of one frame")
-    p.add_argument("--handshake-timeout-s", type=float, default=10.0, help="a client must finish the handshake within this")
+    p.add_argument("--handshake-timeout-s", type=float, default=10.0,
+                   help="a client must finish the handshake within this; the outer bound on an unfinished handshake "
+                        "even when nobody needs its slot (default 10)")
     p.add_argument("--idle-timeout-s", type=float, default=30.0, help="drop a client silent this long (clients send heartbeats)")
-    p.add_argument("--max-connections", type=int, default=1024)
-    p.add_argument("--max-pending", type=int, default=128, help="connections allowed in the handshake at once")
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="authenticated connections at once; one more is answered 'full' (default 1024)")
+    p.add_argument("--max-pending", type=int, default=128,
+                   help="connections in the handshake at once; when full, the oldest unfinished handshake of the busiest "
+                        "source address is shed to admit a newcomer, so idle sockets cannot lock clients out (default 128)")
+    p.add_argument("--max-pending-per-source", type=int, default=MAX_PENDING_PER_SOURCE,
+                   help="connections in the handshake at once from one IPv4 address or IPv6 /64; a newcomer beyond it "
+                        f"takes the slot of that address's oldest handshake if that is over {STALE_HANDSHAKE_S:g} s old, "
+                        "else it is turned away at once; raise it when many nodes share one NAT address "
+                        f"(default {MAX_PENDING_PER_SOURCE})")
     p.add_argument("--emulate-delay-ms", type=float, default=0.0, help="EMULATION: one-way delay added to every forwarded byte")
     p.add_argument("--emulate-mbps", type=float, default=0.0, help="EMULATION: per-direction bandwidth cap, 0 = none")
     p.add_argument("--no-store", action="store_true", help="data only: no torchrun rendezvous, no torch import")
@@ -591,9 +750,24 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(e))
     relay = Relay(secret, a.host, a.port, max_frame_bytes=a.max_frame_bytes, handshake_timeout_s=a.handshake_timeout_s,
                   idle_timeout_s=a.idle_timeout_s, max_connections=a.max_connections, max_pending=a.max_pending,
-                  emulate_delay_ms=a.emulate_delay_ms, emulate_mbps=a.emulate_mbps, store=not a.no_store)
+                  max_pending_per_source=a.max_pending_per_source, emulate_delay_ms=a.emulate_delay_ms, emulate_mbps=a.emulate_mbps, store=not a.no_store)
+    _raise_fd_limit(a.max_connections + a.max_pending + 64)
     with asyncio.Runner(loop_factory=_loop_factory(a.loop)) as runner:
         runner.run(_serve(relay, _loop_name(a.loop)))
+
+
+def _raise_fd_limit(needed: int) -> None:
+    """Every connection is a file descriptor; the usual soft limit (1024) is below the defaults' sum, and
+    running out would refuse clients with EMFILE before the relay could answer 'full'."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= needed or soft == resource.RLIM_INFINITY:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < needed:
+        log.warning("only %d file descriptors allowed (hard limit), %d needed for --max-connections + --max-pending; "
+                    "raise `ulimit -Hn` or lower those limits", target, needed)
 
 
 def _loop_factory(choice: str):
@@ -626,8 +800,9 @@ async def _serve(relay: Relay, loop_name: str = "asyncio") -> None:
     print(f"tandem-relay listening on {relay.host}:{relay.port} ({', '.join(extras)})", flush=True)
     await stop
     s = relay.stats
-    log.info("stopping: %d accepted, %d refused, %d dropped, %d sessions, %.1f MB forwarded, peak RSS %.0f MB",
-             s["accepted"], s["refused"], s["dropped"], s["sessions"], s["bytes"] / 1e6, peak_rss_mb())
+    log.info("stopping: %d accepted, %d refused, %d dropped, %d shed, %d turned away, %d sessions, %.1f MB forwarded, "
+             "peak RSS %.0f MB", s["accepted"], s["refused"], s["dropped"], s["shed"], s["turned_away"], s["sessions"],
+             s["bytes"] / 1e6, peak_rss_mb())
     print(f"tandem-relay peak RSS {peak_rss_mb():.1f} MB", flush=True)
     await relay.close()
 

@@ -2,61 +2,114 @@
 
     transport.kind=relay transport.relay=HOST:PORT transport.session=ID transport.secret_file=PATH
 
+End to end: every message is sealed with a per-session key (netbridge.secure), so the relay forwards
+ciphertext; a frame that was altered, replayed or reordered on the way is refused (PeerError).
+
+Resume: messages carry per-direction sequence numbers, and each side keeps the frames the other has
+not acknowledged yet (in the request/response protocol one or two). When the link drops (relay
+restart, reset, cut, the relay saying the other rank's link dropped, or nothing at all arriving for
+3 heartbeats), the rank re-dials the relay with backoff for up to transport.reconnect_s; after
+re-pairing both say which seq they received last and resend what the other lacks. Output is that of
+an uninterrupted run; past reconnect_s the error names the relay and what to check.
+
 Each rank sends heartbeats every `heartbeat_s` from a small thread, so the receiver tells apart
   - a peer that is alive but silent (heartbeats arrive, no message): PeerError after transport.timeout_s
-  - a peer, host or link that is gone (nothing arrives at all): PeerError after 3 heartbeats
-  - a peer that left (the relay says so, or closes): PeerError at once
-and every error names the relay and what to check.
+  - a link that died (nothing arrives at all for 3 heartbeats): reconnect, as above
+  - a peer that closed its channel on purpose (its CLOSE arrives): PeerError at once
+A link that fails before the session is established (before the other rank's hello arrived) fails
+at once as before: there is nothing to resume yet, and the join has its own timeout.
 """
 from __future__ import annotations
 
+import collections
+import logging
 import os
 import socket
 import threading
 import time
 
-from netbridge import auth
+from netbridge import auth, secure
 from netbridge.channel import Channel, PeerError
+from netbridge.frames import FrameError
 from netbridge.link import DATA, HEARTBEAT, PAIRED, PEER_LEFT, LinkClosed, LinkGarbage, LinkSocket, LinkTimeout, UnexpectedFrame
+
+log = logging.getLogger("tandem.relay_channel")
+
+DEFAULT_RECONNECT_S = 60.0
+_BACKOFF_S = (0.1, 2.0)  # first and longest pause between two dials while reconnecting
+
+
+class RefusedFrame(PeerError, FrameError):
+    """A frame that failed its end-to-end check: a PeerError for the round loop, and, like any other
+    frame that is not a valid Tandem message, a FrameError. The channel's state is unchanged by it."""
+
+
+class _LinkLost(Exception):
+    """The link to the relay is gone (the text says how); a resumable session re-dials."""
+
+
+class NotResumable(PeerError):
+    """The other end is not the process this session started with, or the two disagree on what was sent."""
 
 
 class RelayChannel(Channel):
-    """Channel over an authenticated relay connection (or, for benchmarks, any connected LinkSocket)."""
+    """Channel over an authenticated relay connection (or, for benchmarks, any connected LinkSocket).
 
-    def __init__(self, link: LinkSocket, rank: int, session: str, timeout_s: float, heartbeat_s: float | None = None, **emulation):
+    `redial(seconds)` returns a fresh paired LinkSocket (RelayChannel.connect passes one); without it
+    a lost link is final. `secret` keys the end-to-end encryption; both ends must use the same one.
+    """
+
+    def __init__(self, link: LinkSocket, rank: int, session: str, timeout_s: float, heartbeat_s: float | None = None, *,
+                 secret: bytes = b"", redial=None, reconnect_s: float = 0.0, **emulation):
         super().__init__(timeout_s, **emulation)
         self.link, self.rank, self.peer, self.session = link, rank, 1 - rank, session
+        self.relay = link.name
         self.heartbeat_s = heartbeat_s or default_heartbeat(timeout_s)
         self.dead_after_s = 3 * self.heartbeat_s
+        self.secret, self.redial, self.reconnect_s = secret, redial, reconnect_s
+        # end-to-end state; it survives reconnects
+        self.nonce, self.peer_nonce = secure.new_nonce(), secure.NO_NONCE
+        self.sealer: secure.Sealer | None = None
+        self.tx_seq = 0  # the last seq this side sent
+        self.rx_seq = 0  # the last seq this side received
+        self.unacked: collections.deque[tuple[int, bytes]] = collections.deque()  # (seq, envelope) the peer may lack
+        self.resumes = 0
         self._closed = threading.Event()
-        self._hb_error: Exception | None = None
         self._hb = threading.Thread(target=self._heartbeats, name=f"relay-heartbeat-{rank}", daemon=True)
         self._hb.start()
+        self._start_link(link)
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
     def connect(cls, relay: str, session: str, rank: int, secret: bytes, timeout_s: float = 120.0,
-                heartbeat_s: float | None = None, join_timeout_s: float | None = None, **emulation) -> RelayChannel:
+                heartbeat_s: float | None = None, join_timeout_s: float | None = None,
+                reconnect_s: float = DEFAULT_RECONNECT_S, **emulation) -> RelayChannel:
         """Dial the relay, authenticate as `rank` of `session`, and wait (up to join_timeout_s) for the other rank."""
         if rank not in (0, 1):
             raise PeerError(f"relay sessions have ranks 0 and 1, not {rank}")
         heartbeat_s = heartbeat_s or default_heartbeat(timeout_s)
         join_timeout_s = timeout_s if join_timeout_s is None else join_timeout_s
-        try:
-            sock = auth.dial(relay, secret, session, auth.ROLE_DATA, rank, 2, min(join_timeout_s, 30.0))
-        except auth.HandshakeError as e:
-            raise PeerError(str(e)) from None
-        link = LinkSocket(sock, relay, send_timeout_s=timeout_s)
-        try:
-            _wait_for_peer(link, session, rank, join_timeout_s, heartbeat_s)
-        except BaseException:
-            link.close()
-            raise
-        return cls(link, rank, session, timeout_s, heartbeat_s, **emulation)
+
+        def dial_and_pair(wait_s: float, dial_s: float = 5.0) -> LinkSocket:
+            # a short dial timeout while reconnecting: a SYN lost on a link that was down is retried by the next dial
+            try:
+                sock = auth.dial(relay, secret, session, auth.ROLE_DATA, rank, 2, max(0.5, min(wait_s, dial_s)))
+            except auth.HandshakeError as e:
+                raise PeerError(str(e)) from None
+            link = LinkSocket(sock, relay, send_timeout_s=timeout_s)
+            try:
+                _wait_for_peer(link, session, rank, wait_s, heartbeat_s)
+            except BaseException:
+                link.close()
+                raise
+            return link
+        link = dial_and_pair(join_timeout_s, dial_s=30.0)
+        return cls(link, rank, session, timeout_s, heartbeat_s, secret=secret, redial=dial_and_pair,
+                   reconnect_s=reconnect_s, **emulation)
 
     @classmethod
     def from_config(cls, cfg, rank: int, **emulation) -> RelayChannel:
-        """transport.relay / session / secret(_file); under torchrun --rdzv_backend=tandem-relay the relay
+        """transport.relay / session / secret(_file) / reconnect_s; under torchrun --rdzv_backend=tandem-relay the relay
         address and session default to the rendezvous endpoint and --rdzv_id, the secret file to TANDEM_SECRET_FILE."""
         t = cfg.transport
         relay = t.relay or os.environ.get("TANDEM_RELAY")
@@ -69,25 +122,60 @@ class RelayChannel(Channel):
             secret = auth.load_secret(t.secret, t.secret_file or os.environ.get("TANDEM_SECRET_FILE"))
         except auth.HandshakeError as e:
             raise PeerError(str(e)) from None
-        return cls.connect(relay, session, rank, secret, timeout_s=t.timeout_s, **emulation)
+        reconnect_s = getattr(t, "reconnect_s", DEFAULT_RECONNECT_S)
+        return cls.connect(relay, session, rank, secret, timeout_s=t.timeout_s, reconnect_s=reconnect_s, **emulation)
 
     # ---- Channel -------------------------------------------------------------------------------
     def send_frame(self, frame: bytes) -> None:
-        if self._closed.is_set():
-            raise PeerError(f"the relay channel to rank {self.peer} is closed")
-        if self.link.sock.gettimeout() != self.timeout_s:  # callers may shorten timeout_s (a last "error" message)
-            self.link.sock.settimeout(self.timeout_s)
-        try:
-            self.link.send(DATA, frame)
-        except socket.timeout:
-            raise PeerError(f"could not hand a {len(frame)}-byte frame to the relay at {self.link.name} within {self.timeout_s:g} s "
-                            f"(transport.timeout_s): rank {self.peer} is not reading, or the link is stalled") from None
-        except OSError as e:
-            raise PeerError(f"lost the connection to the relay at {self.link.name} while sending ({e.strerror or type(e).__name__}): "
-                            f"the relay stopped, the network dropped, or rank {self.peer} left (check the relay's log)") from None
+        self._sealed(secure.SEALED, frame)
 
     def recv_frame(self) -> bytes:
         deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                frame = self._accept(self._next_data(deadline))  # a hello may resend, so _accept can lose the link too
+            except _LinkLost as lost:
+                self._resume(str(lost))
+                deadline = time.monotonic() + self.timeout_s  # the reconnect does not count against the peer
+                continue
+            if frame is not None:
+                return frame
+
+    @property
+    def established(self) -> bool:
+        """True once the other rank's hello arrived: there is a session key and something to resume."""
+        return self.sealer is not None
+
+    # ---- sending -------------------------------------------------------------------------------
+    def _sealed(self, kind: int, plaintext: bytes) -> None:
+        if self._closed.is_set():
+            raise PeerError(f"the relay channel to rank {self.peer} is closed")
+        self._await_hello(time.monotonic() + self.timeout_s)
+        self.tx_seq += 1
+        envelope = self.sealer.seal(kind, self.tx_seq, self.rx_seq, plaintext)
+        self.unacked.append((self.tx_seq, envelope))  # kept until the peer acknowledges it: a resume resends it
+        try:
+            self._send_data(envelope)
+        except _LinkLost as lost:
+            self._resume(str(lost))  # resends this frame too
+
+    def _send_data(self, body: bytes) -> None:
+        if self.link.sock.gettimeout() != self.timeout_s:  # callers may shorten timeout_s (a last "error" message)
+            self.link.sock.settimeout(self.timeout_s)
+        try:
+            self.link.send(DATA, body)
+        except socket.timeout:
+            raise self._lost_or_fatal(
+                f"could not hand a {len(body)}-byte frame to the relay at {self.relay} within {self.timeout_s:g} s "
+                f"(transport.timeout_s): rank {self.peer} is not reading, or the link is stalled") from None
+        except OSError as e:
+            raise self._lost_or_fatal(
+                f"lost the connection to the relay at {self.relay} while sending ({e.strerror or type(e).__name__}): "
+                f"the relay stopped, the network dropped, or rank {self.peer} left (check the relay's log)") from None
+
+    # ---- receiving -----------------------------------------------------------------------------
+    def _next_data(self, deadline: float) -> bytes:
+        """Body of the next DATA frame on the current link; heartbeats are skipped. _LinkLost when the link is gone."""
         try:
             while True:
                 kind, body = self.link.recv(deadline, self._check_alive, tick=min(0.5, self.heartbeat_s), progress_s=self.timeout_s)
@@ -96,37 +184,160 @@ class RelayChannel(Channel):
                 if kind == HEARTBEAT:
                     continue
                 if kind == PEER_LEFT:
-                    raise PeerError(f"rank {self.peer} left session {self.session!r} at the relay {self.link.name} "
-                                    "(its process ended or its connection dropped)")
-                raise PeerError(f"the relay at {self.link.name} sent frame type {kind} mid-session; is it the same Tandem version?")
+                    raise self._lost_or_fatal(f"rank {self.peer} left session {self.session!r} at the relay {self.relay} "
+                                              "(its process ended or its connection dropped)")
+                raise PeerError(f"the relay at {self.relay} sent frame type {kind} mid-session; is it the same Tandem version?")
         except LinkTimeout:
-            raise PeerError(f"rank {self.peer} is connected (its heartbeats arrive through the relay {self.link.name}) but sent "
+            raise PeerError(f"rank {self.peer} is connected (its heartbeats arrive through the relay {self.relay}) but sent "
                             f"no message for {self.timeout_s:g} s (transport.timeout_s); is it stuck, or is the timeout "
                             "too short for its step?") from None
         except LinkGarbage as e:
             raise PeerError(str(e)) from None
         except LinkClosed as e:
             where = " in the middle of a frame" if e.mid_frame else ""
-            raise PeerError(f"the relay at {self.link.name} closed the connection{where} ({e.reason}): rank {self.peer} left or "
-                            "was dropped, or the relay stopped (check the relay's log)") from None
+            raise self._lost_or_fatal(f"the relay at {self.relay} closed the connection{where} ({e.reason}): rank {self.peer} "
+                                      "left or was dropped, or the relay stopped (check the relay's log)") from None
+
+    def _accept(self, body: bytes) -> bytes | None:
+        """The message in an envelope from the peer, or None for a hello (handled here). Refuses anything unsealed."""
+        kind = secure.envelope_type(body)
+        try:
+            if kind == secure.HELLO:
+                self._on_hello(secure.open_hello(self.secret, self.session, body))
+                return None
+            if kind not in (secure.SEALED, secure.CLOSE):
+                raise secure.SecureError(f"not a sealed Tandem frame (envelope type {kind})")
+            if self.sealer is None:
+                raise secure.SecureError("sealed before the session key was agreed (no hello yet)")
+            kind, seq, ack, plaintext = self.sealer.open(body, self.rx_seq + 1)
+        except secure.SecureError as e:
+            raise RefusedFrame(f"refused a frame from rank {self.peer} through the relay {self.relay}: {e.what}; someone on "
+                               "the path altered or replayed it, or the other end is not this session's rank "
+                               "(check the network path and who has the secret)") from None
+        self.rx_seq = seq
+        self._forget_acked(ack)
+        if kind == secure.CLOSE:
+            raise PeerError(f"rank {self.peer} left session {self.session!r} at the relay {self.relay} (it closed its channel)")
+        return plaintext
+
+    def _forget_acked(self, ack: int) -> None:
+        while self.unacked and self.unacked[0][0] <= ack:
+            self.unacked.popleft()
 
     def _check_alive(self, now: float) -> None:
         if now - self.link.last_rx > self.dead_after_s:
-            raise PeerError(f"nothing from rank {self.peer} through the relay {self.link.name} for {now - self.link.last_rx:.0f} s, "
-                            f"not even heartbeats (every {self.heartbeat_s:g} s): its host, the relay or the network is down")
+            raise self._lost_or_fatal(
+                f"nothing from rank {self.peer} through the relay {self.relay} for {now - self.link.last_rx:.0f} s, "
+                f"not even heartbeats (every {self.heartbeat_s:g} s): its host, the relay or the network is down")
 
+    # ---- the session: hello, resume ------------------------------------------------------------
+    def _start_link(self, link: LinkSocket) -> None:
+        """A freshly paired link: say who we are and what we received; the peer's hello is awaited before sending."""
+        self.link, self._hello_pending = link, True
+        hello = secure.Hello(self.rank, self.nonce, self.peer_nonce, self.rx_seq)
+        self._send_data(secure.pack_hello(self.secret, self.session, hello))
+
+    def _await_hello(self, deadline: float) -> None:
+        """Before sending on a new link: the peer's hello tells what it lacks, which goes out first."""
+        if self._hello_pending:
+            try:
+                self._read_hello(deadline)
+            except _LinkLost as lost:
+                self._resume(str(lost))
+
+    def _read_hello(self, deadline: float) -> None:
+        """Read the peer's hello of the current link: the first thing it sends after pairing."""
+        while self._hello_pending:
+            if self._accept(self._next_data(deadline)) is not None:
+                raise NotResumable(f"rank {self.peer} sent a message before its hello through the relay {self.relay}; "
+                                   "is it the same Tandem version?")
+
+    def _on_hello(self, hello: secure.Hello) -> None:
+        if hello.rank != self.peer:
+            raise secure.SecureError(f"a hello from rank {hello.rank}, not from rank {self.peer}")
+        restarted = self.peer_nonce not in (secure.NO_NONCE, hello.nonce) or hello.peer_nonce not in (secure.NO_NONCE, self.nonce)
+        if restarted:
+            raise NotResumable(f"rank {self.peer} of session {self.session!r} at the relay {self.relay} is not the process this "
+                            "session started with (it restarted, or another job uses the same transport.session); "
+                            "restart both ranks, each job with its own session id")
+        if self.sealer is None:
+            self.peer_nonce = hello.nonce
+            nonces = (self.nonce, hello.nonce) if self.rank == 0 else (hello.nonce, self.nonce)
+            self.sealer = secure.Sealer(secure.derive_key(self.secret, self.session, *nonces), self.rank)
+        self._hello_pending = False
+        self._resend_after(hello.last_rx)
+
+    def _resend_after(self, peer_rx: int) -> None:
+        """Resend what the peer lacks: every kept frame after the last one it says it received."""
+        self._forget_acked(peer_rx)
+        oldest = self.unacked[0][0] if self.unacked else self.tx_seq + 1
+        if not oldest - 1 <= peer_rx <= self.tx_seq:
+            raise NotResumable(f"cannot resume session {self.session!r}: rank {self.peer} received up to seq {peer_rx}, this rank "
+                            f"sent {self.tx_seq} and kept {oldest}..; the ranks disagree (restart both)")
+        for _, envelope in self.unacked:
+            self._send_data(envelope)
+
+    def _lost_or_fatal(self, why: str) -> Exception:
+        """What a broken link becomes: a reason to reconnect in an established session, else the error itself."""
+        if self.established and self.redial is not None and self.reconnect_s > 0 and not self._closed.is_set():
+            return _LinkLost(why)
+        return PeerError(why)
+
+    def _resume(self, why: str) -> None:
+        """Re-dial the relay with backoff until re-paired and resynchronized, or PeerError past reconnect_s."""
+        started = time.monotonic()
+        deadline = started + self.reconnect_s
+        pause, last = _BACKOFF_S[0], "no attempt"
+        self.link.close()
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PeerError(f"{why}; could not resume within {self.reconnect_s:g} s (transport.reconnect_s; last try: "
+                                f"{last}): is the relay at {self.relay} running and reachable from here, and is rank "
+                                f"{self.peer} still running?")
+            try:
+                link = self.redial(left)
+            except PeerError as e:  # the relay is not back yet, or the peer has not re-dialed yet: try again
+                last = str(e)
+            else:
+                try:
+                    self._start_link(link)
+                    self._read_hello(min(deadline, time.monotonic() + self.timeout_s))
+                    self.resumes += 1
+                    log.warning("rank %d: resumed session %r through the relay %s after %.1f s (%s)", self.rank, self.session,
+                                self.relay, time.monotonic() - started, why)
+                    return
+                except _LinkLost as e:  # lost again while resynchronizing; anything else is final
+                    last = str(e)
+            self.link.close()
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(2 * pause, _BACKOFF_S[1])
+
+    # ---- heartbeats and closing ----------------------------------------------------------------
     def _heartbeats(self) -> None:
         while not self._closed.wait(self.heartbeat_s / 2):
-            if time.monotonic() - self.link.last_tx >= self.heartbeat_s * 0.9:
+            link = getattr(self, "link", None)  # swapped on reconnect; a dead one just fails here
+            if link is not None and time.monotonic() - link.last_tx >= self.heartbeat_s * 0.9:
                 try:
-                    self.link.try_heartbeat()
-                except OSError as e:  # the owner finds out on its next send or receive
-                    self._hb_error = e
-                    return
+                    link.try_heartbeat()
+                except OSError:  # the owner finds out on its next send or receive, and reconnects
+                    pass
 
     def close(self) -> None:
         if self._closed.is_set():
             return
+        if self._hello_pending:  # the peer's hello is likely here already: with it, the CLOSE below can be sealed
+            try:
+                self._read_hello(time.monotonic() + min(1.0, self.timeout_s))
+            except Exception:  # noqa: BLE001 - closing: the link may be gone, or the peer never said hello
+                pass
+        if self.established and not self._hello_pending:  # tell the peer this is on purpose, so it does not wait to resume
+            try:
+                self.tx_seq += 1
+                self.link.sock.settimeout(min(self.timeout_s, 2.0))  # best effort: never hang on a dead link here
+                self.link.send(DATA, self.sealer.seal(secure.CLOSE, self.tx_seq, self.rx_seq, b""))
+            except OSError:
+                pass
         self._closed.set()
         self._hb.join(timeout=2)
         self.link.close()

@@ -121,3 +121,103 @@ def test_two_namespaces_reach_only_the_relay_and_match_generate(namespaces, tiny
         log = relay.log()
         assert "rendezvous of 2 nodes complete" in log and "session netns-e2e: ranks paired" in log
         print(f"\nnetns: {NEW_TOKENS} tokens equal generate(); relay {endpoint} peak RSS {relay.rss_mb():.0f} MB")
+
+
+# ---- faults: the relay restarted and a node's link cut, mid-generation ------------------------
+FAULTS_EACH = 5  # relay restarts, and link cuts, per run
+FAULT_TOKENS = 300
+FAULT_PORT = 29411  # fixed, so a restarted relay is found at the same address (the namespace is fresh)
+
+
+def torchrun_node(names: dict, node: str, rank: int, endpoint: str, model, out, secret_file, tokens: int, extra=()) -> subprocess.Popen:
+    cmd = ["ip", "netns", "exec", names[node], sys.executable, "-m", "torch.distributed.run",
+           "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=tandem-relay", f"--rdzv_endpoint={endpoint}",
+           "--rdzv_id=netns-faults", f"--rdzv_conf=node_rank={rank},join_timeout=60", "--max_restarts=0",
+           str(REPO / "train_free_infer.py"), f"model.target={model}", "model.dtype=float32", "draft.kind=none",
+           f"prompt_ids={ids_arg(PROMPT)}", "chat=false", f"gen.max_new_tokens={tokens}", f"output.json={out}",
+           "output.stream=false", "transport.kind=relay", f"transport.relay={endpoint}", "transport.session=netns-faults",
+           f"transport.secret_file={secret_file}", *extra]
+    env = dict(os.environ, PYTHONPATH=str(REPO), TANDEM_SECRET_FILE=str(secret_file), TOKENIZERS_PARALLELISM="false")
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+
+
+@pytest.mark.skipif(os.environ.get("TANDEM_FAULT_TESTS") != "1", reason="about 2 minutes: set TANDEM_FAULT_TESTS=1")
+def test_generation_survives_relay_restarts_and_link_cuts(namespaces, tiny_qwen, tmp_path):
+    """The relay SIGKILLed and restarted 2 s later on the same address, and one node's veth set down for 5 s, each
+    FAULTS_EACH times at random points of one generation: both torchruns exit 0 and the tokens equal generate()."""
+    import random
+    import signal
+    import threading
+    import time
+    names, public, net = namespaces
+    sfx = names["relay"].rsplit("-", 1)[1]
+    expected = reference_greedy(tiny_qwen, PROMPT, FAULT_TOKENS)
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(SECRET)
+    secret_file.chmod(0o600)
+    relay_args = ("--port", str(FAULT_PORT))  # after relay_process's --port 0: the later one wins
+    relays = [relay_process(tmp_path, *relay_args, host="0.0.0.0", netns=names["relay"])]
+    first = relays[0].__enter__()
+    endpoint = f"{public}:{FAULT_PORT}"
+    out = tmp_path / "out.json"
+    # timeout_s=6: heartbeats every 1 s, a dead link is noticed after 3 s; 30 ms emulated per message stretches the run
+    extra = ("transport.timeout_s=6", "transport.reconnect_s=60", "transport.emulate_delay_ms=30")
+    procs = [torchrun_node(names, node, rank, endpoint, tiny_qwen, out, secret_file, FAULT_TOKENS, extra)
+             for rank, node in enumerate(("n0", "n1"))]
+    counts = {"relay restarts": 0, "link cuts": 0}
+    rng = random.Random(int(sfx, 16))
+
+    def running() -> bool:
+        return all(p.poll() is None for p in procs)
+
+    def restart_relay() -> None:
+        proc = inner[-1].proc  # the running relay (`ip netns exec` execs it: this is its pid)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        time.sleep(2.0)
+        relays.append(relay_process(tmp_path, *relay_args, host="0.0.0.0", netns=names["relay"]))
+        inner.append(relays[-1].__enter__())
+
+    def cut_link() -> None:
+        veth = f"tr{sfx}{rng.randrange(2)}a"  # the relay's end of node0's or node1's link
+        sh("ip", "netns", "exec", names["relay"], "ip", "link", "set", veth, "down")
+        time.sleep(5.0)
+        sh("ip", "netns", "exec", names["relay"], "ip", "link", "set", veth, "up")
+
+    def inject() -> None:
+        deadline = time.monotonic() + 120
+        while "ranks paired" not in first.log() and running() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(5.0)  # both load their stage after pairing (a fault then is survived too, but is not mid-generation)
+        kinds = ["relay restarts", "link cuts"] * FAULTS_EACH
+        rng.shuffle(kinds)
+        for kind in kinds:
+            time.sleep(rng.uniform(0.3, 2.0))  # a random point of the generation
+            if not running():
+                return
+            (restart_relay if kind == "relay restarts" else cut_link)()
+            counts[kind] += 1
+
+    inner = [first]
+    injector = threading.Thread(target=inject, daemon=True)
+    t0 = time.monotonic()
+    injector.start()
+    try:
+        results = [p.communicate(timeout=400) for p in procs]
+        injector.join(30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        for cm in reversed(relays):
+            cm.__exit__(None, None, None)
+    elapsed = time.monotonic() - t0
+    logs = "\n".join(r.log()[-1500:] for r in inner[-2:])
+    for rank, (p, (_, err)) in enumerate(zip(procs, results)):
+        assert p.returncode == 0, f"node{rank} torchrun failed ({p.returncode}):\n{err[-4000:]}\nrelay logs:\n{logs}"
+    got = json.loads(out.read_text())["token_ids"]
+    assert got == expected
+    print(f"\nnetns faults: {counts['relay restarts']} relay restarts (2 s down) and {counts['link cuts']} link cuts (5 s down) "
+          f"during one generation of {FAULT_TOKENS} tokens; both nodes exit 0, tokens equal generate(); {elapsed:.0f} s")
+    assert counts["relay restarts"] >= FAULTS_EACH and counts["link cuts"] >= FAULTS_EACH, counts

@@ -269,16 +269,25 @@ def test_wrong_secret_is_refused_and_learns_nothing(relay):
     assert "wrong MAC" in relay.log()
 
 
-def test_third_claimant_of_a_taken_rank_is_refused(relay):
+def test_a_new_claimant_of_a_taken_rank_replaces_it_and_is_not_resumed_with(relay):
+    """A rank that re-dials must get its slot back even while the relay still holds its old connection, so a newly
+    authenticated claimant replaces the old one. A different process (another job with the same session id) gets
+    the slot, but the session's other rank refuses to resume with it: its hello carries another nonce."""
     c0, c1 = pair(relay, "taken")
     try:
-        with pytest.raises(PeerError, match=r"already has rank 0 of session 'taken' connected"):
-            RelayChannel.connect(relay.addr, "taken", 0, SECRET, timeout_s=3)
-        c0.send("after", x=torch.tensor([5]))
-        assert c1.recv("after").tensors["x"].item() == 5
+        c0.send("before", x=torch.tensor([5]))
+        assert c1.recv("before").tensors["x"].item() == 5
+        t, box = run_in_thread(RelayChannel.connect, relay.addr, "taken", 0, SECRET, 3.0)
+        with pytest.raises(PeerError, match=r"rank 0 of session 'taken' at the relay .* is not the process this session "
+                                            r"started with \(it restarted, or another job uses the same transport.session\)"):
+            c1.recv()
+        t.join(5)
+        if "value" in box:
+            box["value"].close()
     finally:
         c0.close()
         c1.close()
+    assert "session taken: rank 0 re-joined" in relay.log()
 
 
 def test_peer_leaving_is_reported_with_the_relay_address(relay):
