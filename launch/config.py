@@ -31,6 +31,7 @@ class ModelConfig:
     split: int | None = None  # first layer of rank 1; None = half of the layers
     dtype: str = "bfloat16"  # float32 | bfloat16 | float16
     max_len: int = 4096  # KV-cache capacity of each stage, in tokens (prompt + output + K)
+    prefill_chunk: int = 512  # a longer prompt crosses in chunks of this many tokens, pipelined across the ranks
     quant: str = "none"  # none | nf4
     quant_compute_dtype: str = "bfloat16"
     quant_double: bool = True  # NF4 double quantization
@@ -183,6 +184,8 @@ def validate(cfg: TandemConfig) -> None:
     _choice(cfg.draft.kind, ("none", "model", "ngram"), "draft.kind")
     _choice(cfg.draft.graph, ("auto", "on", "off"), "draft.graph")
     _choice(cfg.transport.kind, ("gloo", "relay"), "transport.kind")
+    if cfg.model.prefill_chunk < 1:
+        raise ConfigError(f"model.prefill_chunk={cfg.model.prefill_chunk} must be >= 1")
     if cfg.spec.k < 0:
         raise ConfigError(f"spec.k={cfg.spec.k} must be >= 0")
     if cfg.draft.kind == "model" and not cfg.draft.model:

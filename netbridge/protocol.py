@@ -3,6 +3,7 @@
     rank 0                                   rank 1
     Hello(split, layers, dtype, quant)  -->  checks it against its own; Hello back, or Error
     Request(temperature, top_p, seed)   -->  a new generation: reseed the verifier
+    Prefill(start, hidden)              -->  a long prompt's leading chunks: extend the cache, no reply
     Round(start, hidden, drafts, [q])   -->  forward its slice from `start`, verify
                                         <--  Reply(accepted, token, stage1_ms, marks)
     ... more Rounds, more Requests (serving) ...
@@ -23,7 +24,7 @@ import torch
 
 from netbridge.channel import Channel, PeerError
 
-VERSION = 2  # bumped when a message changes; Hello carries it
+VERSION = 3  # bumped when a message changes; Hello carries it
 
 
 @dataclass
@@ -41,6 +42,14 @@ class Request:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+
+
+@dataclass
+class Prefill:
+    """A chunk of a long prompt ahead of its first Round: rank 1 only extends its cache (no reply), so it
+    runs its layers over one chunk while rank 0 runs its own over the next."""
+    start: int
+    hidden: torch.Tensor  # [1, T, H]
 
 
 @dataclass
@@ -75,7 +84,7 @@ class Error:
     error: str
 
 
-MESSAGES = {cls.__name__.lower(): cls for cls in (Hello, Request, Round, Reply, Idle, Bye, Error)}
+MESSAGES = {cls.__name__.lower(): cls for cls in (Hello, Request, Prefill, Round, Reply, Idle, Bye, Error)}
 
 
 def send(channel: Channel, msg) -> None:

@@ -41,6 +41,9 @@ class StatelessDrafter:
     def reset(self, keep: int, temperature: float, seed: int) -> None:
         pass
 
+    def catch_up(self, context: list[int]) -> None:
+        pass
+
     def commit(self, n_committed: int) -> None:
         pass
 
@@ -92,14 +95,20 @@ class ModelDrafter:
         self.stage.cache.rewind(self.cached)
         self.step.configure(temperature, seed)
 
+    def catch_up(self, context: list[int]) -> None:
+        """Take in every token of `context` the cache lacks (a prompt, ahead of drafting)."""
+        missing = context[self.cached:]
+        if missing:
+            self.stage.cache.check_room(len(context))
+            self.stage(torch.tensor([missing], device=self.device), num_logits=1, live=len(context))
+            self.cached = len(context)
+
     def propose(self, context: list[int], k: int) -> Drafts:
         if k == 0:
             return one_hot_drafts([])
-        catch_up = context[self.cached:]
         self.stage.cache.check_room(len(context) + k - 1)
-        if len(catch_up) > 1:
-            self.stage(torch.tensor([catch_up[:-1]], device=self.device), num_logits=1, live=len(context) - 1)
-        tokens, q_ids, q_probs = self.step.run(catch_up[-1], k, start=len(context) - 1)
+        self.catch_up(context[:-1])
+        tokens, q_ids, q_probs = self.step.run(context[-1], k, start=len(context) - 1)
         self.cached = len(context) + k - 1
         return Drafts(tokens, q_ids, q_probs) if q_ids is not None else Drafts(tokens)
 

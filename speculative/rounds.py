@@ -23,7 +23,7 @@ import torch
 from model_parallel.stage import Stage
 from netbridge import protocol
 from netbridge.channel import Channel
-from netbridge.protocol import Reply, Request, Round
+from netbridge.protocol import Prefill, Reply, Request, Round
 from speculative.drafters import Drafts
 from speculative.output import Output
 from speculative.verify import target_probs, verify_greedy, verify_sampled
@@ -98,18 +98,34 @@ def draft_ahead(stage: Stage, drafter, context: list[int], k_next: int) -> Ahead
     return Ahead(guess, drafts, hidden, _ms(t0))
 
 
+def prefill_chunks(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], reuse: int, chunk: int) -> list[int]:
+    """Send all but the last `chunk` tokens of the prompt's new part as Prefill messages; returns the rest,
+    which the first round carries. Each message's compute stays bounded (rank 1's receive has a timeout),
+    rank 1 runs its layers over one chunk while rank 0 runs its own over the next, and the drafter
+    takes in each chunk meanwhile."""
+    start, pending = reuse, prompt_ids[reuse:]
+    stage.cache.rewind(start)
+    while len(pending) > chunk:
+        piece, pending = pending[:chunk], pending[chunk:]
+        hidden = stage(torch.tensor([piece], device=stage.device), live=start + len(piece))
+        protocol.send(channel, Prefill(start, hidden))
+        start += len(piece)
+        drafter.catch_up(prompt_ids[:start])
+    return pending
+
+
 def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], output: Output, k: int,
               on_round=None, adaptive: bool = False, request: Request = Request(), reuse: int = 0,
-              cancelled=lambda: False, overlap: bool = False) -> Generation:
+              cancelled=lambda: False, overlap: bool = False, prefill_chunk: int = 512) -> Generation:
     """One generation. `reuse`: prompt tokens every cache already holds. `cancelled()` is asked
     between rounds (a client that went away); the caches stay consistent whenever it stops.
     `overlap`: while a round is in flight, prepare the next one (draft_ahead)."""
     gen = Generation(prompt_ids, output, reused=reuse)
+    t_start = gen.t0_s = time.perf_counter()
     protocol.send(channel, request)
     drafter.reset(reuse, request.temperature, request.seed + 1)
     committed = list(prompt_ids)
-    pending = committed[reuse:]  # tokens the target has not yet seen
-    t_start = gen.t0_s = time.perf_counter()
+    pending = prefill_chunks(stage, drafter, channel, prompt_ids, reuse, prefill_chunk)  # tokens the target has not yet seen
     k_now, ahead = k, None
     while not output.done and not cancelled():
         t_round = time.perf_counter()
@@ -167,12 +183,16 @@ def run_rank1(stage: Stage, channel: Channel) -> int:
     rounds = 0
     while True:
         t_wait = time.perf_counter()
-        msg = protocol.recv(channel, Request, Round, protocol.Idle, protocol.Bye)
+        msg = protocol.recv(channel, Request, Prefill, Round, protocol.Idle, protocol.Bye)
         if isinstance(msg, protocol.Bye):
             return rounds
         if isinstance(msg, Request):
             request = msg
             generator.manual_seed(request.seed)
+        if isinstance(msg, Prefill):
+            stage.cache.rewind(msg.start)
+            stage.cache.check_room(msg.start + msg.hidden.shape[1])
+            stage(msg.hidden.to(stage.device), num_logits=1, live=msg.start + msg.hidden.shape[1])
         if not isinstance(msg, Round):
             continue
         t0 = time.perf_counter()
