@@ -124,14 +124,20 @@ def test_step_has_no_python_position_state(temperature, tiny_qwen):
     step.configure(temperature, seed=0)
     stage(torch.tensor([[3, 1, 4, 1, 5]]), num_logits=1)
     before = step_buffers(step)
+    cache = stage.cache
+    snapshot = [(t, t.clone()) for t in (*cache.keys.values(), *cache.values.values())]
     eager_runs = []
     rng = random.Random(2)
     plan = [(rng.randint(1, 60), rng.randrange(VOCAB), rng.randint(1, 8)) for _ in range(12)]
     for length, first, k in plan:
         stage.cache.rewind(length)
+        stage(torch.tensor([[1, 2]]), num_logits=1)  # eager prefill between rounds, as the drafter does
+        stage.cache.rewind(length)
         eager_runs.append(step.run(first, k, start=length))
     assert step_buffers(step) == before
 
+    for buffer, saved in snapshot:  # the compiled phase starts from the same cache contents, in place
+        buffer.copy_(saved)
     compiled = torch.compile(step._step, fullgraph=True, backend="eager")
     step._step = compiled  # run() now drives the compiled step
     step.configure(temperature, seed=0)
@@ -144,5 +150,5 @@ def test_step_has_no_python_position_state(temperature, tiny_qwen):
             got = step.run(first, k, start=length)
             assert torch.equal(got[0], eager[0])
             if temperature > 0:
-                assert torch.equal(got[1], eager[1]) and torch.allclose(got[2], eager[2])
+                assert torch.equal(got[1], eager[1]) and torch.allclose(got[2], eager[2], rtol=1e-4, atol=1e-7)
     assert step_buffers(step) == before
