@@ -79,7 +79,12 @@ def load_tokenizer(folder: str):
     from transformers import AutoTokenizer
     if not any((Path(folder) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
-    return AutoTokenizer.from_pretrained(folder)
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as e:  # transformers reads the files with json.load: garbage is a ValueError
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ModelLoadError(f"{folder}: the tokenizer files (tokenizer.json, tokenizer_config.json) cannot be read "
+                             f"({type(e).__name__}: {first}); re-download or re-convert the model folder") from None
 
 
 def eos_ids(folder: str) -> set[int]:
