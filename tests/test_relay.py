@@ -483,3 +483,81 @@ def test_a_big_frame_on_a_slow_link_is_progress_not_a_timeout(tmp_path):
         finally:
             c0.close()
             c1.close()
+
+
+# ---- notices: a refused claim is told to whoever waits in that session -------------------------
+def wrong_secret_claim(relay: RelayProcess, session: str) -> None:
+    with pytest.raises(auth.HandshakeError, match="secret does not match"):
+        auth.dial(relay.addr, b"not-the-secret", session, auth.ROLE_DATA, 0, 2, 3)
+
+
+def frames_until_quiet(sock: socket.socket, quiet_s: float) -> list:
+    """The link frames that arrive until none has for `quiet_s`."""
+    frames = []
+    try:
+        while (frame := read_link(sock, timeout_s=quiet_s)) is not None:
+            frames.append(frame)
+    except socket.timeout:
+        pass
+    return frames
+
+
+def test_a_rank_waiting_for_its_peer_hears_of_a_wrong_secret_claim(relay, caplog):
+    """RelayChannel.connect waiting for PAIRED: a wrong-secret claim for its session is warned about within
+    seconds, once, the wait goes on, and the timeout names the refusal instead of a bare 'did not join'."""
+    waiter, box = run_in_thread(lambda: RelayChannel.connect(relay.addr, "told", 1, SECRET, timeout_s=10, join_timeout_s=4))
+    time.sleep(0.5)  # rank 1 is waiting at the relay
+    t0 = time.monotonic()
+    wrong_secret_claim(relay, "told")
+    warned = []
+    while not warned and time.monotonic() - t0 < 3:
+        warned = [r.getMessage() for r in caplog.records if "claiming session 'told' was refused" in r.getMessage()]
+        time.sleep(0.05)
+    assert warned, "no warning within 3 s of the refused claim"
+    assert time.monotonic() - t0 < 2
+    assert "a connection from 127.0.0.1 claiming session 'told' was refused at the relay for a wrong secret" in warned[0]
+    assert "TANDEM_SECRET_FILE" in warned[0]
+    time.sleep(1.1)  # past the relay's notice interval: the same notice again is not printed again
+    wrong_secret_claim(relay, "told")
+    waiter.join(10)
+    assert not waiter.is_alive() and "value" not in box
+    assert len([r for r in caplog.records if "claiming session 'told'" in r.getMessage()]) == 1
+    message = str(box["error"])
+    assert re.search(r"rank 0 did not join session 'told' at the relay .* within 4 s; a connection from 127\.0\.0\.1 "
+                     r"claiming session 'told' was refused at the relay for a wrong secret: check TANDEM_SECRET_FILE", message), message
+
+
+def test_notices_are_rate_limited_bounded_and_only_for_waiting_members(relay):
+    from netbridge.link import MAX_NOTICE_BYTES, NOTICE
+    waiting = dial_raw(relay, "flooded", 0)
+    c0, c1 = pair(relay, "running")
+    try:
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        for session in ["flooded"] * 12 + ["running"] * 3:  # a stranger hammering both sessions
+            wrong_secret_claim(relay, session)
+        flood_s = time.monotonic() - t0
+        frames = frames_until_quiet(waiting, quiet_s=0.7)
+        notices = [body for kind, body in frames if kind == NOTICE]
+        assert 1 <= len(notices) <= 1 + int(flood_s), (flood_s, frames)  # one notice per second at most
+        assert all(0 < len(body) <= MAX_NOTICE_BYTES for body in notices)
+        c0.send("still", x=torch.ones(1))  # a paired session's stream carries no notice
+        assert c1.recv("still").tensors["x"].tolist() == [1.0]
+    finally:
+        waiting.close()
+        c0.close()
+        c1.close()
+
+
+def test_notice_text_is_cut_at_a_word_and_made_printable():
+    from netbridge.link import MAX_NOTICE_BYTES, NOTICE, clip_words, notice_frame, notice_text
+    long = "wörd " * 200
+    clipped = clip_words(long, MAX_NOTICE_BYTES)
+    assert len(clipped.encode()) <= MAX_NOTICE_BYTES and clipped.endswith("wörd ...")
+    assert notice_text("bell\x07 and\nnewline \x1b[31m".encode()) == "bell  and newline  [31m"
+    kind, n = HEADER.unpack(notice_frame(long)[:HEADER.size])
+    assert kind == NOTICE and n <= MAX_NOTICE_BYTES
+    with link_pair() as (link, relay_end):
+        relay_end.sendall(HEADER.pack(NOTICE, MAX_NOTICE_BYTES + 1))  # a notice beyond its bound: garbage, no body read
+        with pytest.raises(LinkGarbage):
+            link.recv(time.monotonic() + 5)

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -70,12 +74,53 @@ def test_torchrun_meets_at_the_relay_with_pinned_ranks(setup):
 
 
 def test_wrong_secret_and_missing_node_fail_fast_and_say_why(setup):
+    """The node with the wrong secret is refused at once; the good node hears of it from the relay within
+    seconds (a warning, once), keeps waiting out its join_timeout, and its error names the refusal."""
     relay, script, secret_file, tmp = setup
     wrong = tmp / "wrong-secret"
     wrong.write_bytes(b"not the relay's secret")
-    good = torchrun(relay.addr, "job-b", tmp / "good.json", script, secret_file, "join_timeout=4")
+    good = torchrun(relay.addr, "job-b", tmp / "good.json", script, secret_file, "join_timeout=12")
+    good_lines = timestamped_lines(good.stderr)
     bad = torchrun(relay.addr, "job-b", tmp / "bad.json", script, wrong)
     _, bad_err = bad.communicate(timeout=60)
-    _, good_err = good.communicate(timeout=60)
+    good.wait(timeout=60)
+    good_err = "".join(line for _, line in good_lines)
     assert bad.returncode != 0 and "secret does not match" in bad_err, bad_err[-2000:]
-    assert good.returncode != 0 and "not all 2 nodes of run 'job-b' joined at the relay" in good_err, good_err[-2000:]
+    refusal = "a connection from 127.0.0.1 claiming session 'job-b' was refused at the relay for a wrong secret"
+    warnings = [(t, line) for t, line in good_lines if "still waits for its other node(s)" in line and refusal in line]
+    assert len(warnings) == 1, good_err[-3000:]
+    # told within seconds of the refusal, or of its own arrival if the refused node came first
+    told_after = warnings[0][0] - max(relay_time(relay, "handshake refused: wrong MAC"),
+                                      relay_time(relay, "run job-b: node any from"))
+    assert told_after < 3.0, (told_after, relay.log()[-2000:])
+    assert good.returncode != 0, good_err[-2000:]
+    assert re.search(r"not all 2 nodes of run 'job-b' joined at the relay \S+ within 12 s \(--rdzv_conf join_timeout\); "
+                     + re.escape(refusal) + r".*check TANDEM_SECRET_FILE", good_err), good_err[-3000:]
+
+
+def test_a_missing_node_is_named_with_what_to_check(setup):
+    relay, script, secret_file, tmp = setup
+    alone = torchrun(relay.addr, "job-c", tmp / "alone.json", script, secret_file, "join_timeout=3")
+    _, err = alone.communicate(timeout=60)
+    assert alone.returncode != 0
+    assert "not all 2 nodes of run 'job-c' joined at the relay" in err and "start torchrun on the other node(s)" in err, err[-2000:]
+
+
+def timestamped_lines(stream) -> list[tuple[float, str]]:
+    """(time.time() of arrival, line) of a text stream, filled by a thread until the stream ends."""
+    lines: list[tuple[float, str]] = []
+
+    def read():
+        for line in stream:
+            lines.append((time.time(), line))
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def relay_time(relay, text: str) -> float:
+    """time.time() of the relay's first log line containing `text` (its asctime, to the millisecond)."""
+    for line in relay.log().splitlines():
+        if text in line:
+            stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+            return stamp.timestamp()
+    raise AssertionError(f"no {text!r} in the relay's log:\n{relay.log()[-2000:]}")

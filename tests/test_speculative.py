@@ -1,31 +1,48 @@
-"""Issue: the lossless speculative round. Greedy output == transformers generate for every K and
-drafter; sampled output distributed as the target's (chi-square on the verifier itself)."""
-import json
+"""speculative/: the lossless round (greedy output == transformers generate for every K and drafter;
+sampled output distributed as the target's), adaptive K, the drafters, verification, the stats, the
+serving Session (per-request sampling, prefix reuse) and rank 0's Output.
+
+End to end here means both ranks of train_free_infer as two threads over an in-process channel
+(tests.tiny_models.run_pair): the whole entry path but torchrun, whose own behaviour tests/test_e2e.py
+checks."""
 import math
-import shutil
+import threading
 
 import pytest
 import torch
 from scipy.stats import chisquare
+from transformers import AutoTokenizer
 
-from speculative.verify import target_probs, verify_sampled
-from tests.tiny_models import ids_arg, reference_greedy, run_tandem, save_tiny, save_tiny_tokenizer
+import train_free_infer
+from launch.build import build_drafter, build_stage, eos_ids
+from launch.config import load_config
+from netbridge.channel import local_pair
+from netbridge.protocol import Request
+from speculative.drafters import NgramDrafter
+from speculative.output import Output
+from speculative.rounds import Generation, RoundRecord, next_k
+from speculative.session import Session, common_prefix
+from speculative.stats import broken_drafter_warning, summarize
+from speculative.verify import target_probs, verify_greedy, verify_sampled
+from tests.tiny_models import ids_arg, reference_greedy, run_pair, save_tiny_tokenizer, with_eos
 
 PROMPT = [11, 42, 7, 250, 3, 99, 180, 5, 42, 7]
 MAX_NEW = 23  # not a multiple of K+1 for any K tested
 
 
-def spec_args(target, drafter: str, k: int, draft_folder=None, max_new=MAX_NEW):
-    args = [f"model.target={target}", "model.dtype=float32", f"spec.k={k}", f"prompt_ids={ids_arg(PROMPT)}",
+def spec_args(target, drafter: str, k: int, draft_folder=None, max_new=MAX_NEW, prompt=PROMPT):
+    args = [f"model.target={target}", "model.dtype=float32", f"spec.k={k}", f"prompt_ids={ids_arg(prompt)}",
             f"gen.max_new_tokens={max_new}", "spec.adaptive=false"]  # a fixed K: every K really exercised
     if drafter == "ngram":
         return args + ["draft.kind=ngram"]
     return args + ["draft.kind=model", f"draft.model={draft_folder}", "draft.dtype=float32"]
 
 
+# --- greedy: token-identical to transformers generate, whatever the drafter proposes -------------
+
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-def test_target_as_its_own_drafter_accepts_everything(k, tiny_qwen, tmp_path):
-    out, _ = run_tandem(tmp_path, *spec_args(tiny_qwen, "model", k, tiny_qwen))
+def test_target_as_its_own_drafter_accepts_everything(k, tiny_qwen):
+    out = run_pair(*spec_args(tiny_qwen, "model", k, tiny_qwen))
     assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, MAX_NEW)
     stats = out["stats"]
     # round 0 (prefill) gives one token; every decode round K+1, the last one what remains
@@ -34,26 +51,26 @@ def test_target_as_its_own_drafter_accepts_everything(k, tiny_qwen, tmp_path):
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-def test_unrelated_drafter_is_mostly_rejected_yet_exact(k, tiny_qwen, tiny_qwen_draft, tmp_path):
-    out, _ = run_tandem(tmp_path, *spec_args(tiny_qwen, "model", k, tiny_qwen_draft))
+def test_unrelated_drafter_is_mostly_rejected_yet_exact(k, tiny_qwen, tiny_qwen_draft):
+    out = run_pair(*spec_args(tiny_qwen, "model", k, tiny_qwen_draft))
     assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, MAX_NEW)
     assert out["stats"]["acceptance_rate"] < 0.5
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-def test_ngram_drafter_is_exact(k, tiny_llama, tmp_path):
-    out, _ = run_tandem(tmp_path, *spec_args(tiny_llama, "ngram", k))
+def test_ngram_drafter_is_exact(k, tiny_llama):
+    out = run_pair(*spec_args(tiny_llama, "ngram", k))
     assert out["token_ids"] == reference_greedy(tiny_llama, PROMPT, MAX_NEW)
     assert len(out["token_ids"]) == MAX_NEW
 
 
-def test_adaptive_k_drafts_less_for_a_bad_drafter_and_stays_exact(tiny_qwen, tiny_qwen_draft, tmp_path):
-    fixed, _ = run_tandem(tmp_path, *spec_args(tiny_qwen, "model", 8, tiny_qwen_draft))
-    adaptive, _ = run_tandem(tmp_path, *spec_args(tiny_qwen, "model", 8, tiny_qwen_draft), "spec.adaptive=true")
+def test_adaptive_k_drafts_less_for_a_bad_drafter_and_stays_exact(tiny_qwen, tiny_qwen_draft):
+    fixed = run_pair(*spec_args(tiny_qwen, "model", 8, tiny_qwen_draft))
+    adaptive = run_pair(*spec_args(tiny_qwen, "model", 8, tiny_qwen_draft), "spec.adaptive=true")
     expected = reference_greedy(tiny_qwen, PROMPT, MAX_NEW)
     assert fixed["token_ids"] == expected and adaptive["token_ids"] == expected
     assert adaptive["stats"]["drafted_tokens"] < fixed["stats"]["drafted_tokens"] / 2
-    own, _ = run_tandem(tmp_path, *spec_args(tiny_qwen, "model", 8, tiny_qwen), "spec.adaptive=true")
+    own = run_pair(*spec_args(tiny_qwen, "model", 8, tiny_qwen), "spec.adaptive=true")
     assert own["token_ids"] == expected and own["stats"]["acceptance_rate"] == 1.0  # full hits keep K at 8
     assert own["stats"]["decode_rounds"] == math.ceil((MAX_NEW - 1) / 9)
 
@@ -63,33 +80,21 @@ def test_eos_inside_an_accepted_draft_ends_there(k, tiny_qwen, tmp_path):
     free_run = reference_greedy(tiny_qwen, PROMPT, 40)
     # a token first produced mid-round: output index e with e % (k+1) != 0 is a draft, not a bonus token
     e = next(i for i in range(3, 40) if free_run[i] not in free_run[:i] and i % (k + 1) != 0)
-    folder = tmp_path / "with-eos"
-    shutil.copytree(tiny_qwen, folder)
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": free_run[e]}))
+    folder = with_eos(tiny_qwen, tmp_path / "with-eos", free_run[e])
     expected = reference_greedy(folder, PROMPT, 40, eos=free_run[e])
     assert len(expected) == e + 1
-    out, _ = run_tandem(tmp_path, *spec_args(folder, "model", k, folder, max_new=40))
+    out = run_pair(*spec_args(folder, "model", k, folder, max_new=40))
     assert out["token_ids"] == expected
     assert out["stats"]["stop_reason"] == "eos"
 
 
-def test_seeded_speculative_sampling_is_reproducible(tiny_qwen, tiny_qwen_draft, tmp_path):
-    args = spec_args(tiny_qwen, "model", 4, tiny_qwen_draft) + ["gen.temperature=1.0", "gen.top_p=0.9", "gen.seed=5"]
-    first, _ = run_tandem(tmp_path, *args)
-    again, _ = run_tandem(tmp_path, *args)
+def test_seeded_speculative_sampling_is_reproducible(tiny_qwen, tiny_qwen_draft):
+    args = spec_args(tiny_qwen, "model", 4, tiny_qwen_draft) + ["gen.temperature=1.0", "gen.top_p=0.9"]
+    first = run_pair(*args, "gen.seed=5")
+    again = run_pair(*args, "gen.seed=5")
+    other = run_pair(*args, "gen.seed=6")
     assert first["token_ids"] == again["token_ids"] and len(first["token_ids"]) == MAX_NEW
-
-
-def test_drafter_with_another_tokenizer_is_refused(tiny_qwen, tmp_path):
-    target, draft = tmp_path / "target", tmp_path / "draft"
-    shutil.copytree(tiny_qwen, target)
-    shutil.copytree(tiny_qwen, draft)
-    save_tiny_tokenizer(target, vocab_size=320)
-    save_tiny_tokenizer(draft, vocab_size=300)
-    _, proc = run_tandem(tmp_path, f"model.target={target}", "draft.kind=model", f"draft.model={draft}", "prompt=hello",
-                         expect_ok=False, timeout=120)
-    assert proc.returncode != 0
-    assert "the drafter's tokenizer" in proc.stderr and "differs from the target's" in proc.stderr
+    assert other["token_ids"] != first["token_ids"]  # the seed is really used (23 draws at T=1)
 
 
 # --- the distribution: rejection sampling keeps the target's distribution ----------------------
@@ -150,3 +155,260 @@ def test_chi_square_has_the_power_to_see_the_drafter():
     g = torch.Generator().manual_seed(9)
     drafts = torch.multinomial(q[0], TRIALS, replacement=True, generator=g).tolist()
     assert chi2_p(drafts, p[0]) < 1e-6
+
+
+# --- units: verify_greedy, next_k, NgramDrafter, summarize, common_prefix ------------------------
+
+def logits_with_argmax(best: list[int], vocab: int = 10) -> torch.Tensor:
+    """[len(best), vocab] logits whose row i has its maximum at best[i] (and a runner-up elsewhere)."""
+    g = torch.Generator().manual_seed(len(best))
+    logits = torch.rand(len(best), vocab, generator=g)
+    for i, b in enumerate(best):
+        logits[i, b] = 2.0
+    return logits
+
+
+def test_verify_greedy_keeps_the_longest_agreeing_prefix():
+    logits = logits_with_argmax([5, 3, 7, 2])  # the target's choice at [last, d1, d2, d3]
+    assert verify_greedy(logits, torch.tensor([5, 3, 7])) == (3, 2)  # all kept, the bonus token after them
+    assert verify_greedy(logits, torch.tensor([5, 3, 1])) == (2, 7)  # d3 wrong: the target's own token there
+    assert verify_greedy(logits, torch.tensor([9, 3, 7])) == (0, 5)  # agreeing later does not count
+    assert verify_greedy(logits, torch.tensor([5, 8, 7])) == (1, 3)
+    assert verify_greedy(logits[:1], torch.zeros(0, dtype=torch.long)) == (0, 5)  # K = 0: plain decoding
+    accepted, token = verify_greedy(logits, torch.tensor([5, 3, 7]))
+    assert type(accepted) is int and type(token) is int  # they travel in the JSON meta of a Reply
+
+
+def test_next_k_grows_after_a_full_hit_and_shrinks_after_a_miss():
+    assert next_k(4, 4, 4, 8) == 6  # full hit: +2
+    assert next_k(7, 7, 7, 8) == 8 and next_k(8, 8, 8, 8) == 8  # never past k_max
+    assert next_k(4, 4, 3, 8) == 3  # any rejection is a miss: -1
+    assert next_k(4, 4, 0, 8) == 3
+    assert next_k(1, 1, 0, 8) == 1  # never below 1
+    assert next_k(5, 0, 0, 8) == 5  # a round that drafted nothing (the prefill) says nothing
+    k = 8
+    for _ in range(10):  # a drafter that is always wrong ends at one draft per round
+        k = next_k(k, k, 0, 8)
+    assert k == 1
+    for _ in range(3):  # and one that is always right climbs back to the most
+        k = next_k(k, k, k, 8)
+    assert k == 7 and next_k(k, k, k, 8) == 8
+
+
+def test_ngram_drafter_proposes_what_followed_the_latest_match():
+    drafter = NgramDrafter(max_n=3, min_n=1)
+    context = [4, 1, 7, 5, 1, 8, 6, 1]  # only the last token [1] recurs, at 1 and at 4
+    drafts = drafter.propose(context, 3)
+    assert drafts.tokens.tolist() == [8, 6, 1]  # what followed the LATEST earlier 1, not [7, 5, 1]
+    assert drafts.tokens.dtype == torch.long
+    # a deterministic proposal travels as a one-hot q
+    assert drafts.q_ids[:, 0].tolist() == [8, 6, 1] and drafts.q_ids.shape == (3, 1)
+    assert torch.equal(drafts.q_probs, torch.ones(3, 1))
+    assert drafter.propose(context, 2).tokens.tolist() == [8, 6]  # at most k
+    assert len(drafter.propose(context, 0)) == 0
+
+
+def test_ngram_drafter_prefers_the_longest_suffix_match():
+    context = [2, 3, 7, 0, 3, 8, 0, 2, 3]  # [2, 3] recurs at 0 (then 7); [3] alone recurs later, at 4 (then 8)
+    assert NgramDrafter(max_n=3).propose(context, 2).tokens.tolist() == [7, 0]
+    assert NgramDrafter(max_n=1).propose(context, 2).tokens.tolist() == [8, 0]
+
+
+def test_ngram_drafter_without_a_match_proposes_nothing():
+    assert len(NgramDrafter().propose([1, 2, 3, 4], 4)) == 0  # nothing recurs
+    assert len(NgramDrafter().propose([9], 4)) == 0  # a single token has no earlier occurrence
+    assert len(NgramDrafter(max_n=3, min_n=2).propose([5, 1, 6, 1], 4)) == 0  # only a 1-gram recurs
+    assert NgramDrafter(max_n=3, min_n=2).propose([5, 1, 6, 5, 1], 4).tokens.tolist() == [6, 5, 1]
+    # a match near the end has fewer than k followers: fewer drafts, never padding
+    assert NgramDrafter().propose([1, 2, 1, 2], 5).tokens.tolist() == [1, 2]
+
+
+def record(drafted, accepted, committed, draft_ms=0.0, stage0_ms=0.0, round_ms=0.0, stage1_ms=0.0):
+    return RoundRecord(drafted, accepted, committed, draft_ms, stage0_ms, round_ms, stage1_ms)
+
+
+def generation(tokens: int, rounds: list[RoundRecord], prompt_len=5, ttft_s=0.5, total_s=2.5, stop=None):
+    output = Output(None, set(), max_new_tokens=100, stop=[])
+    output.tokens = list(range(tokens))
+    output.stop_reason = stop
+    return Generation(list(range(prompt_len)), output, rounds, ttft_s=ttft_s, total_s=total_s)
+
+
+def test_summarize_counts_decode_rounds_only():
+    rounds = [record(0, 0, 1, draft_ms=100, stage0_ms=100, round_ms=100, stage1_ms=100),  # the prefill: not averaged
+              record(4, 4, 5, draft_ms=1, stage0_ms=2, round_ms=10, stage1_ms=4),
+              record(4, 1, 2, draft_ms=3, stage0_ms=2, round_ms=12, stage1_ms=5),
+              record(2, 0, 1, draft_ms=2, stage0_ms=5, round_ms=11, stage1_ms=3)]
+    stats = summarize(generation(9, rounds, prompt_len=7, stop="eos"), 4, "model")
+    assert stats["tokens"] == 9 and stats["prompt_tokens"] == 7 and stats["stop_reason"] == "eos"
+    assert stats["k"] == 4 and stats["drafter"] == "model"
+    assert stats["rounds"] == 4 and stats["decode_rounds"] == 3
+    assert stats["drafted_tokens"] == 10 and stats["accepted_tokens"] == 5
+    assert stats["acceptance_rate"] == pytest.approx(0.5)
+    # position i: of the rounds that drafted more than i tokens, the share that kept more than i
+    assert stats["acceptance_per_position"] == pytest.approx([2 / 3, 1 / 3, 1 / 2, 1 / 2])
+    assert stats["full_hit_rate"] == pytest.approx(1 / 3)
+    assert stats["tokens_per_round"] == pytest.approx(8 / 3)
+    assert stats["ttft_s"] == 0.5 and stats["total_s"] == 2.5
+    assert stats["tokens_per_s"] == pytest.approx(8 / 2.0)  # tokens after the first, over the decode time
+    mean_ms = stats["mean_ms"]
+    assert mean_ms["draft"] == pytest.approx(2.0) and mean_ms["stage0"] == pytest.approx(3.0)
+    assert mean_ms["stage1"] == pytest.approx(4.0)
+    assert mean_ms["network"] == pytest.approx(7.0)  # send->reply less rank 1's own time
+    assert mean_ms["round"] == pytest.approx(16.0)  # draft + stage0 + send->reply
+
+
+def test_summarize_without_drafts_or_decode_rounds():
+    no_drafts = summarize(generation(4, [record(0, 0, 1)] + [record(0, 0, 1)] * 3), 0, "none")
+    assert no_drafts["acceptance_rate"] == 0.0 and no_drafts["acceptance_per_position"] == []
+    assert no_drafts["full_hit_rate"] == 0.0  # rounds without drafts are neither hits nor misses
+    assert no_drafts["tokens_per_round"] == 1.0 and no_drafts["drafted_tokens"] == 0
+    prefill_only = summarize(generation(1, [record(0, 0, 1)], ttft_s=0.5, total_s=0.5), 4, "model")
+    assert prefill_only["decode_rounds"] == 0 and prefill_only["tokens_per_s"] == 0.0
+    assert prefill_only["tokens_per_round"] == 0.0 and prefill_only["mean_ms"]["round"] == 0.0
+
+
+def test_broken_drafter_warning_only_for_a_model_drafter_that_never_agrees():
+    never = summarize(generation(17, [record(0, 0, 1)] + [record(4, 0, 1)] * 16), 4, "model")
+    assert "never agreed" in broken_drafter_warning(never)
+    assert broken_drafter_warning({**never, "drafter": "ngram"}) is None  # an n-gram miss is ordinary
+    assert broken_drafter_warning(summarize(generation(16, [record(0, 0, 1)] + [record(4, 0, 1)] * 15), 4, "model")) is None
+    once = summarize(generation(18, [record(0, 0, 1)] + [record(4, 0, 1)] * 15 + [record(4, 1, 2)]), 4, "model")
+    assert broken_drafter_warning(once) is None
+
+
+def test_common_prefix():
+    assert common_prefix([], []) == 0 and common_prefix([], [1, 2]) == 0 and common_prefix([1, 2], []) == 0
+    assert common_prefix([1, 2, 3], [1, 2, 3]) == 3
+    assert common_prefix([1, 2, 3], [1, 2, 3, 4]) == 3 and common_prefix([1, 2, 3, 4], [1, 2]) == 2
+    assert common_prefix([1, 2, 3], [1, 9, 3]) == 1  # stops at the first difference
+    assert common_prefix([7, 2], [1, 2]) == 0
+
+
+# --- the Session: several generations over the same caches = fresh runs --------------------------
+
+def session_args(target, draft, max_new=MAX_NEW):
+    # K up to 4, adaptive (the default): the drafter's cache and the adaptive K both carry over requests
+    return [f"model.target={target}", "model.dtype=float32", "draft.kind=model", f"draft.model={draft}",
+            "draft.dtype=float32", "spec.k=4", f"gen.max_new_tokens={max_new}"]
+
+
+def serve(overrides: list[str], requests: list[tuple[list[int], Request]]) -> list[Generation]:
+    """One Session on rank 0 (built as train_free_infer.rank0 builds it) serving `requests` in a row,
+    rank 1 (train_free_infer.rank1) in a thread, over local_pair."""
+    cfg = load_config(["output.stream=false", "chat=false", "prompt_ids=[1]", *overrides])
+    channels = local_pair(30.0)
+    errors = []
+
+    def rank1():
+        try:
+            train_free_infer.rank1(cfg, channels[1])
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            errors.append(e)
+            channels[1].close()
+    thread = threading.Thread(target=rank1, daemon=True)
+    thread.start()
+    try:
+        stage = build_stage(cfg, 0)
+        drafter = build_drafter(cfg, None, stage.config)
+        train_free_infer.handshake(cfg, channels[0], 0)
+        session = Session(stage, drafter, channels[0], cfg.spec.k, cfg.spec.adaptive)
+        gens = []
+        for ids, request in requests:
+            output = Output(None, eos_ids(cfg.model.target), cfg.gen.max_new_tokens, [], stream=False)
+            gens.append(session.generate(ids, output, request))
+            session.idle()  # between requests, as a server does
+        session.close()
+    except BaseException:
+        channels[0].close()
+        raise
+    finally:
+        thread.join(60)
+    assert not thread.is_alive(), "rank 1 did not finish"
+    if errors:
+        raise errors[0]
+    return gens
+
+
+def fresh(overrides, ids, request: Request) -> list[int]:
+    return run_pair(*overrides, f"prompt_ids={ids_arg(ids)}", f"gen.temperature={request.temperature}",
+                    f"gen.top_p={request.top_p}", f"gen.seed={request.seed}")["token_ids"]
+
+
+PROMPT_B = [200, 3, 3, 17, 64, 128, 9]  # shares no first token with PROMPT
+
+
+def test_session_applies_each_requests_sampling_settings(tiny_qwen, tiny_qwen_draft):
+    overrides = session_args(tiny_qwen, tiny_qwen_draft)
+    greedy, sampled = Request(), Request(temperature=1.0, top_p=0.9, seed=5)
+    other_seed = Request(temperature=1.0, top_p=0.9, seed=6)
+    plan = [(PROMPT, greedy), (PROMPT, sampled), (PROMPT_B, other_seed), (PROMPT_B, other_seed), (PROMPT, greedy)]
+    gens = serve(overrides, plan)
+    for (ids, request), gen in zip(plan, gens):
+        assert gen.output.tokens == fresh(overrides, ids, request), request
+        assert len(gen.output.tokens) == MAX_NEW
+    assert gens[0].output.tokens == reference_greedy(tiny_qwen, PROMPT, MAX_NEW)
+    assert gens[1].output.tokens != gens[0].output.tokens  # the sampled request really sampled
+    assert gens[2].output.tokens == gens[3].output.tokens  # the same seed again: the same draws
+    # the prompt's first tokens were still in every cache: only the rest was prefilled
+    assert [g.reused for g in gens] == [0, len(PROMPT) - 1, 0, len(PROMPT_B) - 1, 0]
+
+
+@pytest.mark.parametrize("request_", [Request(), Request(temperature=0.8, top_p=0.95, seed=11)], ids=["greedy", "sampled"])
+def test_session_reuses_the_conversation_so_far(request_, tiny_qwen, tiny_qwen_draft):
+    """The next turn (the first prompt + its answer + more) prefills only what is new and gives what
+    a fresh run of the whole second prompt gives."""
+    overrides = session_args(tiny_qwen, tiny_qwen_draft, max_new=15)
+    first = fresh(overrides, PROMPT, request_)
+    second_prompt = PROMPT + first + [17, 250, 4]
+    gens = serve(overrides, [(PROMPT, request_), (second_prompt, request_)])
+    assert gens[0].output.tokens == first
+    assert gens[1].output.tokens == fresh(overrides, second_prompt, request_)
+    assert gens[1].reused == len(PROMPT) + len(first) - 1  # everything but the newest token of the first turn
+    assert gens[1].rounds[0].committed == 1  # the (short) prefill still gave the first token
+
+
+# --- Output: stop strings, EOS and max cuts, streaming ------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tok")
+    save_tiny_tokenizer(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def test_stop_string_across_tokens_keeps_the_completing_token(tokenizer):
+    text = "print('ok')\n\ndef reverse(s): return s"
+    ids = tokenizer(text)["input_ids"]
+    out = Output(tokenizer, eos_ids=set(), max_new_tokens=100, stop=["\n\n"], stream=False)
+    out.commit(ids[:3])
+    kept = out.commit(ids[3:])
+    assert out.done and out.stop_reason == "stop_string"
+    assert out.text().endswith("\n\n") and out.text().count("\n\n") == 1
+    assert 3 + kept < len(ids)  # the rest of the round was dropped
+    assert "\n\n" not in tokenizer.decode(out.tokens[:-1])  # the last kept token completed it
+
+
+def test_eos_and_max_new_tokens_cut_a_round(tokenizer):
+    ids = tokenizer("héllo wörld, naïve café")["input_ids"]
+    out = Output(tokenizer, eos_ids={ids[4]}, max_new_tokens=100, stop=[], stream=False)
+    assert out.commit(ids) == 5 and out.stop_reason == "eos"
+    out = Output(tokenizer, eos_ids=set(), max_new_tokens=3, stop=[], stream=False)
+    assert out.commit(ids) == 3 and out.stop_reason == "max_new_tokens" and len(out.tokens) == 3
+
+
+def test_streaming_never_prints_half_a_character(tokenizer, capsys):
+    text = "日本語のテキスト héllo"
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in tokenizer.tokenize(text)]
+    # split multi-byte characters across tokens: re-tokenize byte by byte with the byte-level alphabet
+    byte_ids = [i for piece in (tokenizer.tokenize(ch) for ch in text) for i in tokenizer.convert_tokens_to_ids(piece)]
+    assert tokenizer.decode(byte_ids) == text and tokenizer.decode(ids) == text
+    # some character really spans tokens: a naive streamer would print a replacement character
+    assert any(tokenizer.decode(byte_ids[:n]).endswith("\ufffd") for n in range(1, len(byte_ids)))
+    out = Output(tokenizer, eos_ids=set(), max_new_tokens=1000, stop=[], stream=True)
+    chunks = []
+    for token in byte_ids:
+        out.commit([token])
+        chunks.append(capsys.readouterr().out)
+    assert all("\ufffd" not in c for c in chunks)
+    assert "".join(chunks) == text

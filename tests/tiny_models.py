@@ -2,6 +2,7 @@
 loader; a runner for `torchrun --nproc_per_node=2 train_free_infer.py`; the single-process reference."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -47,7 +48,14 @@ def load_reference(folder: Path):
 
 
 def reference_greedy(folder: Path, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
-    """Single-process transformers generate(do_sample=False) of the same model in fp32."""
+    """Single-process transformers generate(do_sample=False) of the same model in fp32. Memoized per
+    (folder, prompt, max_new_tokens, eos): test folders are written once and never changed."""
+    return list(_reference_greedy(str(folder), tuple(prompt), max_new_tokens, eos))
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_greedy(folder: str, prompt: tuple[int, ...], max_new_tokens: int, eos: int | None) -> tuple[int, ...]:
+    folder, prompt = Path(folder), list(prompt)
     model = load_reference(folder)
     ids = torch.tensor([prompt])  # explicit mask: generate would otherwise mask tokens equal to pad_token_id
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
@@ -55,7 +63,7 @@ def reference_greedy(folder: Path, prompt: list[int], max_new_tokens: int, eos: 
     tokens = out[0, len(prompt):].tolist()
     if eos is not None and eos in tokens:
         tokens = tokens[:tokens.index(eos) + 1]
-    return tokens
+    return tuple(tokens)
 
 
 def free_port() -> int:
@@ -94,6 +102,18 @@ def save_tiny_tokenizer(folder: Path, vocab_size: int = VOCAB) -> None:
     tok.save_pretrained(folder)
 
 
+def emulated_local_pair(cfg, timeout_s: float):
+    """netbridge.channel.local_pair, with the config's EMULATED delay and bandwidth (transport.emulate_*)
+    applied as open_channel applies them to a real transport (local_pair itself takes none)."""
+    import queue
+
+    from netbridge.channel import LocalChannel
+    t = cfg.transport
+    emulation = dict(emulate_delay_ms=t.emulate_delay_ms, emulate_mbps=t.emulate_mbps)
+    a_to_b, b_to_a = queue.Queue(), queue.Queue()
+    return LocalChannel(b_to_a, a_to_b, timeout_s, **emulation), LocalChannel(a_to_b, b_to_a, timeout_s, **emulation)
+
+
 def run_pair(*overrides: str, timeout_s: float = 60.0) -> dict:
     """Both ranks of train_free_infer in this process, as two threads over an in-process channel pair
     (netbridge.channel.local_pair): the whole entry path but torchrun, in seconds. Returns rank 0's
@@ -102,10 +122,9 @@ def run_pair(*overrides: str, timeout_s: float = 60.0) -> dict:
 
     import train_free_infer
     from launch.config import load_config
-    from netbridge.channel import local_pair
 
     cfg = load_config(["output.stream=false", "chat=false", *overrides])
-    channels = local_pair(timeout_s)
+    channels = emulated_local_pair(cfg, timeout_s)
     results, errors = {}, {}
 
     def rank(r: int) -> None:
@@ -123,3 +142,55 @@ def run_pair(*overrides: str, timeout_s: float = 60.0) -> dict:
     if errors:
         raise errors.get(0) or errors[1]
     return results[0]
+
+
+def with_eos(folder: Path, dest: Path, eos: int) -> Path:
+    """A copy of a model folder whose generation_config names `eos` as its end-of-sequence token."""
+    import shutil
+    shutil.copytree(folder, dest)
+    gen = json.loads((dest / "generation_config.json").read_text())
+    gen["eos_token_id"] = eos
+    (dest / "generation_config.json").write_text(json.dumps(gen))
+    return dest
+
+
+def run_entry_pair(monkeypatch, *argv: str, timeout_s: float = 30.0) -> dict[int, object]:
+    """train_free_infer.main(argv) on both ranks in this process, as two threads over local_pair: the
+    entry's own error handling (report, telling the peer, exit status) without torchrun. torchrun's
+    rank lookup, the gloo channel and the installing of signal handlers are replaced for the threads;
+    everything else is the real path.
+    Returns each rank's outcome: SystemExit's code, None for a clean return, or the exception raised."""
+    import threading
+
+    import train_free_infer
+    from netbridge.channel import local_pair
+
+    channels = local_pair(timeout_s)
+    local = threading.local()
+    monkeypatch.setattr(train_free_infer, "torchrun_rank", lambda: (local.rank, 2))
+    monkeypatch.setattr(train_free_infer, "open_channel", lambda cfg, rank: channels[rank])
+    monkeypatch.setattr(train_free_infer, "close_channel", lambda channel: channel.close())
+    if hasattr(train_free_infer, "signal"):  # handlers are process-wide and main-thread only: not from threads
+        import signal
+        import types
+        shim = types.SimpleNamespace(**{name: getattr(signal, name) for name in dir(signal) if not name.startswith("_")})
+        shim.signal = lambda *args: None
+        monkeypatch.setattr(train_free_infer, "signal", shim)
+    outcome: dict[int, object] = {}
+
+    def rank(r: int) -> None:
+        local.rank = r
+        try:
+            train_free_infer.main(["output.stream=false", "chat=false", *argv])
+            outcome[r] = None
+        except SystemExit as e:
+            outcome[r] = e.code
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            outcome[r] = e
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s * 2)
+    assert not any(t.is_alive() for t in threads), "a rank did not finish"
+    return outcome

@@ -1,5 +1,11 @@
-"""NF4 stage slices: token-for-token parity with transformers + the same BitsAndBytesConfig, the
-pre-quantized checkpoint path, and each rank's peak RSS while loading against its fp32 slice."""
+"""model_parallel/: the two-rank layer split is token-identical to single-process transformers (fp32,
+both architectures, every split point, EOS, seeded sampling); each rank materializes only its share;
+NF4 stage slices (bitsandbytes): the bytes transformers makes, token-for-token parity with transformers
++ the same BitsAndBytesConfig, the pre-quantized checkpoint path, and each rank's peak RSS while
+loading against its fp32 slice.
+
+Both ranks run as two threads over an in-process channel (tests.tiny_models.run_pair); the same under
+torchrun is tests/test_e2e.py."""
 from __future__ import annotations
 
 import json
@@ -14,9 +20,76 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Qwen2Config
 
+from launch.build import build_stage
+from launch.config import load_config as load_tandem_config
 from model_parallel.loader import ModelLoadError, checkpoint_index, load_config, load_stage, stage_tensor_names
 from model_parallel.quant import NF4Settings
-from tests.tiny_models import REPO, ids_arg, run_tandem
+from tests.tiny_models import REPO, ids_arg, load_reference, reference_greedy, run_pair, with_eos
+
+PROMPT = [11, 42, 7, 250, 3, 99, 180, 5]
+LAYERS = 4
+
+
+# --- the split: token-identical to transformers generate -----------------------------------------
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("split", [1, LAYERS // 2, LAYERS - 1])
+def test_split_matches_generate_to_max_new_tokens(family, split, tiny_qwen, tiny_llama):
+    folder = tiny_qwen if family == "qwen2" else tiny_llama
+    expected = reference_greedy(folder, PROMPT, 24)
+    out = run_pair(f"model.target={folder}", "model.dtype=float32", f"model.split={split}",
+                   "draft.kind=none", f"prompt_ids={ids_arg(PROMPT)}", "gen.max_new_tokens=24")
+    assert out["token_ids"] == expected
+    assert out["stats"]["stop_reason"] == "max_new_tokens" and len(out["token_ids"]) == 24
+
+
+def first_new_token_at(tokens: list[int], index: int) -> int:
+    """A token that first occurs at position >= index, so EOS falls mid-generation."""
+    for i in range(index, len(tokens)):
+        if tokens[i] not in tokens[:i]:
+            return tokens[i]
+    raise AssertionError("no fresh token to use as EOS")
+
+
+@pytest.mark.parametrize("family,split", [("qwen2", 2), ("llama", 1), ("llama", 3)])
+def test_split_stops_at_eos(family, split, tiny_qwen, tiny_llama, tmp_path):
+    folder = tiny_qwen if family == "qwen2" else tiny_llama
+    free_run = reference_greedy(folder, PROMPT, 30)
+    eos = first_new_token_at(free_run, 6)
+    folder = with_eos(folder, tmp_path / "with-eos", eos)
+    expected = reference_greedy(folder, PROMPT, 30, eos=eos)
+    assert expected[-1] == eos and len(expected) < 30
+    out = run_pair(f"model.target={folder}", "model.dtype=float32", f"model.split={split}",
+                   "draft.kind=none", f"prompt_ids={ids_arg(PROMPT)}", "gen.max_new_tokens=30")
+    assert out["token_ids"] == expected
+    assert out["stats"]["stop_reason"] == "eos"
+
+
+def test_seeded_sampling_is_reproducible(tiny_qwen):
+    args = [f"model.target={tiny_qwen}", "model.dtype=float32", "draft.kind=none", f"prompt_ids={ids_arg(PROMPT)}",
+            "gen.max_new_tokens=20", "gen.temperature=1.5"]
+    first = run_pair(*args, "gen.seed=3")
+    again = run_pair(*args, "gen.seed=3")
+    other = run_pair(*args, "gen.seed=4")
+    assert first["token_ids"] == again["token_ids"]
+    assert first["token_ids"] != other["token_ids"]  # the seed is really used (20 draws at T=1.5)
+    assert first["token_ids"] != reference_greedy(tiny_qwen, PROMPT, 20)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_rank_materializes_only_its_share(family, tiny_qwen, tiny_llama):
+    folder = tiny_qwen if family == "qwen2" else tiny_llama
+    whole = sum(p.numel() * p.element_size() for p in load_reference(folder).parameters())
+    cfg = load_tandem_config([f"model.target={folder}", "model.dtype=float32", "prompt_ids=[1]"])
+    for rank in (0, 1):
+        stage = build_stage(cfg, rank)
+        mine = sum(p.numel() * p.element_size() for p in stage.parameters())
+        print(f"{family} rank {rank}: {mine} of {whole} parameter bytes ({mine / whole:.0%})")
+        assert mine <= 0.6 * whole
+        assert not any(p.is_meta for p in stage.parameters())
+
+
+# --- NF4 ----------------------------------------------------------------------------------------
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
@@ -53,7 +126,7 @@ def prequantized_qwen(tiny_qwen, tmp_path_factory):
     return folder
 
 
-# --- in process: the loader builds what transformers builds --------------------------------------
+# --- NF4: the loader builds what transformers builds --------------------------------------
 
 @pytest.mark.parametrize("double", [True, False])
 def test_stage_holds_the_bytes_transformers_makes(tiny_qwen, double):
@@ -89,40 +162,40 @@ def test_prequantized_folder_needs_quant_nf4(prequantized_qwen):
         load_stage(prequantized_qwen, 0, 2, embed=True, head=False)
 
 
-# --- end to end: torchrun split vs single-process transformers -----------------------------------
+# --- end to end: the split (two ranks) vs single-process transformers ----------------------------
 
-def test_split_nf4_matches_transformers_qwen_fp32_compute_quantized_head(tmp_path, tiny_qwen):
+def test_split_nf4_matches_transformers_qwen_fp32_compute_quantized_head(tiny_qwen):
     prompt, n = [3, 17, 101, 44, 9, 250, 61], 24
     expected = bnb_greedy(tiny_qwen, prompt, n, quantization_config=bnb_config(torch.float32, lm_head=True))
-    out, _ = run_tandem(tmp_path, f"model.target={tiny_qwen}", *nf4_overrides(torch.float32, lm_head=True),
-                        "draft.kind=none", "spec.k=0", f"prompt_ids={ids_arg(prompt)}", f"gen.max_new_tokens={n}")
+    out = run_pair(f"model.target={tiny_qwen}", *nf4_overrides(torch.float32, lm_head=True),
+                   "draft.kind=none", "spec.k=0", f"prompt_ids={ids_arg(prompt)}", f"gen.max_new_tokens={n}")
     assert out["token_ids"] == expected
 
 
-def test_split_nf4_matches_transformers_llama_bf16_compute_speculative(tmp_path, tiny_llama):
+def test_split_nf4_matches_transformers_llama_bf16_compute_speculative(tiny_llama):
     # bf16 4-bit matmuls, no double quant, tied head kept in full precision; K=3 prompt-lookup drafts
     # make rank 1 verify 4-token blocks, which must give what one-token decoding gives.
     prompt, n = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], 24
     expected = bnb_greedy(tiny_llama, prompt, n, quantization_config=bnb_config(torch.bfloat16, double=False))
-    out, _ = run_tandem(tmp_path, f"model.target={tiny_llama}", *nf4_overrides(torch.bfloat16, double=False),
-                        "draft.kind=ngram", "spec.k=3", f"prompt_ids={ids_arg(prompt)}", f"gen.max_new_tokens={n}")
+    out = run_pair(f"model.target={tiny_llama}", *nf4_overrides(torch.bfloat16, double=False),
+                   "draft.kind=ngram", "spec.k=3", f"prompt_ids={ids_arg(prompt)}", f"gen.max_new_tokens={n}")
     assert out["token_ids"] == expected
 
 
-def test_split_loads_prequantized_checkpoint_with_nf4_drafter(tmp_path, tiny_qwen, tiny_qwen_draft, prequantized_qwen):
+def test_split_loads_prequantized_checkpoint_with_nf4_drafter(tiny_qwen, tiny_qwen_draft, prequantized_qwen):
     prompt, n = [12, 200, 7, 7, 31], 24
     expected = bnb_greedy(prequantized_qwen, prompt, n)
     assert expected == bnb_greedy(tiny_qwen, prompt, n, quantization_config=bnb_config(torch.float32))
-    out, _ = run_tandem(tmp_path, f"model.target={prequantized_qwen}", *nf4_overrides(torch.float32),
-                        "draft.kind=model", f"draft.model={tiny_qwen_draft}", "draft.quant=nf4", "draft.dtype=float32",
-                        "spec.k=3", f"prompt_ids={ids_arg(prompt)}", f"gen.max_new_tokens={n}")
+    out = run_pair(f"model.target={prequantized_qwen}", *nf4_overrides(torch.float32),
+                   "draft.kind=model", f"draft.model={tiny_qwen_draft}", "draft.quant=nf4", "draft.dtype=float32",
+                   "spec.k=3", f"prompt_ids={ids_arg(prompt)}", f"gen.max_new_tokens={n}")
     assert out["token_ids"] == expected
 
 
 # --- memory: each rank's peak RSS while loading vs its fp32 slice --------------------------------
 
 MEASURE = r"""
-import json, sys
+import json, os, sys
 from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
@@ -133,22 +206,47 @@ def status(key):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
-folder, first, last, quant = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-config = load_config(folder)
+def measure(folder, first, last, quant):
+    config = load_config(folder)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak (VmHWM) starts again from the current RSS
+    except OSError:
+        pass  # then the peak includes the imports': an overestimate
+    base = status("VmRSS:")
+    stage = load_stage(folder, first, last, embed=first == 0, head=last == config.num_hidden_layers, dtype="float32",
+                       quant=NF4Settings(torch.float32) if quant == "nf4" else None)
+    peak = status("VmHWM:") - base
+    for p in stage.parameters():
+        p.sum()  # fault in every page: safetensors maps the checkpoint, unread weights are not resident yet
+    return {"peak": peak, "resident": status("VmRSS:") - base, "weights": weight_bytes(stage)}
+
+# The imports (most of the time) once; each load in a fresh child forked from this state, so every
+# measurement starts from the same interpreter with nothing of another load in its heap.
+folder = Path(sys.argv[1])
 with torch.device("meta"):
-    AutoModelForCausalLM.from_config(config)  # import the model's code before the baseline
-try:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak (VmHWM) starts again from the current RSS
-except OSError:
-    pass  # then the peak includes the imports': an overestimate
-base = status("VmRSS:")
-stage = load_stage(folder, first, last, embed=first == 0, head=last == config.num_hidden_layers, dtype="float32",
-                   quant=NF4Settings(torch.float32) if quant == "nf4" else None)
-peak = status("VmHWM:") - base
-for p in stage.parameters():
-    p.sum()  # fault in every page: safetensors maps the checkpoint, unread weights are not resident yet
-print(json.dumps({"peak": peak, "resident": status("VmRSS:") - base, "weights": weight_bytes(stage)}))
+    AutoModelForCausalLM.from_config(load_config(folder))  # import the model's code before the baseline
+results = []
+for job in sys.argv[2:]:
+    first, last, quant = job.split(":")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        code = 1
+        try:
+            os.write(write, json.dumps(measure(folder, int(first), int(last), quant)).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as f:
+        out = f.read()
+    _, status_code = os.waitpid(pid, 0)
+    if status_code != 0:
+        sys.exit(f"measuring {job} failed (wait status {status_code})")
+    results.append(json.loads(out))
+print(json.dumps(results))
 """
 
 
@@ -168,9 +266,11 @@ def random_qwen_fp32(tmp_path_factory):
     return folder
 
 
-def measure_load(folder, first: int, last: int, quant: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", MEASURE, str(folder), str(first), str(last), quant],
-                          capture_output=True, text=True, timeout=120, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+def measure_loads(folder, *jobs: tuple[int, int, str]) -> list[dict]:
+    """Each (first, last, quant) stage loaded in a fresh process (forked after the imports, which
+    take most of the time): {"peak", "resident", "weights"} in bytes above the interpreter."""
+    proc = subprocess.run([sys.executable, "-c", MEASURE, str(folder), *(f"{a}:{b}:{q}" for a, b, q in jobs)],
+                          capture_output=True, text=True, timeout=180, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -186,12 +286,12 @@ def fp32_slice_bytes(folder, first: int, last: int) -> int:
 
 def test_peak_rss_while_loading_nf4_stays_below_the_fp32_slice(random_qwen_fp32):
     mb = 2 ** 20
-    full = measure_load(random_qwen_fp32, 0, 12, "none")
+    full, *nf4s = measure_loads(random_qwen_fp32, (0, 12, "none"), (0, 12, "nf4"), (12, 24, "nf4"))
     assert full["resident"] > 0.9 * fp32_slice_bytes(random_qwen_fp32, 0, 12)  # the probe does see weights
     print(f"\nrank 0 in fp32, every weight read: {full['resident'] / mb:.0f} MB resident above the interpreter")
-    for rank, (first, last) in enumerate([(0, 12), (12, 24)]):
+    for rank, ((first, last), nf4) in enumerate(zip([(0, 12), (12, 24)], nf4s)):
         fp32 = fp32_slice_bytes(random_qwen_fp32, first, last)
-        nf4 = measure_load(random_qwen_fp32, first, last, "nf4")
         print(f"rank {rank} (layers {first}-{last - 1}): fp32 slice {fp32 / mb:.0f} MB; nf4 peak RSS while loading "
               f"{nf4['peak'] / mb:.0f} MB, weights {nf4['weights'] / mb:.0f} MB, resident after {nf4['resident'] / mb:.0f} MB")
+        assert nf4["weights"] < fp32 / 4  # really quantized
         assert nf4["peak"] < fp32

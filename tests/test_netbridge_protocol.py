@@ -1,0 +1,176 @@
+"""netbridge.protocol over netbridge.channel's in-process pair (local_pair): every message kind makes
+the round trip through real frames (tensors, None fields, defaults); what the receiver did not expect
+(an Error from the peer, another kind, a missing or extra field) is one PeerError line, never a
+traceback; the LocalChannel's timeout and close. The relay transport has its own tests (test_relay*)."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+
+from netbridge import protocol
+from netbridge.channel import PeerError, local_pair
+from netbridge.protocol import MESSAGES, Bye, Error, Hello, Idle, Prefill, Reply, Request, Round
+
+
+def same(a, b) -> bool:
+    """Field-by-field equality; tensors by dtype, shape and value."""
+    if type(a) is not type(b):
+        return False
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+                return False
+            if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
+                return False
+        elif x != y or type(x) is not type(y):
+            return False
+    return True
+
+
+def round_trip(msg, *expect):
+    a, b = local_pair(timeout_s=5)
+    protocol.send(a, msg)
+    return protocol.recv(b, *(expect or (type(msg),)))
+
+
+MESSAGES_OF_EVERY_KIND = [
+    Hello(split=14, num_layers=28, dtype="bfloat16", quant="nf4"),
+    Hello(split=1, num_layers=2, dtype="float32", quant="none", version=99),
+    Request(),
+    Request(temperature=0.7, top_p=0.9, seed=12345),
+    Prefill(0, torch.randn(1, 64, 16)),  # a long prompt's leading chunk
+    Round(0, torch.randn(1, 9, 16), torch.zeros(0, dtype=torch.long)),  # the prefill: no drafts, no q
+    Round(17, torch.randn(1, 5, 16, dtype=torch.bfloat16), torch.tensor([3, 1, 4, 1])),  # greedy: q fields None
+    Round(23, torch.randn(1, 4, 8), torch.tensor([5, 9, 2]), torch.randint(0, 300, (3, 32)),
+          torch.softmax(torch.randn(3, 32), -1)),
+    Reply(accepted=3, token=255, stage1_ms=1.25, marks=[1.5, 2.25, 3.0, 4.125]),
+    Reply(accepted=0, token=0, stage1_ms=0.0),
+    Idle(),
+    Bye(),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES_OF_EVERY_KIND, ids=lambda m: type(m).__name__)
+def test_every_message_survives_the_round_trip(msg):
+    got = round_trip(msg)
+    assert same(got, msg), (got, msg)
+
+
+def test_every_kind_is_covered_above():
+    assert {type(m) for m in MESSAGES_OF_EVERY_KIND} | {Error} == set(MESSAGES.values())
+
+
+def test_none_fields_stay_none_and_tensors_stay_tensors():
+    got = round_trip(Round(4, torch.ones(1, 2, 3), torch.tensor([7, 8])))
+    assert got.q_ids is None and got.q_probs is None
+    assert isinstance(got.hidden, torch.Tensor) and got.drafts.tolist() == [7, 8] and got.drafts.dtype == torch.long
+    assert type(got.start) is int
+
+
+def test_an_expected_error_is_a_message():
+    assert same(round_trip(Error("out of memory"), Reply, Error), Error("out of memory"))
+
+
+def test_one_recv_accepts_any_of_the_expected_kinds():
+    a, b = local_pair(timeout_s=5)
+    for msg in (Request(seed=3), Idle(), Prefill(0, torch.zeros(1, 3, 2)), Round(3, torch.zeros(1, 1, 2), torch.tensor([1])),
+                Bye()):
+        protocol.send(a, msg)
+    kinds = [type(protocol.recv(b, Request, Prefill, Round, Idle, Bye)) for _ in range(5)]
+    assert kinds == [Request, Idle, Prefill, Round, Bye]
+
+
+def assert_one_line_peer_error(info, *needles):
+    error = info.value
+    assert type(error) is PeerError
+    assert "\n" not in str(error)
+    assert error.__cause__ is None and (error.__suppress_context__ or error.__context__ is None)  # no chained traceback
+    for needle in needles:
+        assert needle in str(error), (needle, str(error))
+
+
+def test_an_error_from_the_peer_becomes_a_peer_error_naming_it():
+    a, b = local_pair(timeout_s=5)
+    protocol.send(a, Error("rank 1: CUDA out of memory in layer 7"))
+    with pytest.raises(PeerError) as info:
+        protocol.recv(b, Reply)
+    assert_one_line_peer_error(info, "the other rank failed", "rank 1: CUDA out of memory in layer 7")
+
+
+def test_an_unexpected_kind_is_a_peer_error():
+    a, b = local_pair(timeout_s=5)
+    protocol.send(a, Bye())
+    with pytest.raises(PeerError) as info:
+        protocol.recv(b, Reply)
+    assert_one_line_peer_error(info, "protocol error", "expected Reply", "'bye'", "same Tandem version")
+    a.send("gossip", {"x": 1})  # a kind no version of the protocol has
+    with pytest.raises(PeerError) as info:
+        protocol.recv(b, Request, Round)
+    assert_one_line_peer_error(info, "expected Request or Round", "'gossip'")
+
+
+def test_a_missing_field_is_a_peer_error():
+    a, b = local_pair(timeout_s=5)
+    a.send("hello", {"split": 2, "num_layers": 4, "dtype": "float32"})  # no quant
+    with pytest.raises(PeerError) as info:
+        protocol.recv(b, Hello)
+    assert_one_line_peer_error(info, "protocol error", "'hello'", "['dtype', 'num_layers', 'split']", "same Tandem version")
+    a.send("round", {"start": 3}, drafts=torch.tensor([1, 2]))  # no hidden tensor
+    with pytest.raises(PeerError) as info:
+        protocol.recv(b, Round)
+    assert_one_line_peer_error(info, "'round'", "['drafts', 'start']")
+
+
+def test_an_unknown_field_is_a_peer_error():
+    a, b = local_pair(timeout_s=5)
+    a.send("reply", {"accepted": 1, "token": 2, "stage1_ms": 0.5, "marks": [], "tokens_per_joule": 3})
+    with pytest.raises(PeerError) as info:
+        protocol.recv(b, Reply)
+    assert_one_line_peer_error(info, "'reply'", "tokens_per_joule")
+
+
+def test_messages_cross_between_threads_in_order():
+    a, b = local_pair(timeout_s=5)
+    got = []
+
+    def rank1():
+        while True:
+            msg = protocol.recv(b, Round, Bye)
+            if isinstance(msg, Bye):
+                return
+            protocol.send(b, Reply(accepted=msg.drafts.numel(), token=msg.start, stage1_ms=0.0))
+    thread = threading.Thread(target=rank1, daemon=True)
+    thread.start()
+    for start in range(20):
+        protocol.send(a, Round(start, torch.zeros(1, 1, 4), torch.arange(start % 5)))
+        got.append(protocol.recv(a, Reply))
+    protocol.send(a, Bye())
+    thread.join(5)
+    assert not thread.is_alive()
+    assert [(r.accepted, r.token) for r in got] == [(s % 5, s) for s in range(20)]
+
+
+def test_a_silent_peer_times_out_with_the_setting_named():
+    a, _b = local_pair(timeout_s=0.2)
+    t0 = time.monotonic()
+    with pytest.raises(PeerError) as info:
+        protocol.recv(a, Reply)
+    assert 0.15 < time.monotonic() - t0 < 3
+    assert_one_line_peer_error(info, "sent nothing for 0.2 s", "transport.timeout_s")
+
+
+def test_a_closed_peer_fails_the_next_receive_at_once():
+    a, b = local_pair(timeout_s=30)
+    protocol.send(a, Idle())
+    a.close()
+    assert isinstance(protocol.recv(b, Idle), Idle)  # what was sent before the close still arrives
+    t0 = time.monotonic()
+    with pytest.raises(PeerError) as info:
+        protocol.recv(b, Reply)
+    assert time.monotonic() - t0 < 1
+    assert_one_line_peer_error(info, "lost the other rank")
