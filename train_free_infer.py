@@ -133,8 +133,9 @@ def _raise_interrupted(signum, _frame=None):
 
 def main(argv: list[str] | None = None) -> None:
     cfg = config_from_argv(argv)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _raise_interrupted)
+    if threading.current_thread() is threading.main_thread():  # (tests drive main() from threads)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _raise_interrupted)
     channel = None
     try:
         rank, _ = torchrun_rank()

@@ -4,6 +4,7 @@ they differ only in how bytes reach the peer: gloo point-to-point here, the rela
 """
 from __future__ import annotations
 
+import re
 import time
 from abc import ABC, abstractmethod
 from datetime import timedelta
@@ -85,10 +86,35 @@ class GlooChannel(Channel):
         try:
             start_op().wait(timeout=timedelta(seconds=self.timeout_s))
         except RuntimeError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            if "timed out" in first.lower() or "timeout" in first.lower():
-                raise PeerError(f"rank {self.peer} sent nothing for {self.timeout_s:.0f} s (transport.timeout_s); is it still running? ({first[:160]})") from None
-            raise PeerError(f"lost rank {self.peer} ({first[:160]}); the other process died or its host dropped off the network") from None
+            cause = gloo_cause(str(e)) or type(e).__name__
+            if "timed out" in cause.lower() or "timeout" in cause.lower():
+                raise PeerError(f"rank {self.peer} sent nothing for {self.timeout_s:.0f} s (transport.timeout_s); is it still running? (gloo: {cause})") from None
+            raise PeerError(f"lost rank {self.peer} (gloo: {cause}); the other process died or its host dropped off the network") from None
+
+
+# gloo prefixes its errors with the C++ source location: "[/__w/pytorch/.../tcp/pair.cc:553] "
+_GLOO_SOURCE_PREFIX = re.compile(r"^\[[^\]\s]+\.(?:cc|cpp|cxx|c|h|hpp):\d+\]\s*")
+
+
+def gloo_cause(text: str, max_chars: int = 120) -> str:
+    """The cause in one of gloo's error texts, for one readable line: its first line without the source
+    location, up to the end of the first sentence (gloo appends generic advice after it), cut at a word
+    boundary if still longer than `max_chars`. "" for an empty text."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    cause = _GLOO_SOURCE_PREFIX.sub("", lines[0])
+    cause = re.split(r"(?<=[^\s.])\.(?:\s|$)", cause, maxsplit=1)[0]  # "peer. This is typically ..." -> "peer"
+    return clip_at_word(cause, max_chars)
+
+
+def clip_at_word(text: str, max_chars: int) -> str:
+    """`text` if it fits in `max_chars`, else its longest run of whole words that fits, plus "..."."""
+    if len(text) <= max_chars:
+        return text
+    head = text[:max_chars - 3]
+    cut = head.rfind(" ")
+    return (head[:cut] if cut > 0 else head).rstrip(" ,;:") + "..."
 
 
 class LocalChannel(Channel):
@@ -116,8 +142,8 @@ class LocalChannel(Channel):
         self.outbox.put(None)  # the peer's next receive fails at once instead of waiting out its timeout
 
 
-def local_pair(timeout_s: float = 60.0) -> tuple[LocalChannel, LocalChannel]:
-    """(rank 0's channel, rank 1's channel), connected by a queue each way."""
+def local_pair(timeout_s: float = 60.0, **emulation) -> tuple[LocalChannel, LocalChannel]:
+    """(rank 0's channel, rank 1's channel), connected by a queue each way; `emulation`: as for any Channel."""
     import queue
     a_to_b, b_to_a = queue.Queue(), queue.Queue()
-    return LocalChannel(b_to_a, a_to_b, timeout_s), LocalChannel(a_to_b, b_to_a, timeout_s)
+    return LocalChannel(b_to_a, a_to_b, timeout_s, **emulation), LocalChannel(a_to_b, b_to_a, timeout_s, **emulation)

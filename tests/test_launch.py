@@ -154,6 +154,15 @@ def test_tokenizer_config_mismatch(tmp_path):
     assert_one_line_error(error, ModelLoadError, "the tokenizer has", "vocab_size is 200", "different checkpoints")
 
 
+@pytest.mark.parametrize("content", ["garbage", '{"model": 5}', ""])
+def test_unreadable_tokenizer_file(content, tmp_path):
+    folder = save_tiny(tmp_path / "m", "qwen2", seed=1)
+    save_tiny_tokenizer(folder)
+    (folder / "tokenizer.json").write_text(content)
+    error = pair_error(f"model.target={folder}", "prompt=hello", "draft.kind=none")
+    assert_one_line_error(error, ModelLoadError, "tokenizer files", str(folder), "re-download")
+
+
 def test_drafter_with_another_tokenizer_is_refused(tiny_qwen, tmp_path):
     target, draft = tmp_path / "target", tmp_path / "draft"
     shutil.copytree(tiny_qwen, target)

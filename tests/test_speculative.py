@@ -6,6 +6,7 @@ End to end here means both ranks of train_free_infer as two threads over an in-p
 (tests.tiny_models.run_pair): the whole entry path but torchrun, whose own behaviour tests/test_e2e.py
 checks."""
 import math
+import shutil
 import threading
 
 import pytest
@@ -20,11 +21,11 @@ from netbridge.channel import local_pair
 from netbridge.protocol import Request
 from speculative.drafters import NgramDrafter
 from speculative.output import Output
-from speculative.rounds import Generation, RoundRecord, next_k
+from speculative.rounds import Generation, NonFiniteLogits, RoundRecord, next_k
 from speculative.session import Session, common_prefix
 from speculative.stats import broken_drafter_warning, summarize
 from speculative.verify import target_probs, verify_greedy, verify_sampled
-from tests.tiny_models import ids_arg, reference_greedy, run_pair, save_tiny_tokenizer, with_eos
+from tests.tiny_models import ids_arg, load_reference, reference_greedy, run_pair, save_tiny_tokenizer, with_eos
 
 PROMPT = [11, 42, 7, 250, 3, 99, 180, 5, 42, 7]
 MAX_NEW = 23  # not a multiple of K+1 for any K tested
@@ -155,6 +156,66 @@ def test_chi_square_has_the_power_to_see_the_drafter():
     g = torch.Generator().manual_seed(9)
     drafts = torch.multinomial(q[0], TRIALS, replacement=True, generator=g).tolist()
     assert chi2_p(drafts, p[0]) < 1e-6
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["overlap-off", "overlap-on"])
+def test_sampled_generation_keeps_the_targets_joint_distribution(overlap, tiny_qwen):
+    """The whole loop, sampled: the first two tokens' joint distribution is the target's. The target
+    drafts for itself, so drafts are often accepted and, with spec.overlap, round 1 often runs from
+    what was drafted ahead while round 0 was in flight (the guess of token 1 was right)."""
+    overrides = session_args(tiny_qwen, tiny_qwen, max_new=3) + [f"spec.overlap={str(overlap).lower()}"]
+    temperature, top_p, n = 1.0, 0.8, 400
+    gens = serve(overrides, [(PROMPT, Request(temperature, top_p, seed)) for seed in range(n)])
+    observed: dict[tuple[int, int], int] = {}
+    for g in gens:
+        pair = tuple(g.output.tokens[:2])
+        observed[pair] = observed.get(pair, 0) + 1
+    reference = load_reference(tiny_qwen)
+    with torch.no_grad():
+        p1 = target_probs(reference(torch.tensor([PROMPT])).logits[0, -1:], temperature, top_p)[0].double()
+        expected = {}
+        for t1 in p1.nonzero()[:, 0].tolist():
+            logits = reference(torch.tensor([PROMPT + [t1]])).logits[0, -1:]
+            p2 = target_probs(logits, temperature, top_p)[0].double()
+            expected.update({(t1, t2): float(p1[t1] * p2[t2]) for t2 in p2.nonzero()[:, 0].tolist()})
+    assert set(observed) <= set(expected), "a pair the target's distribution cannot produce"
+    cells = sorted(expected, key=expected.get, reverse=True)
+    big = [c for c in cells if expected[c] * n >= 5]  # chi-square wants >= 5 expected per cell: pool the rest
+    obs = [observed.get(c, 0) for c in big] + [n - sum(observed.get(c, 0) for c in big)]
+    exp = [expected[c] * n for c in big] + [n - sum(expected[c] * n for c in big)]
+    pvalue = chisquare(obs, exp).pvalue
+    print(f"overlap={overlap}: {len(expected)} pairs, {len(big)} cells, p={pvalue:.3f}, "
+          f"rounds from ahead {sum(r.from_ahead for g in gens for r in g.rounds)}")
+    assert len(big) >= 3 and pvalue > 0.001
+    if overlap:
+        assert sum(g.rounds[1].from_ahead for g in gens) > n / 5
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("drafter", ["self", "unrelated"])
+def test_overlap_is_exact_for_every_k(k, drafter, tiny_qwen, tiny_qwen_draft):
+    """spec.overlap on: greedy output == generate, whether the drafts ahead are used (the target drafting
+    for itself) or dropped (an unrelated drafter); a short prefill_chunk sends the prompt in pieces."""
+    draft = tiny_qwen if drafter == "self" else tiny_qwen_draft
+    out = run_pair(*spec_args(tiny_qwen, "model", k, draft), "spec.overlap=true", "model.prefill_chunk=3")
+    assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, MAX_NEW)
+    if drafter == "self":
+        assert out["stats"]["rounds_from_ahead"] >= out["stats"]["decode_rounds"] - 1
+
+
+def test_non_finite_logits_stop_with_one_line(tiny_qwen, tmp_path):
+    """Finite weights that overflow in float16 give Inf/NaN logits: rank 1 stops rather than answer."""
+    from safetensors.torch import load_file, save_file
+    folder = tmp_path / "overflows"
+    shutil.copytree(tiny_qwen, folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 100  # each finite in float16, their
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 100  # products past its range: Inf logits
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(NonFiniteLogits, match="model.dtype") as e:
+        run_pair(f"model.target={folder}", "draft.kind=none", f"prompt_ids={ids_arg(PROMPT)}", "gen.max_new_tokens=4",
+                 "model.dtype=float16")
+    assert "\n" not in str(e.value)
 
 
 # --- units: verify_greedy, next_k, NgramDrafter, summarize, common_prefix ------------------------
@@ -312,7 +373,8 @@ def serve(overrides: list[str], requests: list[tuple[list[int], Request]]) -> li
         stage = build_stage(cfg, 0)
         drafter = build_drafter(cfg, None, stage.config)
         train_free_infer.handshake(cfg, channels[0], 0)
-        session = Session(stage, drafter, channels[0], cfg.spec.k, cfg.spec.adaptive)
+        session = Session(stage, drafter, channels[0], cfg.spec.k, cfg.spec.adaptive, cfg.spec.overlap,
+                          cfg.model.prefill_chunk)
         gens = []
         for ids, request in requests:
             output = Output(None, eos_ids(cfg.model.target), cfg.gen.max_new_tokens, [], stream=False)

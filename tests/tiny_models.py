@@ -103,15 +103,10 @@ def save_tiny_tokenizer(folder: Path, vocab_size: int = VOCAB) -> None:
 
 
 def emulated_local_pair(cfg, timeout_s: float):
-    """netbridge.channel.local_pair, with the config's EMULATED delay and bandwidth (transport.emulate_*)
-    applied as open_channel applies them to a real transport (local_pair itself takes none)."""
-    import queue
-
-    from netbridge.channel import LocalChannel
+    """local_pair with the config's EMULATED delay and bandwidth, as open_channel applies them."""
+    from netbridge.channel import local_pair
     t = cfg.transport
-    emulation = dict(emulate_delay_ms=t.emulate_delay_ms, emulate_mbps=t.emulate_mbps)
-    a_to_b, b_to_a = queue.Queue(), queue.Queue()
-    return LocalChannel(b_to_a, a_to_b, timeout_s, **emulation), LocalChannel(a_to_b, b_to_a, timeout_s, **emulation)
+    return local_pair(timeout_s, emulate_delay_ms=t.emulate_delay_ms, emulate_mbps=t.emulate_mbps)
 
 
 def run_pair(*overrides: str, timeout_s: float = 60.0) -> dict:
@@ -139,8 +134,9 @@ def run_pair(*overrides: str, timeout_s: float = 60.0) -> dict:
     for t in threads:
         t.join(timeout_s * 4)
     assert not any(t.is_alive() for t in threads), "a rank did not finish"
-    if errors:
-        raise errors.get(0) or errors[1]
+    if errors:  # the root cause: the other rank then only lost its peer
+        from netbridge.channel import PeerError
+        raise next((e for e in errors.values() if not isinstance(e, PeerError)), errors.get(0) or errors.get(1))
     return results[0]
 
 
@@ -157,8 +153,8 @@ def with_eos(folder: Path, dest: Path, eos: int) -> Path:
 def run_entry_pair(monkeypatch, *argv: str, timeout_s: float = 30.0) -> dict[int, object]:
     """train_free_infer.main(argv) on both ranks in this process, as two threads over local_pair: the
     entry's own error handling (report, telling the peer, exit status) without torchrun. torchrun's
-    rank lookup, the gloo channel and the installing of signal handlers are replaced for the threads;
-    everything else is the real path.
+    rank lookup and the gloo channel are replaced for the threads (the entry installs signal handlers only
+    on the main thread); everything else is the real path.
     Returns each rank's outcome: SystemExit's code, None for a clean return, or the exception raised."""
     import threading
 
@@ -170,12 +166,6 @@ def run_entry_pair(monkeypatch, *argv: str, timeout_s: float = 30.0) -> dict[int
     monkeypatch.setattr(train_free_infer, "torchrun_rank", lambda: (local.rank, 2))
     monkeypatch.setattr(train_free_infer, "open_channel", lambda cfg, rank: channels[rank])
     monkeypatch.setattr(train_free_infer, "close_channel", lambda channel: channel.close())
-    if hasattr(train_free_infer, "signal"):  # handlers are process-wide and main-thread only: not from threads
-        import signal
-        import types
-        shim = types.SimpleNamespace(**{name: getattr(signal, name) for name in dir(signal) if not name.startswith("_")})
-        shim.signal = lambda *args: None
-        monkeypatch.setattr(train_free_infer, "signal", shim)
     outcome: dict[int, object] = {}
 
     def rank(r: int) -> None:
