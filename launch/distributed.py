@@ -1,6 +1,8 @@
 """Who am I, and how do I reach the other rank: torchrun's environment -> (rank, Channel)."""
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import sys
 from datetime import timedelta
@@ -21,7 +23,20 @@ def torchrun_rank() -> tuple[int, int]:
     if world != 2:
         raise LaunchError(f"Tandem runs on exactly 2 ranks, torchrun started {world}: use --nproc_per_node=2 on one host, "
                           "or --nnodes=2 --nproc_per_node=1 on two")
+    _skip_the_final_collections_at_exit()
     return rank, world
+
+
+def _skip_the_final_collections_at_exit() -> None:
+    """At exit a rank's interpreter runs full garbage collections over everything torch and transformers
+    built (some 400k objects): 1-3 s per rank on 2 cores, all after the answer was printed, and torchrun
+    waits for it. Freezing the heap at exit (an atexit hook) makes those collections skip it; the memory
+    goes back to the OS with the process anyway. The cost: an object in a reference cycle that is still
+    around at exit is not finalized, which Python does not promise either; what must reach disk (output
+    file, telemetry, the channel) is closed explicitly before exit. A collection before freezing would
+    keep that too, but costs most of the gain (measured: exit 1.1-2.0 s with it, 0.9-1.0 s without)."""
+    atexit.unregister(gc.freeze)  # once, however often this is called
+    atexit.register(gc.freeze)
 
 
 def open_channel(cfg: TandemConfig, rank: int) -> Channel:

@@ -13,7 +13,10 @@ rank 1 to reach rank 0's host. Here every connection goes out to the relay, auth
    TORCHELASTIC_USE_AGENT_STORE=True, so even a worker that builds a store reaches the relay's.
 
 The secret comes from `--rdzv_conf secret_file=PATH` or TANDEM_SECRET_FILE; `--rdzv_conf node_rank=0`
-pins a node's rank (give it on every node or on none). Not elastic: --nnodes=N, not MIN:MAX.
+pins a node's rank (give it on every node or on none); `--rdzv_conf join_timeout=SECONDS` bounds the wait
+for the other nodes (default 120 s; torchrun passes none of its own). Not elastic: --nnodes=N, not MIN:MAX.
+While an agent waits, the relay tells it when a claim for this run is refused (a node with the wrong
+secret, a node rank given twice): it warns once per distinct notice and names the last in its timeout.
 """
 from __future__ import annotations
 
@@ -37,12 +40,15 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from netbridge import auth
-from netbridge.link import RDZV_BODY, RDZV_DONE, LinkClosed, LinkGarbage, LinkSocket, LinkTimeout, UnexpectedFrame
+from netbridge.link import RDZV_BODY, RDZV_DONE, LinkClosed, LinkGarbage, LinkSocket, LinkTimeout, NoticeBoard, UnexpectedFrame
 
 log = logging.getLogger(__name__)
 BACKEND = "tandem-relay"
 DEFAULT_PORT = 29400
 HEARTBEAT_S = 5.0  # while an agent waits for the others; well inside the relay's --idle-timeout-s (30 s)
+# The wait for the other nodes when --rdzv_conf join_timeout is not given: long enough to start torchrun on a
+# second host by hand, short enough that a node whose peer never comes says so (c10d's own default is 600 s)
+DEFAULT_JOIN_TIMEOUT_S = 120
 
 
 class StoreProxy:
@@ -119,7 +125,9 @@ class RelayRendezvousHandler(RendezvousHandler):
         if node_rank is not None and not 0 <= node_rank < self.world:
             raise RendezvousError(f"--rdzv_conf node_rank={node_rank} is not in 0..{self.world - 1}")
         self.node_rank = node_rank
-        self.join_timeout_s = float(params.get_as_int("join_timeout", 600))
+        self.join_timeout_s = float(params.get_as_int("join_timeout", DEFAULT_JOIN_TIMEOUT_S))
+        if self.join_timeout_s <= 0:
+            raise RendezvousError(f"--rdzv_conf join_timeout={self.join_timeout_s:g} must be a positive number of seconds")
         try:
             self.secret = auth.load_secret(None, params.get("secret_file") or os.environ.get("TANDEM_SECRET_FILE"))
         except auth.HandshakeError as e:
@@ -158,8 +166,10 @@ class RelayRendezvousHandler(RendezvousHandler):
         except auth.HandshakeError as e:
             raise RendezvousConnectionError(str(e)) from None
         link = LinkSocket(sock, self.endpoint, send_timeout_s=30.0)
+        notices = NoticeBoard(lambda text: log.warning("tandem-relay rendezvous: run %r still waits for its other node(s): %s",
+                                                       self.run_id, text))
         try:
-            body = link.wait_for(RDZV_DONE, time.monotonic() + self.join_timeout_s, HEARTBEAT_S)
+            body = link.wait_for(RDZV_DONE, time.monotonic() + self.join_timeout_s, HEARTBEAT_S, on_notice=notices)
             if len(body) != RDZV_BODY.size:
                 raise UnexpectedFrame(RDZV_DONE)  # a done frame of another layout: another version's relay
         except UnexpectedFrame as e:
@@ -167,9 +177,7 @@ class RelayRendezvousHandler(RendezvousHandler):
         except LinkGarbage as e:
             raise RendezvousError(str(e)) from None
         except LinkTimeout:
-            raise RendezvousTimeoutError(f"not all {self.world} nodes of run {self.run_id!r} joined at the relay {self.endpoint} "
-                                         f"within {self.join_timeout_s:.0f} s: start torchrun on the other node(s) with the same "
-                                         "--rdzv_endpoint, --rdzv_id, --nnodes and secret") from None
+            raise RendezvousTimeoutError(self._join_timeout_message(notices)) from None
         except LinkClosed as e:
             raise RendezvousConnectionError(f"the relay at {self.endpoint} closed the rendezvous connection ({e.reason}); check its log") from None
         finally:
@@ -178,6 +186,13 @@ class RelayRendezvousHandler(RendezvousHandler):
         if not has_store:
             raise RendezvousError(f"the relay at {self.endpoint} could not start the rendezvous store (is torch installed there? see its log)")
         return rank, world, token.decode()
+
+    def _join_timeout_message(self, notices: NoticeBoard) -> str:
+        missing = f"not all {self.world} nodes of run {self.run_id!r} joined at the relay {self.endpoint} within " \
+                  f"{self.join_timeout_s:g} s (--rdzv_conf join_timeout)"
+        if notices.last:  # the relay saw the other node and refused it: that, not its absence, is the cause
+            return missing + notices.suffix()
+        return missing + ": start torchrun on the other node(s) with the same --rdzv_endpoint, --rdzv_id, --nnodes and secret"
 
     def is_closed(self) -> bool:
         return self._closed

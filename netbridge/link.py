@@ -9,11 +9,14 @@ Every frame is a 5-byte header, then its body:
     PAIRED     3  empty; relay -> both data ranks: the other rank of the session is there
     PEER_LEFT  4  empty; relay -> a data rank: the other rank left (sent only at a frame boundary)
     RDZV_DONE  5  RDZV_BODY; relay -> each torchrun agent: its node rank and the run's store token
+    NOTICE     6  UTF-8 text, 1..MAX_NOTICE_BYTES; relay -> a client still waiting (for PAIRED or RDZV_DONE): a
+                  claim for its session was refused (e.g. a node with the wrong secret); the client warns, keeps waiting
 
 Bounds: a header is judged before any of its body is read, so a claimed length never makes anyone
 allocate. The relay drops a connection on an unknown type, a heartbeat with a body, or DATA that
-is empty or longer than its --max-frame-bytes; a client (LinkSocket.recv) refuses an unknown type,
-empty DATA, or any length above its bound (LinkGarbage).
+is empty or longer than its --max-frame-bytes (and on NOTICE: only the relay sends it); a client
+(LinkSocket.recv) refuses an unknown type, empty DATA, a NOTICE that is empty or over MAX_NOTICE_BYTES,
+or any length above its bound (LinkGarbage).
 
 Standard library only: the relay imports this module and must stay small (no torch).
 """
@@ -26,12 +29,14 @@ import threading
 import time
 
 HEADER = struct.Struct("!BI")
-DATA, HEARTBEAT, PAIRED, PEER_LEFT, RDZV_DONE = 1, 2, 3, 4, 5
-KINDS = (DATA, HEARTBEAT, PAIRED, PEER_LEFT, RDZV_DONE)
+DATA, HEARTBEAT, PAIRED, PEER_LEFT, RDZV_DONE, NOTICE = 1, 2, 3, 4, 5, 6
+KINDS = (DATA, HEARTBEAT, PAIRED, PEER_LEFT, RDZV_DONE, NOTICE)
 RDZV_BODY = struct.Struct("!BB16sB")  # node rank, world, store token (hex), store available
 # One frame's bound, for the link and for netbridge.frames alike: a 64k-token prefill of hidden size
 # 2048 in bf16.
 MAX_FRAME_BYTES = 256 * 1024 * 1024
+# A notice is one line for a human; the bound keeps what a stranger can make a waiting node print small.
+MAX_NOTICE_BYTES = 400
 
 _SMALL = 64 * 1024  # frames up to this size go out in one send together with their header
 _WAIT_TICK_S = 0.5  # the longest a receive sleeps in poll() before it checks liveness again
@@ -106,10 +111,11 @@ class LinkSocket:
             finally:
                 self.lock.release()
 
-    def wait_for(self, kind: int, deadline: float, heartbeat_s: float) -> bytes:
+    def wait_for(self, kind: int, deadline: float, heartbeat_s: float, on_notice=None) -> bytes:
         """Body of the next frame of `kind`, sending a heartbeat every `heartbeat_s` while waiting (the relay
-        drops a silent client). Heartbeats that arrive are skipped. Raises UnexpectedFrame for any other kind,
-        LinkTimeout once `deadline` (time.monotonic()) passes, LinkClosed, or LinkGarbage."""
+        drops a silent client). Heartbeats that arrive are skipped; the text of a NOTICE goes to `on_notice`
+        (skipped without one) and the wait goes on. Raises UnexpectedFrame for any other kind, LinkTimeout
+        once `deadline` (time.monotonic()) passes, LinkClosed, or LinkGarbage."""
         def keep_alive(now: float) -> None:
             if now - self.last_tx >= heartbeat_s:
                 self.try_heartbeat()
@@ -117,7 +123,10 @@ class LinkSocket:
             got, body = self.recv(deadline, keep_alive, tick=min(_WAIT_TICK_S, heartbeat_s))
             if got == kind:
                 return body
-            if got != HEARTBEAT:
+            if got == NOTICE:
+                if on_notice is not None:
+                    on_notice(notice_text(body))
+            elif got != HEARTBEAT:
                 raise UnexpectedFrame(got)
 
     def recv(self, deadline: float, on_wait=None, tick: float = _WAIT_TICK_S, progress_s: float | None = None):
@@ -125,7 +134,8 @@ class LinkSocket:
         as long as it keeps arriving (no `progress_s` without a byte). Raises LinkTimeout, LinkClosed,
         LinkGarbage, or what on_wait raises."""
         kind, length = HEADER.unpack(self._read(HEADER.size, deadline, on_wait, tick, False, None))
-        if kind not in KINDS or length > self.max_frame_bytes or (kind == DATA and length == 0):
+        if kind not in KINDS or length > self.max_frame_bytes or (kind == DATA and length == 0) or \
+                (kind == NOTICE and not 0 < length <= MAX_NOTICE_BYTES):
             raise LinkGarbage(f"garbage from the relay at {self.name} (frame type {kind}, {length} bytes); "
                               "is that address a Tandem relay of the same version?")
         return kind, (self._read(length, deadline, on_wait, tick, True, progress_s) if length else b"")
@@ -187,3 +197,46 @@ class LinkSocket:
         except OSError:
             pass
         self.sock.close()
+
+
+# ---- notices: the relay telling a waiting client that a claim for its session was refused ---------
+def notice_frame(text: str) -> bytes:
+    """A whole NOTICE frame; the text is cut to MAX_NOTICE_BYTES at a word boundary, never mid-character."""
+    body = clip_words(text, MAX_NOTICE_BYTES).encode()
+    return HEADER.pack(NOTICE, len(body)) + body
+
+
+def clip_words(text: str, max_bytes: int) -> str:
+    """`text` in at most `max_bytes` of UTF-8, cut at the last space that fits (with an ellipsis) when too long."""
+    if len(text.encode()) <= max_bytes:
+        return text
+    room = max_bytes - len(" ...".encode())
+    head = text.encode()[:room].decode("utf-8", "ignore")
+    cut = head.rfind(" ")
+    return (head[:cut] if cut > 0 else head) + " ..."
+
+
+def notice_text(body: bytes) -> str:
+    """A notice as one printable line: whatever bytes came, no control characters reach the terminal."""
+    text = body.decode("utf-8", "replace")
+    return "".join(ch if ch.isprintable() else " " for ch in text)
+
+
+class NoticeBoard:
+    """What a waiting client heard from the relay: each distinct notice is printed once (at most
+    `max_printed` of them, since a stranger can cause them), and the last one is kept for the final message."""
+
+    def __init__(self, warn, max_printed: int = 5):
+        self.warn, self.max_printed = warn, max_printed
+        self.printed: set[str] = set()
+        self.last: str | None = None
+
+    def __call__(self, text: str) -> None:
+        self.last = text
+        if text not in self.printed and len(self.printed) < self.max_printed:
+            self.printed.add(text)
+            self.warn(text)
+
+    def suffix(self) -> str:
+        """'; <the last notice>' for a timeout message, or '' when none came."""
+        return f"; {self.last}" if self.last else ""

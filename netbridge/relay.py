@@ -13,6 +13,13 @@ Link frames after the handshake: u8 type | u32 length | body (netbridge.link). T
 against the bound before any body byte is read; a bad type, an oversized or empty DATA frame, or DATA
 before the peer has joined closes that connection with one log line, and its session with it.
 
+Notices: when a claim for a session is refused (a wrong secret, a rank already taken, another --nnodes)
+while members of that session wait (data ranks for their peer, agents for the rendezvous), they get a
+NOTICE frame saying so, so a node does not wait out its timeout in silence; a member that starts waiting
+within REFUSAL_MEMORY_S of such a refusal is told on joining (the refused node may well have come first).
+A wrong-secret claim is unauthenticated, so its notice says "claiming"; notices are rate-limited per
+session and bounded in length, and the refusals remembered are bounded in number.
+
 No torch import unless the rendezvous store is enabled (then torch.distributed, CPU is enough).
 """
 from __future__ import annotations
@@ -30,7 +37,7 @@ import time
 from collections import OrderedDict, deque
 
 from netbridge import auth
-from netbridge.link import DATA, HEADER, HEARTBEAT, MAX_FRAME_BYTES, PAIRED, PEER_LEFT, RDZV_BODY, RDZV_DONE
+from netbridge.link import DATA, HEADER, HEARTBEAT, MAX_FRAME_BYTES, PAIRED, PEER_LEFT, RDZV_BODY, RDZV_DONE, notice_frame
 
 log = logging.getLogger("tandem.relay")
 
@@ -40,6 +47,11 @@ MAX_PENDING_PER_SOURCE = 16  # default --max-pending-per-source: unfinished hand
 # An honest handshake is done one round trip after connecting; an unfinished one this old is stale and
 # gives its slot to a newcomer from the same address (a flooder behind your NAT cannot lock you out)
 STALE_HANDSHAKE_S = 1.0
+# At most one notice per session this often: anyone who knows a session id can send bad claims for it,
+# and must not be able to flood a waiting node's terminal
+NOTICE_INTERVAL_S = 1.0
+REFUSAL_MEMORY_S = 60.0  # a refusal is told to members that start waiting this long after it
+MAX_REMEMBERED_REFUSALS = 256  # sessions whose last refusal is kept (strangers can invent session ids)
 
 
 def source_of(address: str) -> str:
@@ -149,6 +161,8 @@ class Relay:
         self.sessions: dict[str, list] = {}
         self.rdzv: dict[str, _Rdzv] = {}
         self.stores: dict[str, _Store] = {}
+        self.notice_due: dict[str, float] = {}  # session -> when it may get its next notice (entries swept once due)
+        self.last_refusal: OrderedDict[str, tuple[float, str]] = OrderedDict()  # session -> (when, notice), oldest first
         self.handshakes = _PendingHandshakes(max_pending, max_pending_per_source)
         self.shed_log, self.turned_away_log = _RareLog(), _RareLog()
         self.stats = {"accepted": 0, "refused": 0, "dropped": 0, "sessions": 0, "bytes": 0, "shed": 0, "turned_away": 0}
@@ -187,6 +201,11 @@ class Relay:
             for token, st in list(self.stores.items()):
                 if st.conns == 0 and now - st.idle_since > STORE_GRACE_S:
                     self._drop_store(token)
+            for session, due in list(self.notice_due.items()):
+                if due <= now:
+                    del self.notice_due[session]
+            while self.last_refusal and now - next(iter(self.last_refusal.values()))[0] > REFUSAL_MEMORY_S:
+                self.last_refusal.popitem(last=False)
 
     # ---- admission: who may start a handshake, and whether an authenticated client fits -----------
     def make_room_for(self, conn: _Conn) -> bool:
@@ -263,11 +282,16 @@ class Relay:
                 log.info("session %s: ranks paired (%s, %s)", conn.session, slots[0].name, slots[1].name)
             else:
                 conn.state = "waiting"
+                self.tell_recent_refusal(conn)
         elif conn.role == auth.ROLE_RDZV:
             conn.state = "rdzv"
             group = self.rdzv[conn.session]
+            log.info("run %s: node %s from %s joined the rendezvous (%d of %d)", conn.session,
+                     "any" if conn.rank == auth.ANY_RANK else conn.rank, conn.name, len(group.members), group.world)
             if len(group.members) == group.world:
                 self._complete_rdzv(conn.session, group)
+            else:
+                self.tell_recent_refusal(conn)
         elif conn.role == auth.ROLE_STORE:
             conn.state = "store"
             asyncio.ensure_future(conn.open_store_pipe(self.stores[conn.session].port))
@@ -313,6 +337,41 @@ class Relay:
         if st is not None:
             del st.store
             log.info("store %s: dropped", token)
+
+    # ---- notices: a refused claim, told to whoever waits in that session ---------------------------
+    def refused_claim(self, session: str, text: str) -> None:
+        """A claim for `session` was refused: remember it for members yet to come, tell those waiting now."""
+        self.last_refusal.pop(session, None)
+        self.last_refusal[session] = (time.monotonic(), text)
+        if len(self.last_refusal) > MAX_REMEMBERED_REFUSALS:
+            self.last_refusal.popitem(last=False)
+        self.notify_waiting(session, text)
+
+    def tell_recent_refusal(self, conn: _Conn) -> None:
+        """A member starts waiting: if a claim for its session was refused lately, it hears of it now."""
+        when, text = self.last_refusal.get(conn.session, (None, ""))
+        if when is not None and time.monotonic() - when <= REFUSAL_MEMORY_S:
+            conn.transport.write(notice_frame(f"{text} ({time.monotonic() - when:.0f} s before this node came)"))
+
+    def notify_waiting(self, session: str, text: str) -> None:
+        """Send `text` as a NOTICE to the members of `session` that still wait (for their peer or for the
+        rendezvous); at most once per NOTICE_INTERVAL_S per session. Paired connections get nothing: their
+        stream carries the peer's frames, and a refused stranger is no news to a running session."""
+        waiting = self._waiting_members(session)
+        now = time.monotonic()
+        if not waiting or now < self.notice_due.get(session, 0.0):
+            return
+        self.notice_due[session] = now + NOTICE_INTERVAL_S
+        frame = notice_frame(text)
+        for member in waiting:
+            member.transport.write(frame)
+        log.info("session %s: told %d waiting member(s): %s", session, len(waiting), text)
+
+    def _waiting_members(self, session: str) -> list[_Conn]:
+        data = [c for c in self.sessions.get(session, ()) if c is not None and c.state == "waiting"]
+        group = self.rdzv.get(session)
+        agents = [c for c in group.members if c.state == "rdzv"] if group is not None else []
+        return [c for c in data + agents if c.transport is not None and not c.transport.is_closing()]
 
     def left(self, conn: _Conn) -> None:
         """A connection ended (any reason): free its slot, and end the peer's connection too (PEER_LEFT at a frame
@@ -438,10 +497,13 @@ class _Conn(asyncio.Protocol):
         if len(self.buf) < total:
             return
         rest = data[total - before:]  # bytes after the claim: the client's first link frames
-        claim = auth.verify_claim(self.relay.secret, self.nonce, bytes(self.buf[:total]))
+        raw_claim = bytes(self.buf[:total])
+        claim = auth.verify_claim(self.relay.secret, self.nonce, raw_claim)
         self.buf = bytearray()
         if claim is None:
-            return self._refuse("wrong MAC (secret mismatch) or invalid claim fields")
+            self._refuse("wrong MAC (secret mismatch) or invalid claim fields")
+            self._notify_wrong_secret(raw_claim)
+            return
         self.role, self.rank, self.world, self.session, client_nonce = claim
         full = self.relay.is_full()  # counted while this one is still pending
         self._end_pending()
@@ -452,6 +514,7 @@ class _Conn(asyncio.Protocol):
             self.state = "closed"
             self.transport.write(bytes([status]))
             self.close_soon()
+            self.relay.refused_claim(self.session, self._refusal_notice(status))
             return
         self.counted_store = self.role == auth.ROLE_STORE
         self.relay.stats["accepted"] += 1
@@ -468,6 +531,33 @@ class _Conn(asyncio.Protocol):
         self.state = "closed"
         self.transport.write(bytes([auth.REFUSED]))
         self.close_soon()
+
+    @property
+    def host(self) -> str:
+        """The client's address without the port."""
+        return self.name.rpartition(":")[0] or self.name
+
+    def _notify_wrong_secret(self, raw_claim: bytes) -> None:
+        """Tell the session this refused claim names (if its id is well-formed) who was turned away. Nothing
+        in the claim is proven, so the notice says "claiming"."""
+        session = claimed_session(raw_claim)
+        if session is not None:
+            self.relay.refused_claim(session, f"a connection from {self.host} claiming session {session!r} was refused "
+                                               "at the relay for a wrong secret: check TANDEM_SECRET_FILE (or "
+                                               "transport.secret_file) on that node; it must hold the relay's secret")
+
+    def _refusal_notice(self, status: int) -> str:
+        """The notice for an authenticated claim the relay refused: which node, and what it must change."""
+        why = {
+            auth.TAKEN: f"node rank {self.rank} is taken already (give each node its own --rdzv_conf node_rank, or none)",
+            auth.MISMATCH: f"it gave --nnodes={self.world}, the nodes waiting gave {self._waiting_world()}",
+            auth.FULL: "the relay is full (--max-connections); restart it with a larger one",
+        }.get(status, _STATUS_NAMES.get(status, f"status {status}"))
+        return f"a node from {self.host} was refused at the relay for session {self.session!r}: {why}"
+
+    def _waiting_world(self) -> str:
+        group = self.relay.rdzv.get(self.session)
+        return f"--nnodes={group.world}" if group is not None else "another"
 
     def _end_pending(self) -> None:
         if self.pending:
@@ -698,6 +788,13 @@ _ROLE_NAMES = {auth.ROLE_DATA: "data", auth.ROLE_STORE: "store", auth.ROLE_RDZV:
 _STATUS_NAMES = {auth.TAKEN: "slot already taken", auth.FULL: "relay full (--max-connections authenticated connections open)",
                  auth.MISMATCH: "node count differs", auth.UNKNOWN: "unknown store", auth.NO_STORE: "store disabled (--no-store)",
                  auth.REFUSED: "refused"}
+
+
+def claimed_session(claim: bytes) -> str | None:
+    """The session id a whole claim names, unverified, or None when it is not a well-formed id."""
+    n = claim[auth.CLAIM_PREFIX.size - 1]
+    raw = claim[auth.CLAIM_PREFIX.size:auth.CLAIM_PREFIX.size + n]
+    return raw.decode() if auth.SESSION_RE.fullmatch(raw) else None
 
 
 def peak_rss_mb() -> float:

@@ -31,7 +31,8 @@ import time
 from netbridge import auth, secure
 from netbridge.channel import Channel, PeerError
 from netbridge.frames import FrameError
-from netbridge.link import DATA, HEARTBEAT, PAIRED, PEER_LEFT, LinkClosed, LinkGarbage, LinkSocket, LinkTimeout, UnexpectedFrame
+from netbridge.link import (DATA, HEARTBEAT, PAIRED, PEER_LEFT, LinkClosed, LinkGarbage, LinkSocket, LinkTimeout, NoticeBoard,
+                            UnexpectedFrame)
 
 log = logging.getLogger("tandem.relay_channel")
 
@@ -344,13 +345,19 @@ class RelayChannel(Channel):
 
 
 def _wait_for_peer(link: LinkSocket, session: str, rank: int, join_timeout_s: float, heartbeat_s: float) -> None:
-    """Heartbeat until the relay says the other rank of `session` is there; every failure becomes a PeerError."""
+    """Heartbeat until the relay says the other rank of `session` is there; every failure becomes a PeerError.
+    A notice from the relay (a claim for this session refused, e.g. the other rank's wrong secret) is warned
+    about once and named in the timeout's message; the wait goes on, since that rank may retry."""
     relay = link.name
+    notices = NoticeBoard(lambda text: log.warning("rank %d, waiting for rank %d of session %r: %s", rank, 1 - rank, session, text))
     try:
-        link.wait_for(PAIRED, time.monotonic() + join_timeout_s, heartbeat_s)
+        link.wait_for(PAIRED, time.monotonic() + join_timeout_s, heartbeat_s, on_notice=notices)
     except UnexpectedFrame as e:
         raise PeerError(f"the relay at {relay} sent frame type {e.kind} before pairing; is it the same Tandem version?") from None
     except LinkTimeout:
+        if notices.last:
+            raise PeerError(f"rank {1 - rank} did not join session {session!r} at the relay {relay} within "
+                            f"{join_timeout_s:g} s{notices.suffix()}") from None
         raise PeerError(f"rank {1 - rank} did not join session {session!r} at the relay {relay} within {join_timeout_s:g} s; "
                         "is it running, with the same transport.session and the same secret? (a wrong secret is "
                         "refused at the relay: check the relay's log)") from None

@@ -174,3 +174,52 @@ def test_a_closed_peer_fails_the_next_receive_at_once():
         protocol.recv(b, Reply)
     assert time.monotonic() - t0 < 1
     assert_one_line_peer_error(info, "lost the other rank")
+
+
+# ---- GlooChannel: gloo's error text as one readable line ---------------------------------------
+GLOO_ERRORS = {  # as torch 2.x's gloo raises them (RuntimeError text), and the cause each line keeps
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:46209":
+        "Connection closed by peer [127.0.0.1]:46209",
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:21938: Connection reset "
+    "by peer. This is typically caused by a remote worker hanging or bugs in the application. Check the logs of the remote "
+    "worker before reporting an error. GLHF! \U0001f3d6\ufe0f":
+        "Read error [127.0.0.1]:21938: Connection reset by peer",
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv "
+    "operation to complete":
+        "Timed out waiting 3000ms for recv operation to complete",
+}
+
+
+@pytest.mark.parametrize("raw", list(GLOO_ERRORS))
+def test_gloo_errors_become_their_cause_without_the_source_location(raw):
+    from netbridge.channel import gloo_cause
+    assert gloo_cause(raw) == GLOO_ERRORS[raw]
+    assert gloo_cause(raw + "\nException raised from ... (most recent call first):\nframe #0: ...") == GLOO_ERRORS[raw]
+
+
+def test_a_long_gloo_cause_is_cut_at_a_word_boundary():
+    from netbridge.channel import gloo_cause
+    raw = "[/x/gloo/transport/tcp/pair.cc:1] " + " ".join(f"word{i}" for i in range(60))
+    cause = gloo_cause(raw, max_chars=80)
+    assert len(cause) <= 80 and cause.endswith("...")
+    words = cause[:-3].split(" ")
+    assert words == [f"word{i}" for i in range(len(words))]  # whole words only
+    assert gloo_cause("") == ""
+
+
+def test_a_lost_gloo_peer_is_one_readable_line():
+    from netbridge.channel import GlooChannel
+
+    def fails(text):
+        def start_op():
+            raise RuntimeError(text)
+        return start_op
+    channel = GlooChannel(peer=1, timeout_s=7)
+    lost, timeout = list(GLOO_ERRORS)[1], list(GLOO_ERRORS)[2]
+    with pytest.raises(PeerError) as info:
+        channel._wait(fails(lost))
+    assert str(info.value) == ("lost rank 1 (gloo: Read error [127.0.0.1]:21938: Connection reset by peer); the other "
+                               "process died or its host dropped off the network")
+    with pytest.raises(PeerError, match=r"^rank 1 sent nothing for 7 s \(transport.timeout_s\); is it still running\? "
+                                        r"\(gloo: Timed out waiting 3000ms for recv operation to complete\)$"):
+        channel._wait(fails(timeout))

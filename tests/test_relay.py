@@ -561,3 +561,17 @@ def test_notice_text_is_cut_at_a_word_and_made_printable():
         relay_end.sendall(HEADER.pack(NOTICE, MAX_NOTICE_BYTES + 1))  # a notice beyond its bound: garbage, no body read
         with pytest.raises(LinkGarbage):
             link.recv(time.monotonic() + 5)
+
+
+def test_an_authenticated_refusal_is_told_too(tmp_path):
+    """Not only a wrong secret: the other rank refused for another reason (here: the relay is full) is news
+    to the rank waiting for it."""
+    from netbridge.link import NOTICE
+    with relay_process(tmp_path, "--no-store", "--max-connections", "1") as r:
+        waiting = dial_raw(r, "crowded", 0)
+        with pytest.raises(auth.HandshakeError, match="is full"):
+            dial_raw(r, "crowded", 1)
+        kind, body = read_link(waiting)
+        waiting.close()
+    assert kind == NOTICE
+    assert body.decode().startswith("a node from 127.0.0.1 was refused at the relay for session 'crowded': the relay is full")

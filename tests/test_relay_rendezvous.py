@@ -124,3 +124,17 @@ def relay_time(relay, text: str) -> float:
             stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
             return stamp.timestamp()
     raise AssertionError(f"no {text!r} in the relay's log:\n{relay.log()[-2000:]}")
+
+
+def test_join_timeout_defaults_well_below_torchruns_600_s(tmp_path):
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from launch.relay_rendezvous import DEFAULT_JOIN_TIMEOUT_S, RelayRendezvousHandler
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(SECRET)
+
+    def handler(**conf):
+        params = RendezvousParameters("tandem-relay", "127.0.0.1:1", "job-d", 2, 2, secret_file=str(secret_file), **conf)
+        return RelayRendezvousHandler(params)
+    assert handler().join_timeout_s == DEFAULT_JOIN_TIMEOUT_S == 120
+    assert handler(join_timeout="7").join_timeout_s == 7
