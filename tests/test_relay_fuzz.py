@@ -238,6 +238,7 @@ def broken_messages():
 
 
 @pytest.mark.parametrize("loop", loops())
+@pytest.mark.slow  # about 1 minute: `python -m pytest -m slow` (CI runs it)
 def test_fuzzed_relay_keeps_serving_a_healthy_session(tmp_path, loop):
     Count.handshakes = Count.frames = Count.bodies = 0
     with relay_process(tmp_path, "--no-store", "--max-frame-bytes", str(FUZZ_BOUND), "--handshake-timeout-s", "2",
@@ -274,8 +275,10 @@ def test_fuzzed_relay_keeps_serving_a_healthy_session(tmp_path, loop):
         for t in threads:
             t.start()
         t0 = time.monotonic()
+        # the full count once (asyncio); uvloop runs the same relay code on another loop: a quarter of it
+        share = 1 if loop == "asyncio" else 4
         try:
-            @settings(max_examples=N_HANDSHAKES, **FAST)
+            @settings(max_examples=N_HANDSHAKES // share, **FAST)
             @given(handshake_cases)
             def fuzz_handshakes(case):
                 run_handshake_case(relay.port, case)
@@ -283,7 +286,7 @@ def test_fuzzed_relay_keeps_serving_a_healthy_session(tmp_path, loop):
 
             counter = iter(range(10**9))
 
-            @settings(max_examples=N_STREAMS, **FAST)
+            @settings(max_examples=N_STREAMS // share, **FAST)
             @given(st.lists(frame_items, min_size=1, max_size=8), st.booleans())
             def fuzz_streams(items, paired):
                 run_stream_case(relay, next(counter), items, paired)
@@ -297,7 +300,7 @@ def test_fuzzed_relay_keeps_serving_a_healthy_session(tmp_path, loop):
             th.join(10)
             rx = box["rx"]
 
-            @settings(max_examples=N_BODY_BATCHES, **FAST)
+            @settings(max_examples=N_BODY_BATCHES // share, **FAST)
             @given(st.lists(broken_messages(), min_size=1, max_size=20))
             def fuzz_bodies(bodies):
                 sender.sendall(b"".join(HEADER.pack(DATA, len(b)) + b for b in bodies))
@@ -324,7 +327,7 @@ def test_fuzzed_relay_keeps_serving_a_healthy_session(tmp_path, loop):
         print(f"\nfuzz ({loop}): {Count.handshakes} handshakes, {Count.frames} link frames judged, {Count.bodies} broken messages "
               f"= {total} cases in {elapsed:.1f} s; healthy session {healthy['rounds']} round trips; relay peak RSS {peak:.1f} MB")
         assert relay.alive(), relay.log()[-2000:]
-        assert total >= 10_000
+        assert total >= 10_000 // share
         assert not healthy["errors"], healthy["errors"]
         assert healthy["rounds"] > 50
         assert peak < 200, f"relay peak RSS {peak:.0f} MB: did it allocate for a claimed length?"

@@ -158,13 +158,13 @@ def test_chi_square_has_the_power_to_see_the_drafter():
     assert chi2_p(drafts, p[0]) < 1e-6
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["overlap-off", "overlap-on"])
+@pytest.mark.parametrize("overlap", [True], ids=["overlap-on"])  # overlap off: the verifier's own chi-square above
 def test_sampled_generation_keeps_the_targets_joint_distribution(overlap, tiny_qwen):
     """The whole loop, sampled: the first two tokens' joint distribution is the target's. The target
     drafts for itself, so drafts are often accepted and, with spec.overlap, round 1 often runs from
     what was drafted ahead while round 0 was in flight (the guess of token 1 was right)."""
     overrides = session_args(tiny_qwen, tiny_qwen, max_new=3) + [f"spec.overlap={str(overlap).lower()}"]
-    temperature, top_p, n = 1.0, 0.8, 400
+    temperature, top_p, n = 1.0, 0.8, 300
     gens = serve(overrides, [(PROMPT, Request(temperature, top_p, seed)) for seed in range(n)])
     observed: dict[tuple[int, int], int] = {}
     for g in gens:
