@@ -85,6 +85,19 @@ class Ahead:
         return reply.accepted == drafted and reply.token == self.guess
 
 
+def draft_and_stage0(stage: Stage, drafter, committed: list[int], pending: list[int], k: int):
+    """Rank 0's half of a round: K drafts, then its slice over [pending..., d1..dK] from `start`."""
+    t0 = time.perf_counter()
+    drafts = drafter.propose(committed, k)
+    draft_ms, t1 = _ms(t0), time.perf_counter()
+    start = len(committed) - len(pending)
+    stage.cache.rewind(start)
+    stage.cache.check_room(start + len(pending) + len(drafts))
+    ids = torch.tensor([pending + drafts.tokens.tolist()], device=stage.device)
+    hidden = stage(ids, live=start + ids.shape[1])
+    return drafts, hidden, draft_ms, _ms(t1)
+
+
 def draft_ahead(stage: Stage, drafter, context: list[int], k_next: int) -> Ahead | None:
     """Draft the guess plus k_next tokens after `context` (committed + this round's drafts) and run
     stage 0 over them; both caches are then exactly where the next round needs them on a hit."""
@@ -135,14 +148,7 @@ def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], ou
         else:
             remaining = output.max_new_tokens - len(output.tokens)
             k_round = 0 if len(committed) == len(prompt_ids) else min(k_now, remaining - 1)  # never overshoot
-            drafts = drafter.propose(committed, k_round)
-            draft_ms = _ms(t_round)
-            t0 = time.perf_counter()
-            stage.cache.rewind(start)
-            stage.cache.check_room(start + len(pending) + len(drafts))
-            ids = torch.tensor([pending + drafts.tokens.tolist()], device=stage.device)
-            hidden = stage(ids, live=start + ids.shape[1])
-            stage0_ms = _ms(t0)
+            drafts, hidden, draft_ms, stage0_ms = draft_and_stage0(stage, drafter, committed, pending, k_round)
 
         t0 = time.perf_counter()
         protocol.send(channel, Round(start, hidden, drafts.tokens, drafts.q_ids, drafts.q_probs))
@@ -160,7 +166,7 @@ def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], ou
         kept = output.commit(new_tokens)
         committed += new_tokens[:kept]
         pending = committed[-1:]
-        if ahead is not None and not (ahead.hit(reply, len(drafts)) and not output.done):
+        if ahead is not None and (output.done or not ahead.hit(reply, len(drafts))):
             ahead = None
         if ahead is None:  # on a hit the drafter's cache already runs ahead, exactly as it should
             drafter.commit(len(committed))
