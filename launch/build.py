@@ -156,7 +156,7 @@ def check_tokenizer(tokenizer, config, folder: str) -> None:
 
 
 def build_drafter(cfg: TandemConfig, target_tokenizer, target_config):
-    from speculative.drafters import ModelDrafter, NgramDrafter, NoDrafter
+    from speculative.drafters import NgramDrafter, NoDrafter
     d = cfg.draft
     if d.kind == "none" or cfg.spec.k == 0:
         return NoDrafter()

@@ -113,8 +113,6 @@ def run_pair(*overrides: str, timeout_s: float = 60.0) -> dict:
     """Both ranks of train_free_infer in this process, as two threads over an in-process channel pair
     (netbridge.channel.local_pair): the whole entry path but torchrun, in seconds. Returns rank 0's
     result (the output JSON); an exception on either rank is raised here."""
-    import threading
-
     import train_free_infer
     from launch.config import load_config
 
@@ -128,12 +126,7 @@ def run_pair(*overrides: str, timeout_s: float = 60.0) -> dict:
         except BaseException as e:  # noqa: BLE001 - handed to the test
             errors[r] = e
             channels[r].close()  # the other rank fails at once instead of waiting out its timeout
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s * 4)
-    assert not any(t.is_alive() for t in threads), "a rank did not finish"
+    run_both(rank, timeout_s * 4)
     if errors:  # the root cause: the other rank then only lost its peer
         from netbridge.channel import PeerError
         raise next((e for e in errors.values() if not isinstance(e, PeerError)), errors.get(0) or errors.get(1))
@@ -177,10 +170,16 @@ def run_entry_pair(monkeypatch, *argv: str, timeout_s: float = 30.0) -> dict[int
             outcome[r] = e.code
         except BaseException as e:  # noqa: BLE001 - handed to the test
             outcome[r] = e
+    run_both(rank, timeout_s * 2)
+    return outcome
+
+
+def run_both(rank, timeout_s: float) -> None:
+    """rank(0) and rank(1) in two threads; both must end within timeout_s."""
+    import threading
     threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout_s * 2)
+        t.join(timeout_s)
     assert not any(t.is_alive() for t in threads), "a rank did not finish"
-    return outcome
