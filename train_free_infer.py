@@ -16,7 +16,8 @@ import threading
 from launch.build import (build_drafter, build_stage, check_tokenizer, eos_ids, load_tokenizer, prompt_ids,
                           split_point)
 from launch.config import ConfigError, TandemConfig, config_from_argv
-from launch.distributed import LaunchError, close_channel, open_channel, report, torchrun_rank
+from launch.distributed import (LaunchError, close_channel, open_channel, report, skip_the_final_collections_at_exit,
+                                torchrun_rank)
 from launch.telemetry import Telemetry
 from kvcache.static_cache import CacheOverflowError
 from model_parallel.loader import ModelLoadError
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     channel = None
     try:
         rank, _ = torchrun_rank()
+        skip_the_final_collections_at_exit()
         channel = open_channel(cfg, rank)
         (rank0 if rank == 0 else rank1)(cfg, channel)
     except EXPECTED as e:

@@ -23,11 +23,10 @@ def torchrun_rank() -> tuple[int, int]:
     if world != 2:
         raise LaunchError(f"Tandem runs on exactly 2 ranks, torchrun started {world}: use --nproc_per_node=2 on one host, "
                           "or --nnodes=2 --nproc_per_node=1 on two")
-    _skip_the_final_collections_at_exit()
     return rank, world
 
 
-def _skip_the_final_collections_at_exit() -> None:
+def skip_the_final_collections_at_exit() -> None:
     """At exit a rank's interpreter runs full garbage collections over everything torch and transformers
     built (some 400k objects): 1-3 s per rank on 2 cores, all after the answer was printed, and torchrun
     waits for it. Freezing the heap at exit (an atexit hook) makes those collections skip it; the memory
