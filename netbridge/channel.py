@@ -33,10 +33,12 @@ class Channel(ABC):
 
     def recv(self, expect: str | tuple[str, ...] | None = None) -> Message:
         msg = decode(self.recv_frame())
-        if expect is not None and msg.kind not in ((expect,) if isinstance(expect, str) else expect):
+        kinds = (expect,) if isinstance(expect, str) else expect
+        if expect is not None and msg.kind not in kinds:
             if msg.kind == "error":
                 raise PeerError(f"the other rank failed: {msg.meta.get('error', '?')}")
-            raise PeerError(f"protocol error: expected a {expect!r} message, got {msg.kind!r}; are both ranks the same Tandem version and config?")
+            raise PeerError(f"protocol error: expected {' or '.join(kinds)}, got {msg.kind!r}; are both ranks the same "
+                            "Tandem version and config?")
         return msg
 
     def _emulate_wire(self, nbytes: int) -> None:

@@ -99,16 +99,11 @@ def send(channel: Channel, msg) -> None:
 
 
 def recv(channel: Channel, *expect: type):
-    """The next message, which must be one of `expect`; an Error from the peer raises PeerError."""
-    raw = channel.recv()
-    cls = MESSAGES.get(raw.kind)
-    if cls is Error and Error not in expect:
-        raise PeerError(f"the other rank failed: {raw.meta.get('error', '?')}")
-    if cls not in expect:
-        names = " or ".join(e.__name__ for e in expect)
-        raise PeerError(f"protocol error: expected {names}, got {raw.kind!r}; are both ranks the same Tandem version?")
+    """The next message, which must be one of `expect` (Channel.recv turns an Error from the peer or
+    another kind into a PeerError line); a message missing a field is one too."""
+    raw = channel.recv(tuple(cls.__name__.lower() for cls in expect))
     try:
-        return cls(**raw.meta, **raw.tensors)
+        return MESSAGES[raw.kind](**raw.meta, **raw.tensors)
     except TypeError:
         raise PeerError(f"protocol error: a {raw.kind!r} message with fields {sorted({**raw.meta, **raw.tensors})}; "
                         "are both ranks the same Tandem version?") from None

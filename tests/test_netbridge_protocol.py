@@ -107,11 +107,11 @@ def test_an_unexpected_kind_is_a_peer_error():
     protocol.send(a, Bye())
     with pytest.raises(PeerError) as info:
         protocol.recv(b, Reply)
-    assert_one_line_peer_error(info, "protocol error", "expected Reply", "'bye'", "same Tandem version")
+    assert_one_line_peer_error(info, "protocol error", "expected reply", "'bye'", "same Tandem version")
     a.send("gossip", {"x": 1})  # a kind no version of the protocol has
     with pytest.raises(PeerError) as info:
         protocol.recv(b, Request, Round)
-    assert_one_line_peer_error(info, "expected Request or Round", "'gossip'")
+    assert_one_line_peer_error(info, "expected request or round", "'gossip'")
 
 
 def test_a_missing_field_is_a_peer_error():
