@@ -66,7 +66,8 @@ def rank0(cfg: TandemConfig, channel) -> dict | None:
     ids = prompt_ids(cfg, tokenizer, stage.config.vocab_size) if cfg.serve.port is None else None
     drafter = build_drafter(cfg, tokenizer, stage.config)
     handshake(cfg, channel, 0)
-    session = Session(stage, drafter, channel, cfg.spec.k, cfg.spec.adaptive, cfg.spec.overlap, cfg.model.prefill_chunk)
+    session = Session(stage, drafter, channel, cfg.spec.k, cfg.spec.adaptive, cfg.spec.overlap, cfg.model.prefill_chunk,
+                      cfg.spec.k_from_costs)
     if cfg.serve.port is not None:
         from launch.server import serve
         serve(cfg, session, tokenizer, eos_ids(cfg.model.target), stage.config.vocab_size)

@@ -70,7 +70,8 @@ class Row:
 def sweep(full: bool, overlap: bool = False) -> list[Row]:
     if overlap:  # spec.overlap on/off beside K=0 at 0, 40 and 80 ms
         return [row for d in (0, 40, 80) for row in
-                (Row("none", 0, d), Row("model", 4, d), Row("model", 4, d, ["spec.overlap=true"], note="overlap"))]
+                (Row("none", 0, d), Row("model", 4, d), Row("model", 4, d, ["spec.overlap=true"], note="overlap"),
+                 Row("model", 8, d, ["spec.k_from_costs=true"], note="costs"))]
     delays, ks = ((0, 10, 40), (1, 2, 4, 8)) if full else ((0, 40), (4, 8))
     rows = []
     for d in delays:

@@ -129,10 +129,11 @@ def prefill_chunks(stage: Stage, drafter, channel: Channel, prompt_ids: list[int
 
 def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], output: Output, k: int,
               on_round=None, adaptive: bool = False, request: Request = Request(), reuse: int = 0,
-              cancelled=lambda: False, overlap: bool = False, prefill_chunk: int = 512) -> Generation:
+              cancelled=lambda: False, overlap: bool = False, prefill_chunk: int = 512, k_costs=None) -> Generation:
     """One generation. `reuse`: prompt tokens every cache already holds. `cancelled()` is asked
     between rounds (a client that went away); the caches stay consistent whenever it stops.
-    `overlap`: while a round is in flight, prepare the next one (draft_ahead)."""
+    `overlap`: while a round is in flight, prepare the next one (draft_ahead). `k_costs`: a
+    KFromCosts that picks K from measured costs (else `adaptive`'s +2/-1, else K fixed)."""
     gen = Generation(prompt_ids, output, reused=reuse)
     t_start = gen.t0_s = time.perf_counter()
     protocol.send(channel, request)
@@ -154,7 +155,7 @@ def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], ou
         protocol.send(channel, Round(start, hidden, drafts.tokens, drafts.q_ids, drafts.q_probs))
         send_ms = _ms(t0)
         used_ahead, ahead = ahead is not None, None
-        k_next = next_k(k_now, len(drafts), len(drafts), k) if adaptive else k_now
+        k_next = k_now if k_costs is not None or not adaptive else next_k(k_now, len(drafts), len(drafts), k)
         k_next = min(k_next, output.max_new_tokens - len(output.tokens) - len(drafts) - 2)
         if overlap and k_next > 0:
             ahead = draft_ahead(stage, drafter, committed + drafts.tokens.tolist(), k_next)
@@ -177,6 +178,9 @@ def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], ou
         gen.rounds.append(record)
         if adaptive:
             k_now = next_k(k_now, len(drafts), reply.accepted, k)
+        if k_costs is not None and len(gen.rounds) > 1:
+            k_costs.observe(record)
+            k_now = k_costs.choose(k_now)
         if on_round is not None:
             on_round(record, reply)
     gen.total_s = time.perf_counter() - t_start

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from netbridge import protocol
 from netbridge.protocol import Request
+from speculative.k_choice import KFromCosts
 from speculative.output import Output
 from speculative.rounds import Generation, run_rank0
 
@@ -24,9 +25,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Session:
-    def __init__(self, stage, drafter, channel, k: int, adaptive: bool, overlap: bool = False, prefill_chunk: int = 512):
+    def __init__(self, stage, drafter, channel, k: int, adaptive: bool, overlap: bool = False, prefill_chunk: int = 512,
+                 k_from_costs: bool = False):
         self.stage, self.drafter, self.channel = stage, drafter, channel
         self.k, self.adaptive, self.overlap, self.prefill_chunk = k, adaptive, overlap, prefill_chunk
+        self.k_costs = KFromCosts(k) if k_from_costs and k > 0 else None  # its estimates carry over requests
         self.cached: list[int] = []  # the tokens every cache holds, in order
 
     def generate(self, prompt_ids: list[int], output: Output, request: Request = Request(), on_round=None,
@@ -36,7 +39,7 @@ class Session:
         self.cached = []  # unknown until the generation ends cleanly (an exception leaves it so)
         gen = run_rank0(self.stage, self.drafter, self.channel, prompt_ids, output, self.k, on_round=on_round,
                         adaptive=self.adaptive, request=request, reuse=reuse, cancelled=cancelled,
-                        overlap=self.overlap, prefill_chunk=self.prefill_chunk)
+                        overlap=self.overlap, prefill_chunk=self.prefill_chunk, k_costs=self.k_costs)
         # the caches hold every committed token but the newest (the next round feeds it), or, when no
         # round ran at all, just the reused prefix
         self.cached = (prompt_ids + output.tokens)[:-1] if gen.rounds else prompt_ids[:reuse]

@@ -474,3 +474,41 @@ def test_streaming_never_prints_half_a_character(tokenizer, capsys):
         chunks.append(capsys.readouterr().out)
     assert all("\ufffd" not in c for c in chunks)
     assert "".join(chunks) == text
+
+
+# --- spec.k_from_costs ---------------------------------------------------------------------------
+
+def costed_rounds(model, n, k, accept, draft_ms=10.0, block=lambda n: 50.0, wire_ms=0.0):
+    """Feed `n` decode rounds of K=k with `accept(k)` drafts kept and the given costs."""
+    for _ in range(n):
+        b = block(k + 1)
+        model.observe(RoundRecord(k, accept(k), accept(k) + 1, draft_ms * k, b / 2, b / 2 + wire_ms, b / 2))
+
+
+def test_k_from_costs_follows_acceptance_and_costs():
+    from speculative.k_choice import KFromCosts
+    always = KFromCosts(8)
+    costed_rounds(always, 8, 4, accept=lambda k: k)
+    costed_rounds(always, 8, 2, accept=lambda k: k)
+    assert always.choose(3) >= 6  # every draft kept, blocks cost the same at any size: draft (nearly) all
+
+    never = KFromCosts(8)
+    for k in (4, 2, 6):
+        costed_rounds(never, 4, k, accept=lambda k: 0)
+    assert never.choose(3) == 1
+
+    steep = KFromCosts(8)  # every draft kept, but a block costs as much per token as a one-token round
+    for k in (1, 3, 5):
+        costed_rounds(steep, 4, k, accept=lambda k: k, block=lambda n: 200.0 * n)
+    far = KFromCosts(8)  # the same across a 400 ms round trip: drafting more now pays
+    for k in (1, 3, 5):
+        costed_rounds(far, 4, k, accept=lambda k: k, block=lambda n: 200.0 * n, wire_ms=400.0)
+    assert steep.choose(3) < far.choose(3)
+    assert KFromCosts(8).choose(5) == 5  # nothing measured yet: the fallback
+
+
+@pytest.mark.parametrize("drafter", ["self", "unrelated"])
+def test_k_from_costs_is_exact(drafter, tiny_qwen, tiny_qwen_draft):
+    draft = tiny_qwen if drafter == "self" else tiny_qwen_draft
+    out = run_pair(*spec_args(tiny_qwen, "model", 8, draft, max_new=40), "spec.k_from_costs=true")
+    assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, 40)
