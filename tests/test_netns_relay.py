@@ -83,6 +83,20 @@ def can_connect(ns: str, host: str, port: int) -> tuple[bool, str]:
     return out.startswith(("connected", "refused")), out.strip()
 
 
+def torchrun_node(names: dict, node: str, rank: int, endpoint: str, model, out, secret_file, tokens: int, extra=(),
+                  session: str = "netns-faults") -> subprocess.Popen:
+    """One node's torchrun in its namespace, meeting the other at the relay (rendezvous and data)."""
+    cmd = ["ip", "netns", "exec", names[node], sys.executable, "-m", "torch.distributed.run",
+           "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=tandem-relay", f"--rdzv_endpoint={endpoint}",
+           f"--rdzv_id={session}", f"--rdzv_conf=node_rank={rank},join_timeout=60", "--max_restarts=0",
+           str(REPO / "train_free_infer.py"), f"model.target={model}", "model.dtype=float32", "draft.kind=none",
+           f"prompt_ids={ids_arg(PROMPT)}", "chat=false", f"gen.max_new_tokens={tokens}", f"output.json={out}",
+           "output.stream=false", "transport.kind=relay", f"transport.relay={endpoint}", f"transport.session={session}",
+           f"transport.secret_file={secret_file}", *extra]
+    env = dict(os.environ, PYTHONPATH=str(REPO), TANDEM_SECRET_FILE=str(secret_file), TOKENIZERS_PARALLELISM="false")
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+
+
 def test_two_namespaces_reach_only_the_relay_and_match_generate(namespaces, tiny_qwen, tmp_path):
     names, public, net = namespaces
     expected = reference_greedy(tiny_qwen, PROMPT, NEW_TOKENS)
@@ -96,17 +110,8 @@ def test_two_namespaces_reach_only_the_relay_and_match_generate(namespaces, tiny
         assert not reached, f"node0 can reach node1 ({why}): the test would not prove anything"
         out = tmp_path / "out.json"
         endpoint = f"{public}:{relay.port}"
-        procs = []
-        for rank, node in enumerate(("n0", "n1")):
-            cmd = ["ip", "netns", "exec", names[node], sys.executable, "-m", "torch.distributed.run",
-                   "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=tandem-relay", f"--rdzv_endpoint={endpoint}",
-                   "--rdzv_id=netns-e2e", f"--rdzv_conf=node_rank={rank},join_timeout=60", "--max_restarts=0",
-                   str(REPO / "train_free_infer.py"), f"model.target={tiny_qwen}", "model.dtype=float32", "draft.kind=none",
-                   f"prompt_ids={ids_arg(PROMPT)}", "chat=false", f"gen.max_new_tokens={NEW_TOKENS}", f"output.json={out}",
-                   "output.stream=false", "transport.kind=relay", f"transport.relay={endpoint}", "transport.session=netns-e2e",
-                   f"transport.secret_file={secret_file}", "transport.timeout_s=60"]
-            env = dict(os.environ, PYTHONPATH=str(REPO), TANDEM_SECRET_FILE=str(secret_file), TOKENIZERS_PARALLELISM="false")
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO))
+        procs = [torchrun_node(names, node, rank, endpoint, tiny_qwen, out, secret_file, NEW_TOKENS,
+                               ["transport.timeout_s=60"], session="netns-e2e") for rank, node in enumerate(("n0", "n1"))]
         try:
             results = [p.communicate(timeout=240) for p in procs]
         finally:
@@ -127,18 +132,6 @@ def test_two_namespaces_reach_only_the_relay_and_match_generate(namespaces, tiny
 FAULTS_EACH = 5  # relay restarts, and link cuts, per run
 FAULT_TOKENS = 300
 FAULT_PORT = 29411  # fixed, so a restarted relay is found at the same address (the namespace is fresh)
-
-
-def torchrun_node(names: dict, node: str, rank: int, endpoint: str, model, out, secret_file, tokens: int, extra=()) -> subprocess.Popen:
-    cmd = ["ip", "netns", "exec", names[node], sys.executable, "-m", "torch.distributed.run",
-           "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=tandem-relay", f"--rdzv_endpoint={endpoint}",
-           "--rdzv_id=netns-faults", f"--rdzv_conf=node_rank={rank},join_timeout=60", "--max_restarts=0",
-           str(REPO / "train_free_infer.py"), f"model.target={model}", "model.dtype=float32", "draft.kind=none",
-           f"prompt_ids={ids_arg(PROMPT)}", "chat=false", f"gen.max_new_tokens={tokens}", f"output.json={out}",
-           "output.stream=false", "transport.kind=relay", f"transport.relay={endpoint}", "transport.session=netns-faults",
-           f"transport.secret_file={secret_file}", *extra]
-    env = dict(os.environ, PYTHONPATH=str(REPO), TANDEM_SECRET_FILE=str(secret_file), TOKENIZERS_PARALLELISM="false")
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
 
 
 @pytest.mark.slow  # about 2 minutes: `python -m pytest -m slow` (CI runs it)
