@@ -58,8 +58,9 @@ def handshake(cfg: TandemConfig, channel, rank: int) -> None:
     protocol.send(channel, mine)
 
 
-def rank0(cfg: TandemConfig, channel) -> dict | None:
-    """Rank 0's whole life: one answer (returned as the output JSON), or serving until a signal."""
+def rank0(cfg: TandemConfig, channel, listener=None) -> dict | None:
+    """Rank 0's whole life: one answer (returned as the output JSON), or serving until a signal
+    (on `listener`, the HTTP port bound at start)."""
     stage = build_stage(cfg, 0)
     tokenizer = load_tokenizer(cfg.model.target)
     check_tokenizer(tokenizer, stage.config, cfg.model.target)
@@ -70,7 +71,7 @@ def rank0(cfg: TandemConfig, channel) -> dict | None:
                       cfg.spec.k_from_costs)
     if cfg.serve.port is not None:
         from launch.server import serve
-        serve(cfg, session, tokenizer, eos_ids(cfg.model.target), stage.config.vocab_size)
+        serve(cfg, session, tokenizer, eos_ids(cfg.model.target), stage.config.vocab_size, listener)
         return None
     output = Output(tokenizer, eos_ids(cfg.model.target), cfg.gen.max_new_tokens, cfg.gen.stop, cfg.output.stream)
     try:
@@ -142,8 +143,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         rank, _ = torchrun_rank()
         skip_the_final_collections_at_exit()
+        listener = None
+        if rank == 0 and cfg.serve.port is not None:
+            from launch.server import reserve_port
+            listener = reserve_port(cfg)  # before the process group opens ports of its own
         channel = open_channel(cfg, rank)
-        (rank0 if rank == 0 else rank1)(cfg, channel)
+        rank0(cfg, channel, listener) if rank == 0 else rank1(cfg, channel)
     except EXPECTED as e:
         report(str(e))  # first: torchrun stops this rank as soon as the peer exits
         _tell_peer(channel, str(e))

@@ -16,6 +16,7 @@ import asyncio
 import json
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -257,9 +258,26 @@ def tandem_fields(done: dict) -> dict:
             "tokens_per_round": s["tokens_per_round"], "acceptance_rate": s["acceptance_rate"]}
 
 
-def serve(cfg: TandemConfig, session, tokenizer, eos_ids: set[int], vocab_size: int) -> None:
+def reserve_port(cfg: TandemConfig) -> socket.socket:
+    """Bind serve.host:serve.port before anything else starts: the process group and gloo then open
+    ephemeral ports of their own, and one of them could otherwise take a port in that range before
+    uvicorn binds it (minutes later, once the models are loaded). A port in use is found at once."""
+    from launch.distributed import LaunchError
+    try:
+        family = socket.AF_INET6 if ":" in cfg.serve.host else socket.AF_INET
+        listener = socket.create_server((cfg.serve.host, cfg.serve.port), family=family)
+    except OSError as e:
+        raise LaunchError(f"cannot serve on {cfg.serve.host}:{cfg.serve.port}: {e.strerror}; pick another serve.port "
+                          "(or stop what is using it)") from None
+    return listener
+
+
+def serve(cfg: TandemConfig, session, tokenizer, eos_ids: set[int], vocab_size: int,
+          listener: socket.socket | None = None) -> None:
     """Serve until SIGINT/SIGTERM (returns) or until rank 1 is lost (raises its PeerError)."""
     import uvicorn
+    listener = listener or reserve_port(cfg)
+    host, port = listener.getsockname()[:2]
     from pathlib import Path
     model_name = cfg.serve.model_name or Path(cfg.model.target.rstrip("/")).name
     telemetry = None
@@ -277,9 +295,9 @@ def serve(cfg: TandemConfig, session, tokenizer, eos_ids: set[int], vocab_size: 
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
     engine.thread.start()
-    print(f"[serving {model_name} on http://{cfg.serve.host}:{cfg.serve.port}/v1 (OpenAI-compatible); "
+    print(f"[serving {model_name} on http://{host}:{port}/v1 (OpenAI-compatible); "
           f"Ctrl-C stops both ranks]", file=sys.stderr, flush=True)
-    server.run()
+    server.run(sockets=[listener])
     if engine.fatal is None:
         engine.stop()  # finishes the request in flight, then says Bye to rank 1
     if telemetry is not None:

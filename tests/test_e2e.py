@@ -4,6 +4,7 @@ one sampled run equal to the in-process run of the same config, one config error
 `tandem[rank N]:` line per rank with a non-zero exit. And plain processes for bad starts: not under
 torchrun, a peer that never joins, a peer killed mid-generation."""
 import os
+import socket
 import re
 import signal
 import subprocess
@@ -91,6 +92,17 @@ def test_peer_never_joins():
                      env=dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
     assert time.monotonic() - t0 < 45
     assert_one_line_error(proc, "could not form the gloo group", "127.0.0.1")
+
+
+def test_a_serve_port_in_use_is_found_before_the_group_forms():
+    """Rank 0 binds serve.port first (the process group then opens ephemeral ports of its own, which
+    could take it): taken, it stops at once with one line, not after waiting for its peer."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        proc = run_plain(f"serve.port={port}", "model.target=/nonexistent", "transport.timeout_s=120", timeout=45,
+                         env=dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                                  MASTER_PORT=str(free_port())))
+    assert_one_line_error(proc, f"cannot serve on 127.0.0.1:{port}", "pick another serve.port")
 
 
 def wait_for_output(proc, seconds: float) -> bool:

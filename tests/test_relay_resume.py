@@ -20,15 +20,10 @@ from netbridge.channel import PeerError
 from netbridge.link import DATA, HEADER, LinkSocket
 from netbridge.relay_channel import RelayChannel
 from tests.test_relay import SECRET, _exact, pair, relay_process
+from tests.tiny_models import free_port
 
 MESSAGES = 120
 TIMEOUT_S = 3.0  # heartbeats every 0.5 s: a silently dead link is noticed within 1.5 s
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ping_pong(c0: RelayChannel, c1: RelayChannel, fault_at: int, fault) -> tuple[list[int], list[int]]:

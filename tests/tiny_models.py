@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -67,9 +68,18 @@ def _reference_greedy(folder: str, prompt: tuple[int, ...], max_new_tokens: int,
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range: a port the kernel handed out (bind to 0) may be
+    handed out again, to gloo or torchrun's store, between this check and the bind under test."""
+    low, _ = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def run_tandem(tmp: Path, *overrides: str, timeout: float = 240, expect_ok: bool = True):
