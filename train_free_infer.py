@@ -14,7 +14,7 @@ import sys
 import threading
 
 from launch.build import (build_drafter, build_stage, check_tokenizer, eos_ids, load_tokenizer, prompt_ids,
-                          split_point)
+                          resolve_split, split_point)
 from launch.config import ConfigError, TandemConfig, config_from_argv
 from launch.distributed import (LaunchError, close_channel, open_channel, report, skip_the_final_collections_at_exit,
                                 torchrun_rank)
@@ -41,14 +41,21 @@ EXPECTED = (ConfigError, LaunchError, ModelLoadError, PeerError, FrameError, Cac
 
 
 def handshake(cfg: TandemConfig, channel, rank: int) -> None:
-    """Both ranks must run the same model and split (two hosts, two command lines)."""
+    """Before either rank loads anything: both must run the same model and split (two hosts, two
+    command lines). Rank 0's split wins where rank 1's is `auto`: rank 0 measured for it."""
+    if rank == 0:
+        why = resolve_split(cfg)
+        if why:
+            print(f"[{why}]", file=sys.stderr, flush=True)
+    theirs = protocol.recv(channel, Hello) if rank == 1 else None
+    if theirs is not None and cfg.model.split == "auto":
+        cfg.model.split = theirs.split
     split, num_layers = split_point(cfg)
     mine = Hello(split, num_layers, cfg.model.dtype, cfg.model.quant)
     if rank == 0:
         protocol.send(channel, mine)
         protocol.recv(channel, Hello)
         return
-    theirs = protocol.recv(channel, Hello)
     diff = {k: (v, getattr(mine, k)) for k, v in vars(theirs).items() if v != getattr(mine, k)}
     if diff:
         message = "the ranks disagree on " + ", ".join(f"{k} (rank 0: {a}, rank 1: {b})" for k, (a, b) in diff.items()) \
@@ -61,12 +68,12 @@ def handshake(cfg: TandemConfig, channel, rank: int) -> None:
 def rank0(cfg: TandemConfig, channel, listener=None) -> dict | None:
     """Rank 0's whole life: one answer (returned as the output JSON), or serving until a signal
     (on `listener`, the HTTP port bound at start)."""
+    handshake(cfg, channel, 0)
     stage = build_stage(cfg, 0)
     tokenizer = load_tokenizer(cfg.model.target)
     check_tokenizer(tokenizer, stage.config, cfg.model.target)
     ids = prompt_ids(cfg, tokenizer, stage.config.vocab_size) if cfg.serve.port is None else None
     drafter = build_drafter(cfg, tokenizer, stage.config)
-    handshake(cfg, channel, 0)
     session = Session(stage, drafter, channel, cfg.spec.k, cfg.spec.adaptive, cfg.spec.overlap, cfg.model.prefill_chunk,
                       cfg.spec.k_from_costs)
     if cfg.serve.port is not None:
@@ -112,8 +119,8 @@ def write_output(cfg: TandemConfig, result: dict) -> None:
 
 
 def rank1(cfg: TandemConfig, channel) -> None:
-    stage = build_stage(cfg, 1)
     handshake(cfg, channel, 1)
+    stage = build_stage(cfg, 1)
     if threading.current_thread() is threading.main_thread():
         _stop_after_grace()
     run_rank1(stage, channel)

@@ -1,24 +1,50 @@
 """spec.k_from_costs: each round's K from what rounds have cost and how often drafts were kept.
 
 A round with K drafts commits, on average, 1 + sum_{j=1..K} prod_{i<=j} a_i tokens, where a_i is the
-measured chance that draft i is accepted once drafts 1..i-1 were. It takes K x the drafter's cost per
-token, plus both slices over a block of K+1 (a line fitted to the block sizes seen so far), plus the
-wire. The chosen K maximises tokens per millisecond, within 1..k_max. A long round trip makes the
-fixed part large, so K rises with delay; a block that costs much more than one token keeps K low.
-Any K is lossless: this decides speed only.
+measured chance that draft i is accepted once drafts 1..i-1 were. Rank 0 works r0 = K x the drafter's
+cost per token + its slice over a block of K+1; rank 1 and the wire take r1 = its slice over that
+block + the round trip. Sequential rounds take r0 + r1. With spec.overlap, rank 0 prepares the next
+round during the wait: a round whose bet holds (every draft and the guess accepted, chance h) costs
+max(r0, r1), another r0 + max(r0, r1); K=0 has nothing to bet on and stays r0 + r1.
+Block costs are measured per block size and interpolated between the sizes seen (a block's cost is
+not a line in its size: on a CPU it doubles from 1 to 2 tokens, then flattens).
+
+The chosen K maximises tokens per millisecond, within 0..k_max. A long round trip makes the fixed part
+large, so K rises with delay; a block that costs much more than one token keeps K low, down to K=0
+where drafting cannot pay (bf16 on a CPU without bf16 instructions: a block of 5 costs 5 tokens).
+While K=0 wins, every `explore_every`-th round still drafts, so that acceptance and costs stay measured
+and a change (a repetitive stretch, a faster link) is seen. Any K is lossless: this decides speed only.
 """
 from __future__ import annotations
 
 
+def _at(points: dict[int, float], n: int) -> float:
+    """The cost of a block of n from the sizes measured: interpolated between them, extended beyond
+    them along the slope of the two nearest (never downwards)."""
+    if n in points:
+        return points[n]
+    sizes = sorted(points)
+    if len(sizes) == 1:
+        return points[sizes[0]]
+    below, above = [s for s in sizes if s < n], [s for s in sizes if s > n]
+    a, b = (below[-1], above[0]) if below and above else (sizes[-2], sizes[-1]) if below else (sizes[0], sizes[1])
+    slope = max(0.0, (points[b] - points[a]) / (b - a))
+    return max(0.0, points[a] + slope * (n - a))
+
+
 class KFromCosts:
-    def __init__(self, k_max: int, warmup: int = 6, smoothing: float = 0.2):
-        self.k_max, self.warmup, self.smoothing = k_max, warmup, smoothing
-        self.tried = [0] * (k_max + 1)  # [i]: decode rounds in which draft i was verified
-        self.kept = [0] * (k_max + 1)  # [i]: ... and accepted
+    def __init__(self, k_max: int, overlap: bool = False, smoothing: float = 0.2, explore_every: int = 8):
+        self.k_max, self.overlap, self.smoothing, self.explore_every = k_max, overlap, smoothing, explore_every
+        self.warmup = [k_max, 1, 0] if k_max > 1 else [k_max, 0]  # the block sizes to measure first
+        self.tried = [0] * (k_max + 2)  # [i]: decode rounds in which draft i was verified
+        self.kept = [0] * (k_max + 2)  # [i]: ... and accepted
         self.draft_ms: float | None = None  # per draft token
         self.wire_ms: float | None = None
-        self.block_ms: dict[int, float] = {}  # block size -> both slices' ms
+        self.stage0_ms: dict[int, float] = {}  # block size -> rank 0's slice, ms
+        self.stage1_ms: dict[int, float] = {}  # block size -> rank 1's slice, head and verification, ms
         self.seen = 0
+        self.undrafted = 0  # rounds in a row chosen at K=0
+        self.after_undrafted = False  # the last round drafted nothing: the next one's drafting includes catch-up
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
@@ -28,43 +54,55 @@ class KFromCosts:
         for i in range(1, r.drafted + 1):
             self.tried[i] += 1
             self.kept[i] += r.accepted >= i
-        if r.from_ahead:  # its drafting and stage 0 ran in the last round's wait
-            return
-        if r.drafted:
-            self.draft_ms = self._ema(self.draft_ms, r.draft_ms / r.drafted)
         n = r.drafted + 1
-        self.block_ms[n] = self._ema(self.block_ms.get(n), r.stage0_ms + r.stage1_ms)
+        self.stage1_ms[n] = self._ema(self.stage1_ms.get(n), r.stage1_ms)
         self.wire_ms = self._ema(self.wire_ms, max(0.0, r.round_ms - r.ahead_ms - r.stage1_ms))
         self.seen += 1
+        if not r.from_ahead:  # else its drafting and stage 0 ran in the last round's wait, unmeasured here
+            self.stage0_ms[n] = self._ema(self.stage0_ms.get(n), r.stage0_ms)
+            if r.drafted and not self.after_undrafted:
+                self.draft_ms = self._ema(self.draft_ms, r.draft_ms / r.drafted)
+        self.after_undrafted = r.drafted == 0
 
     def _acceptance(self) -> list[float]:
         a, last = [0.0], 0.5
-        for i in range(1, self.k_max + 1):  # Laplace-smoothed; an untried position inherits the last one
+        for i in range(1, self.k_max + 2):  # Laplace-smoothed; an untried position inherits the last one
             last = (self.kept[i] + 1) / (self.tried[i] + 2) if self.tried[i] else last
             a.append(last)
         return a
 
-    def _block_line(self) -> tuple[float, float]:
-        """(ms at 0, ms per token) of both slices, least squares over the block sizes seen."""
-        points = list(self.block_ms.items())
-        if len(points) == 1:
-            return points[0][1], 0.0  # one size seen: assume flat, so a larger K gets tried and measured
-        mean_n = sum(n for n, _ in points) / len(points)
-        mean_ms = sum(ms for _, ms in points) / len(points)
-        var = sum((n - mean_n) ** 2 for n, _ in points)
-        slope = max(0.0, sum((n - mean_n) * (ms - mean_ms) for n, ms in points) / var)
-        return mean_ms - slope * mean_n, slope
+    def round_ms(self, k: int, all_kept: float) -> float:
+        """Expected ms of a round of K drafts; `all_kept`: the chance that every draft is accepted."""
+        r0 = k * self.draft_ms + _at(self.stage0_ms, k + 1)
+        r1 = _at(self.stage1_ms, k + 1) + self.wire_ms
+        if not self.overlap or k == 0:
+            return r0 + r1
+        bet_holds = all_kept * self._acceptance()[k + 1]  # ... and the drafter's guess of the next token
+        return (1 - bet_holds) * r0 + max(r0, r1)
 
-    def choose(self, fallback: int) -> int:
-        """The K with the most expected tokens per ms; `fallback` until enough rounds were measured."""
-        if self.seen < self.warmup or self.draft_ms is None:
-            return fallback
-        a, (base, per_token) = self._acceptance(), self._block_line()
-        best_k, best_rate, tokens, p = 1, 0.0, 1.0, 1.0
-        for k in range(1, self.k_max + 1):
-            p *= a[k]
-            tokens += p
-            ms = k * self.draft_ms + base + per_token * (k + 1) + self.wire_ms
-            if tokens / max(ms, 1e-6) > best_rate:
-                best_k, best_rate = k, tokens / max(ms, 1e-6)
-        return best_k
+    def rates(self) -> list[float]:
+        """Expected tokens per ms of a round at each K in 0..k_max."""
+        a = self._acceptance()
+        rates, tokens, p = [], 1.0, 1.0
+        for k in range(self.k_max + 1):
+            if k:
+                p *= a[k]
+                tokens += p
+            rates.append(tokens / max(self.round_ms(k, p), 1e-6))
+        return rates
+
+    def choose(self) -> int:
+        """The K with the most expected tokens per ms; first the warm-up sizes (k_max, 1, 0), each once."""
+        if self.seen < len(self.warmup):
+            return self.warmup[self.seen]
+        if self.draft_ms is None:  # nothing was ever proposed (an n-gram drafter without a match)
+            return self.k_max
+        rates = self.rates()
+        best = max(range(self.k_max + 1), key=rates.__getitem__)
+        if best > 0:
+            self.undrafted = 0
+            return best
+        self.undrafted += 1
+        if self.undrafted % self.explore_every == 0:
+            return max(range(1, self.k_max + 1), key=rates.__getitem__)
+        return 0

@@ -159,6 +159,8 @@ def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], ou
         k_next = min(k_next, output.max_new_tokens - len(output.tokens) - len(drafts) - 2)
         if overlap and k_next > 0:
             ahead = draft_ahead(stage, drafter, committed + drafts.tokens.tolist(), k_next)
+        elif overlap:  # no drafting next round: the drafter takes in the committed tokens now, not later
+            drafter.catch_up(committed)
         ahead_ms = ahead.ms if ahead is not None else 0.0
         reply = protocol.recv(channel, Reply)
         round_ms = _ms(t0)
@@ -180,7 +182,7 @@ def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], ou
             k_now = next_k(k_now, len(drafts), reply.accepted, k)
         if k_costs is not None and len(gen.rounds) > 1:
             k_costs.observe(record)
-            k_now = k_costs.choose(k_now)
+            k_now = k_costs.choose()
         if on_round is not None:
             on_round(record, reply)
     gen.total_s = time.perf_counter() - t_start

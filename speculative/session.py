@@ -29,7 +29,7 @@ class Session:
                  k_from_costs: bool = False):
         self.stage, self.drafter, self.channel = stage, drafter, channel
         self.k, self.adaptive, self.overlap, self.prefill_chunk = k, adaptive, overlap, prefill_chunk
-        self.k_costs = KFromCosts(k) if k_from_costs and k > 0 else None  # its estimates carry over requests
+        self.k_costs = KFromCosts(k, overlap) if k_from_costs and k > 0 else None  # its estimates carry over requests
         self.cached: list[int] = []  # the tokens every cache holds, in order
 
     def generate(self, prompt_ids: list[int], output: Output, request: Request = Request(), on_round=None,

@@ -43,6 +43,48 @@ def test_split_matches_generate_to_max_new_tokens(family, split, tiny_qwen, tiny
     assert out["stats"]["stop_reason"] == "max_new_tokens" and len(out["token_ids"]) == 24
 
 
+# --- model.split=auto: balance the ranks' busy time ------------------------------------------------
+
+def qwen_config(layers: int, hidden: int, inter: int, heads: int, kv: int, vocab: int = 151936) -> Qwen2Config:
+    return Qwen2Config(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
+                       num_key_value_heads=kv, vocab_size=vocab)
+
+
+def test_auto_split_weighs_the_drafter_and_the_block():
+    from model_parallel.split import balanced_split, layer_params
+    target, draft = qwen_config(28, 1536, 8960, 12, 2), qwen_config(24, 896, 4864, 14, 2)  # Qwen2.5 1.5B / 0.5B
+    alone = balanced_split(target, 0)
+    assert alone.split > 14  # rank 1 also runs the head: rank 0 takes more layers
+    with_drafter = [balanced_split(target, k, draft, block_factor=k + 1).split for k in (1, 2, 4, 8)]
+    assert with_drafter == sorted(with_drafter, reverse=True) and with_drafter[0] > with_drafter[-1]  # more drafts, fewer layers
+    on_gpu, on_cpu = balanced_split(target, 4, draft, 1.0), balanced_split(target, 4, draft, 5.0)
+    assert on_gpu.split < on_cpu.split  # where a block costs as much as a token, the drafter's K steps weigh more
+    for plan, factor in ((alone, 1.0), (on_cpu, 5.0)):  # balanced to within one layer's cost
+        assert abs(plan.rank0 - plan.rank1) <= layer_params(target) * factor
+    assert balanced_split(target, 8, draft, 1.0).split == 1  # the drafter alone outweighs half the model
+
+
+def test_auto_split_runs_and_is_exact(tiny_qwen, tiny_qwen_draft, capsys):
+    """Rank 0 measures and picks; rank 1 (auto too) takes rank 0's split from the handshake."""
+    out = run_pair(f"model.target={tiny_qwen}", "model.dtype=float32", "model.split=auto", "draft.kind=model",
+                   f"draft.model={tiny_qwen_draft}", "draft.dtype=float32", "spec.k=4", f"prompt_ids={ids_arg(PROMPT)}",
+                   "gen.max_new_tokens=16")
+    assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, 16)
+    line = next(line for line in capsys.readouterr().err.splitlines() if "model.split=auto:" in line)
+    assert "rank 0: layers 0-" in line and "the drafter's 4 steps" in line and "x one token here" in line, line
+
+
+def test_rank1_auto_takes_rank0s_split_and_an_explicit_one_must_agree(tiny_qwen):
+    args = [f"model.target={tiny_qwen}", "model.dtype=float32", "draft.kind=none", f"prompt_ids={ids_arg(PROMPT)}",
+            "gen.max_new_tokens=8"]
+    out = run_pair(*args, "model.split=1", rank1=("model.split=auto",))
+    assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, 8)
+    with pytest.raises(Exception, match=r"the ranks disagree on split \(rank 0: 1, rank 1: 3\)"):
+        run_pair(*args, "model.split=1", rank1=("model.split=3",))
+    with pytest.raises(Exception, match=r"model.split='half': give a layer number .* or auto"):
+        run_pair(*args, "model.split=half")
+
+
 def first_new_token_at(tokens: list[int], index: int) -> int:
     """A token that first occurs at position >= index, so EOS falls mid-generation."""
     for i in range(index, len(tokens)):

@@ -119,20 +119,21 @@ def emulated_local_pair(cfg, timeout_s: float):
     return local_pair(timeout_s, emulate_delay_ms=t.emulate_delay_ms, emulate_mbps=t.emulate_mbps)
 
 
-def run_pair(*overrides: str, timeout_s: float = 60.0) -> dict:
+def run_pair(*overrides: str, timeout_s: float = 60.0, rank1: tuple[str, ...] = ()) -> dict:
     """Both ranks of train_free_infer in this process, as two threads over an in-process channel pair
-    (netbridge.channel.local_pair): the whole entry path but torchrun, in seconds. Returns rank 0's
-    result (the output JSON); an exception on either rank is raised here."""
+    (netbridge.channel.local_pair): the whole entry path but torchrun, in seconds. Each rank has its own
+    config (as on two hosts); `rank1`: overrides for rank 1 alone. Returns rank 0's result (the output
+    JSON); an exception on either rank is raised here."""
     import train_free_infer
     from launch.config import load_config
 
-    cfg = load_config(["output.stream=false", "chat=false", *overrides])
-    channels = emulated_local_pair(cfg, timeout_s)
+    cfgs = [load_config(["output.stream=false", "chat=false", *overrides, *(rank1 if r else ())]) for r in (0, 1)]
+    channels = emulated_local_pair(cfgs[0], timeout_s)
     results, errors = {}, {}
 
     def rank(r: int) -> None:
         try:
-            results[r] = (train_free_infer.rank0 if r == 0 else train_free_infer.rank1)(cfg, channels[r])
+            results[r] = (train_free_infer.rank0 if r == 0 else train_free_infer.rank1)(cfgs[r], channels[r])
         except BaseException as e:  # noqa: BLE001 - handed to the test
             errors[r] = e
             channels[r].close()  # the other rank fails at once instead of waiting out its timeout
