@@ -47,6 +47,8 @@ def handshake(cfg: TandemConfig, channel, rank: int) -> None:
         why = resolve_split(cfg)
         if why:
             print(f"[{why}]", file=sys.stderr, flush=True)
+    if cfg.model.split != "auto":
+        split_point(cfg)  # each rank names its own config's mistake, before waiting for the other
     theirs = protocol.recv(channel, Hello) if rank == 1 else None
     if theirs is not None and cfg.model.split == "auto":
         cfg.model.split = theirs.split

@@ -66,14 +66,16 @@ class Row:
 
     @property
     def slug(self) -> str:
-        return f"{self.drafter}-k{self.k}-d{self.delay_ms:g}{'-' + self.note if self.note else ''}"
+        return f"{self.drafter}-k{self.k}-d{self.delay_ms:g}{'-' + self.note.replace(' ', '-') if self.note else ''}"
 
 
 def sweep(full: bool, overlap: bool = False) -> list[Row]:
     if overlap:  # spec.overlap on/off beside K=0 at 0, 40 and 80 ms
         return [row for d in (0, 40, 80) for row in
                 (Row("none", 0, d), Row("model", 4, d), Row("model", 4, d, ["spec.overlap=true"], note="overlap"),
-                 Row("model", 8, d, ["spec.k_from_costs=true"], note="costs"))]
+                 Row("model", 4, d, ["spec.overlap=true", "model.split=auto"], note="overlap auto-split"),
+                 Row("model", 8, d, ["spec.k_from_costs=true"], note="costs"),
+                 Row("model", 8, d, ["spec.k_from_costs=true", "spec.overlap=true"], note="costs overlap"))]
     delays, ks = ((0, 10, 40), (1, 2, 4, 8)) if full else ((0, 40), (4, 8))
     rows = []
     for d in delays:
