@@ -75,7 +75,9 @@ def sweep(full: bool, overlap: bool = False) -> list[Row]:
                 (Row("none", 0, d), Row("model", 4, d), Row("model", 4, d, ["spec.overlap=true"], note="overlap"),
                  Row("model", 4, d, ["spec.overlap=true", "model.split=auto"], note="overlap auto-split"),
                  Row("model", 8, d, ["spec.k_from_costs=true"], note="costs"),
-                 Row("model", 8, d, ["spec.k_from_costs=true", "spec.overlap=true"], note="costs overlap"))]
+                 Row("model", 8, d, ["spec.k_from_costs=true", "spec.overlap=true"], note="costs overlap"),
+                 Row("model", 8, d, ["spec.k_from_costs=true", "spec.overlap=true", "model.split=auto"],
+                     note="costs overlap auto-split"))]
     delays, ks = ((0, 10, 40), (1, 2, 4, 8)) if full else ((0, 40), (4, 8))
     rows = []
     for d in delays:
@@ -205,7 +207,7 @@ def hf_baselines(args, prompts: list[list[int]]) -> dict:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
-    draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).eval()
+    draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=getattr(torch, args.draft_dtype)).eval()  # Tandem's drafter
     eos = GenerationConfig.from_pretrained(args.target).eos_token_id
     eos = list(eos) if isinstance(eos, (list, tuple)) else [eos]
     keys = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
@@ -275,7 +277,8 @@ def table(rows: list[dict], hf: dict | None) -> str:
 def header(info: dict) -> str:
     m = info["machine"]
     lines = [f"{info['date']}, `{info['command']}`: {m['cpu']} ({m['cores']} cores, {m['memory_gb']} GB, "
-             f"{m['gpu'] or 'no GPU'}), {m['threads_per_process']} thread(s) per process, {info['dtype']}, prompts of "
+             f"{m['gpu'] or 'no GPU'}), {m['threads_per_process']} thread(s) per process, {info['dtype']} "
+             f"(drafter {info.get('draft_dtype', info['dtype'])}), prompts of "
              f"{' and '.join(str(p['tokens']) for p in info['prompts'])} tokens (chat template), "
              f"{info['max_new_tokens']} new tokens each, greedy.",
              "Delays are EMULATED (one-way, per message); both ranks on one host.",
@@ -315,7 +318,8 @@ def main(argv: list[str] | None = None) -> None:
     args.target = os.path.expanduser(OmegaConf.to_container(cfg, resolve=True)["model"]["target"])
     args.draft = os.path.expanduser(OmegaConf.to_container(cfg, resolve=True)["draft"]["model"])
     overrides = dict(item.split("=", 1) for item in args.set if "=" in item)
-    args.dtype = overrides.get("model.dtype", cfg.model.dtype)  # the baselines run in Tandem's dtype
+    args.dtype = overrides.get("model.dtype", cfg.model.dtype)  # the baselines run in Tandem's dtypes
+    args.draft_dtype = overrides.get("draft.dtype", cfg.draft.dtype)
     out = Path(args.out or ROOT / "runs" / "bench" / time.strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
 
@@ -324,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     texts = PROMPTS[:args.prompts]
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=True)["input_ids"]) for t in texts]
-    info = {"machine": machine(args.threads), "dtype": args.dtype, "target": args.target, "draft": args.draft,
+    info = {"machine": machine(args.threads), "dtype": args.dtype, "draft_dtype": args.draft_dtype, "target": args.target, "draft": args.draft,
             "max_new_tokens": args.max_new_tokens, "prompts": [{"text": t, "tokens": len(p)} for t, p in zip(texts, prompts)],
             "delays": "EMULATED one-way delay per message (sender sleeps; netbridge/channel.py), both ranks on this host",
             "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}

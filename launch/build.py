@@ -24,48 +24,27 @@ def split_point(cfg: TandemConfig) -> tuple[int, int]:
 
 def resolve_split(cfg: TandemConfig) -> str | None:
     """model.split=auto (rank 0, before loading): the split that balances the ranks' busy time per round,
-    written into cfg; returns the line that says which and why (None when the split was given)."""
+    timed here (model_parallel.split) and written into cfg; returns the line that says which and why
+    (None when the split was given)."""
     if cfg.model.split != "auto":
         return None
-    from model_parallel.split import balanced_split
+    from model_parallel.loader import DTYPES
+    from model_parallel.split import plan_split
+    for key, name in (("model.dtype", _compute_dtype_name(cfg)), ("draft.dtype", cfg.draft.dtype)):
+        if name not in DTYPES:
+            raise ConfigError(f"{key}={name!r} is not one of {', '.join(DTYPES)}")
     target = load_config(cfg.model.target)
     drafting = cfg.draft.kind == "model" and cfg.spec.k > 0
-    block = cfg.spec.k + 1
-    factor = block_cost_factor(target, block, device_for(cfg), _compute_dtype_name(cfg))
-    plan = balanced_split(target, cfg.spec.k if drafting else 0, load_config(cfg.draft.model) if drafting else None,
-                          factor)
+    steps = (cfg.spec.k + (1 if cfg.spec.overlap else 0)) if drafting else 0  # overlap also drafts the guess
+    plan = plan_split(target, cfg.spec.k, device_for(cfg), DTYPES[_compute_dtype_name(cfg)],
+                      draft=load_config(cfg.draft.model) if drafting else None, draft_device=cfg.draft.device,
+                      draft_dtype=DTYPES[cfg.draft.dtype], draft_steps=steps)
     cfg.model.split = plan.split
-    return plan.describe(target.num_hidden_layers, cfg.spec.k if drafting else 0, block, factor)
+    return plan.describe(target.num_hidden_layers, steps, cfg.spec.k + 1)
 
 
 def _compute_dtype_name(cfg: TandemConfig) -> str:
     return cfg.model.quant_compute_dtype if cfg.model.quant == "nf4" else cfg.model.dtype
-
-
-def block_cost_factor(config, block: int, device: str, dtype: str, repeats: int = 5) -> float:
-    """How many one-token steps a block of `block` tokens costs here: timed on one MLP-sized matmul of
-    the model's dtype (~1 on a GPU, where a step waits on memory; up to `block` on a CPU that lacks
-    the dtype's instructions). A tenth of a second; the models are not loaded yet."""
-    import time
-    import torch
-    from model_parallel.loader import DTYPES
-    if dtype not in DTYPES:
-        raise ConfigError(f"model.dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    weight = torch.randn(config.intermediate_size, config.hidden_size, dtype=DTYPES[dtype], device=device)
-
-    def seconds(n: int) -> float:
-        x = torch.randn(n, config.hidden_size, dtype=weight.dtype, device=device)
-        best = float("inf")
-        for _ in range(repeats + 1):  # the first is a warm-up
-            if device.startswith("cuda"):
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            torch.nn.functional.linear(x, weight)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize(device)
-            best = min(best, time.perf_counter() - t0)
-        return best
-    return max(1.0, seconds(block) / seconds(1))
 
 
 def quantizer(cfg: TandemConfig, which: str):

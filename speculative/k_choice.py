@@ -12,8 +12,11 @@ not a line in its size: on a CPU it doubles from 1 to 2 tokens, then flattens).
 The chosen K maximises tokens per millisecond, within 0..k_max. A long round trip makes the fixed part
 large, so K rises with delay; a block that costs much more than one token keeps K low, down to K=0
 where drafting cannot pay (bf16 on a CPU without bf16 instructions: a block of 5 costs 5 tokens).
-While K=0 wins, every `explore_every`-th round still drafts, so that acceptance and costs stay measured
-and a change (a repetitive stretch, a faster link) is seen. Any K is lossless: this decides speed only.
+It starts on K=1 and K=0 (cheap rounds that fix the cost of small blocks); every `explore_every`-th
+round then tries the best K's neighbour (one more draft, or one where K=0 wins), so block sizes and
+positions not yet measured get measured, and a change (a repetitive stretch, a faster link) is seen.
+An acceptance rate with few samples leans on the pooled rate of all positions, not on a fixed prior.
+Any K is lossless: this decides speed only.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ def _at(points: dict[int, float], n: int) -> float:
 class KFromCosts:
     def __init__(self, k_max: int, overlap: bool = False, smoothing: float = 0.2, explore_every: int = 8):
         self.k_max, self.overlap, self.smoothing, self.explore_every = k_max, overlap, smoothing, explore_every
-        self.warmup = [k_max, 1, 0] if k_max > 1 else [k_max, 0]  # the block sizes to measure first
+        self.warmup = [1, 0]  # the block sizes to measure first
         self.tried = [0] * (k_max + 2)  # [i]: decode rounds in which draft i was verified
         self.kept = [0] * (k_max + 2)  # [i]: ... and accepted
         self.draft_ms: float | None = None  # per draft token
@@ -43,7 +46,7 @@ class KFromCosts:
         self.stage0_ms: dict[int, float] = {}  # block size -> rank 0's slice, ms
         self.stage1_ms: dict[int, float] = {}  # block size -> rank 1's slice, head and verification, ms
         self.seen = 0
-        self.undrafted = 0  # rounds in a row chosen at K=0
+        self.chosen = 0  # rounds chosen from the rates since the warm-up
         self.after_undrafted = False  # the last round drafted nothing: the next one's drafting includes catch-up
 
     def _ema(self, old: float | None, new: float) -> float:
@@ -64,12 +67,11 @@ class KFromCosts:
                 self.draft_ms = self._ema(self.draft_ms, r.draft_ms / r.drafted)
         self.after_undrafted = r.drafted == 0
 
-    def _acceptance(self) -> list[float]:
-        a, last = [0.0], 0.5
-        for i in range(1, self.k_max + 2):  # Laplace-smoothed; an untried position inherits the last one
-            last = (self.kept[i] + 1) / (self.tried[i] + 2) if self.tried[i] else last
-            a.append(last)
-        return a
+    def _acceptance(self, prior_weight: float = 4.0) -> list[float]:
+        """a_i, each position's rate shrunk toward the pooled rate of all positions (itself toward 1/2)."""
+        pooled = (sum(self.kept) + 1) / (sum(self.tried) + 2)
+        return [0.0] + [(self.kept[i] + prior_weight * pooled) / (self.tried[i] + prior_weight)
+                        for i in range(1, self.k_max + 2)]
 
     def round_ms(self, k: int, all_kept: float) -> float:
         """Expected ms of a round of K drafts; `all_kept`: the chance that every draft is accepted."""
@@ -92,17 +94,14 @@ class KFromCosts:
         return rates
 
     def choose(self) -> int:
-        """The K with the most expected tokens per ms; first the warm-up sizes (k_max, 1, 0), each once."""
+        """The K with the most expected tokens per ms; first the warm-up sizes, each once."""
         if self.seen < len(self.warmup):
             return self.warmup[self.seen]
         if self.draft_ms is None:  # nothing was ever proposed (an n-gram drafter without a match)
             return self.k_max
         rates = self.rates()
         best = max(range(self.k_max + 1), key=rates.__getitem__)
-        if best > 0:
-            self.undrafted = 0
-            return best
-        self.undrafted += 1
-        if self.undrafted % self.explore_every == 0:
-            return max(range(1, self.k_max + 1), key=rates.__getitem__)
-        return 0
+        self.chosen += 1
+        if self.chosen % self.explore_every == 0:
+            return best + 1 if best < self.k_max else best - 1
+        return best

@@ -159,8 +159,8 @@ def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], ou
         k_next = min(k_next, output.max_new_tokens - len(output.tokens) - len(drafts) - 2)
         if overlap and k_next > 0:
             ahead = draft_ahead(stage, drafter, committed + drafts.tokens.tolist(), k_next)
-        elif overlap:  # no drafting next round: the drafter takes in the committed tokens now, not later
-            drafter.catch_up(committed)
+        elif k_next == 0:  # no drafting next round: the drafter takes in the committed tokens in this wait,
+            drafter.catch_up(committed)  # not all at once when K rises again
         ahead_ms = ahead.ms if ahead is not None else 0.0
         reply = protocol.recv(channel, Reply)
         round_ms = _ms(t0)

@@ -45,23 +45,25 @@ def test_split_matches_generate_to_max_new_tokens(family, split, tiny_qwen, tiny
 
 # --- model.split=auto: balance the ranks' busy time ------------------------------------------------
 
-def qwen_config(layers: int, hidden: int, inter: int, heads: int, kv: int, vocab: int = 151936) -> Qwen2Config:
-    return Qwen2Config(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
-                       num_key_value_heads=kv, vocab_size=vocab)
+def test_auto_split_balances_the_measured_costs():
+    from model_parallel.split import balanced_split
+    alone = balanced_split(28, layer_ms=10.0, head_ms=50.0)
+    assert alone.split == 16 and abs(alone.rank0_ms - alone.rank1_ms) <= 10.0  # rank 1 also runs the head
+    drafting = [balanced_split(28, 10.0, 50.0, drafting_ms=d).split for d in (0.0, 50.0, 100.0, 200.0)]
+    assert drafting == sorted(drafting, reverse=True) and drafting[0] > drafting[-1]  # more drafting, fewer layers
+    assert balanced_split(28, 10.0, 50.0, drafting_ms=1000.0).split == 1  # the drafter alone outweighs the rest
+    assert balanced_split(2, 10.0, 0.0).split == 1
 
 
-def test_auto_split_weighs_the_drafter_and_the_block():
-    from model_parallel.split import balanced_split, layer_params
-    target, draft = qwen_config(28, 1536, 8960, 12, 2), qwen_config(24, 896, 4864, 14, 2)  # Qwen2.5 1.5B / 0.5B
-    alone = balanced_split(target, 0)
-    assert alone.split > 14  # rank 1 also runs the head: rank 0 takes more layers
-    with_drafter = [balanced_split(target, k, draft, block_factor=k + 1).split for k in (1, 2, 4, 8)]
-    assert with_drafter == sorted(with_drafter, reverse=True) and with_drafter[0] > with_drafter[-1]  # more drafts, fewer layers
-    on_gpu, on_cpu = balanced_split(target, 4, draft, 1.0), balanced_split(target, 4, draft, 5.0)
-    assert on_gpu.split < on_cpu.split  # where a block costs as much as a token, the drafter's K steps weigh more
-    for plan, factor in ((alone, 1.0), (on_cpu, 5.0)):  # balanced to within one layer's cost
-        assert abs(plan.rank0 - plan.rank1) <= layer_params(target) * factor
-    assert balanced_split(target, 8, draft, 1.0).split == 1  # the drafter alone outweighs half the model
+def test_auto_split_times_the_models_shapes():
+    """The timed pieces scale with the work: a head twice as tall, a block of more tokens (on CPU)."""
+    from model_parallel.split import layer_shapes, time_linears
+    config = Qwen2Config(hidden_size=256, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2)
+    assert layer_shapes(config)[1] == (128, 256)  # k: 2 kv heads of 64
+    one = time_linears([(4096, 256)], 1, "cpu", torch.float32, repeats=5, max_rows=1024)
+    assert one > 0
+    tall = time_linears([(8192, 256)], 1, "cpu", torch.float32, repeats=5, max_rows=1024)
+    assert 1.5 < tall / one < 2.5  # timed on the same 1024-row slice, scaled by the height
 
 
 def test_auto_split_runs_and_is_exact(tiny_qwen, tiny_qwen_draft, capsys):
@@ -71,7 +73,7 @@ def test_auto_split_runs_and_is_exact(tiny_qwen, tiny_qwen_draft, capsys):
                    "gen.max_new_tokens=16")
     assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, 16)
     line = next(line for line in capsys.readouterr().err.splitlines() if "model.split=auto:" in line)
-    assert "rank 0: layers 0-" in line and "the drafter's 4 steps" in line and "x one token here" in line, line
+    assert "rank 0: layers 0-" in line and "the drafter's 4 steps" in line and "timed here" in line, line
 
 
 def test_rank1_auto_takes_rank0s_split_and_an_explicit_one_must_agree(tiny_qwen):

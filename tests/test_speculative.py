@@ -518,16 +518,18 @@ def test_k_from_costs_stops_drafting_when_it_cannot_pay_but_keeps_measuring():
     assert better.choose() > 0
 
 
-def test_k_from_costs_warms_up_on_three_block_sizes():
+def test_k_from_costs_warms_up_cheaply_then_explores_upwards():
     from speculative.k_choice import KFromCosts
-    fresh = KFromCosts(8)
-    assert fresh.choose() == 8  # nothing measured: the most drafts, so their costs get measured
-    costed_rounds(fresh, 1, 8, accept=lambda k: k)
-    assert fresh.choose() == 1  # then one and none, so the block costs are known at 9, 2 and 1
+    fresh = KFromCosts(8, explore_every=3)
+    assert fresh.choose() == 1  # first the cheap sizes: a block of 2, then of 1
     costed_rounds(fresh, 1, 1, accept=lambda k: k)
     assert fresh.choose() == 0
     costed_rounds(fresh, 1, 0, accept=lambda k: 0)
-    assert fresh.choose() > 0  # the drafts were kept, at no extra cost: from now on, chosen by the rates
+    picks = []
+    for _ in range(12):  # every draft kept, a block costs the same at any size: K climbs to the top
+        picks.append(fresh.choose())
+        costed_rounds(fresh, 1, picks[-1], accept=lambda k: k)
+    assert picks[0] >= 1 and picks[-3:].count(8) >= 2, picks  # (an explored neighbour now and then)
 
 
 def test_k_from_costs_with_overlap_counts_the_drafting_hidden_in_the_wait():
