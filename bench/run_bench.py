@@ -72,9 +72,10 @@ class Row:
 def sweep(full: bool, overlap: bool = False) -> list[Row]:
     if overlap:  # spec.overlap on/off beside K=0 at 0, 40 and 80 ms
         return [row for d in (0, 40, 80) for row in
-                (Row("none", 0, d), Row("model", 4, d), Row("model", 4, d, ["spec.overlap=true"], note="overlap"),
+                (Row("none", 0, d), Row("model", 4, d, ["spec.overlap=false"], note="no overlap"),
+                 Row("model", 4, d, ["spec.overlap=true"], note="overlap"),
                  Row("model", 4, d, ["spec.overlap=true", "model.split=auto"], note="overlap auto-split"),
-                 Row("model", 8, d, ["spec.k_from_costs=true"], note="costs"),
+                 Row("model", 8, d, ["spec.k_from_costs=true", "spec.overlap=false"], note="costs no overlap"),
                  Row("model", 8, d, ["spec.k_from_costs=true", "spec.overlap=true"], note="costs overlap"),
                  Row("model", 8, d, ["spec.k_from_costs=true", "spec.overlap=true", "model.split=auto"],
                      note="costs overlap auto-split"))]

@@ -56,7 +56,7 @@ class DraftConfig:
 class SpecConfig:
     k: int = 4  # draft tokens per round (0 = one token per round trip); the most with spec.adaptive
     adaptive: bool = True  # K grows by 2 after a fully accepted round, shrinks by 1 after a miss (1..k)
-    overlap: bool = False  # while a round is in flight, draft (and run stage 0 on) the next one; output unchanged
+    overlap: bool = True  # while a round is in flight, draft (and run stage 0 on) the next one; output unchanged
     k_from_costs: bool = False  # K (1..k) maximises expected tokens/s from measured acceptance and costs; output unchanged
 
 

@@ -13,8 +13,9 @@ is stats["rounds"]. The output JSON's means are over the decode rounds (steps >=
     round/draft_ms      drafting on rank 0
     round/stage0_ms     rank 0's layer slice
     round/stage1_ms     rank 1's layer slice + head + verification, as rank 1 measured it
-    round/network_ms    send -> reply on rank 0 minus stage1_ms: the wire, (de)serialization and
-                        any emulated delay; no compute of either rank
+    round/network_ms    send -> reply on rank 0 minus stage1_ms and ahead_ms: the wire,
+                        (de)serialization and any emulated delay; no compute of either rank
+    round/ahead_ms      spec.overlap: rank 0 preparing the next round while this one was in flight
     round/round_ms      the whole round on rank 0 (draft + stage0 + send -> reply)
     round/drafted, round/accepted (drafts the target kept), round/tokens (committed this round)
 
@@ -79,7 +80,8 @@ class Telemetry:
         """r: the round's RoundRecord; reply: rank 1's protocol.Reply (its clock marks feed the trace)."""
         w, step = self.writer, self.step
         for tag, value in (("draft_ms", r.draft_ms), ("stage0_ms", r.stage0_ms), ("stage1_ms", r.stage1_ms),
-                           ("network_ms", r.round_ms - r.stage1_ms), ("round_ms", r.draft_ms + r.stage0_ms + r.round_ms),
+                           ("network_ms", r.network_ms), ("ahead_ms", r.ahead_ms),
+                           ("round_ms", r.draft_ms + r.stage0_ms + r.round_ms),
                            ("drafted", r.drafted), ("accepted", r.accepted), ("tokens", r.committed)):
             w.add_scalar(f"round/{tag}", value, step)
         self.rank1_marks.append(list(reply.marks))

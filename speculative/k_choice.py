@@ -59,7 +59,7 @@ class KFromCosts:
             self.kept[i] += r.accepted >= i
         n = r.drafted + 1
         self.stage1_ms[n] = self._ema(self.stage1_ms.get(n), r.stage1_ms)
-        self.wire_ms = self._ema(self.wire_ms, max(0.0, r.round_ms - r.ahead_ms - r.stage1_ms))
+        self.wire_ms = self._ema(self.wire_ms, r.network_ms)
         self.seen += 1
         if not r.from_ahead:  # else its drafting and stage 0 ran in the last round's wait, unmeasured here
             self.stage0_ms[n] = self._ema(self.stage0_ms.get(n), r.stage0_ms)

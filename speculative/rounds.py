@@ -44,6 +44,12 @@ class RoundRecord:
     from_ahead: bool = False  # drafts and stage 0 were prepared while the previous round was in flight
     ahead_ms: float = 0.0  # of round_ms: preparing the next round while this one was in flight (spec.overlap)
 
+    @property
+    def network_ms(self) -> float:
+        """round_ms less both ranks' compute: the wire, (de)serialization, an emulated delay. Under
+        spec.overlap a reply may wait while rank 0 drafts ahead: then this is a lower bound."""
+        return max(0.0, self.round_ms - self.ahead_ms - self.stage1_ms)
+
 
 @dataclass
 class Generation:
@@ -140,7 +146,7 @@ def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], ou
     drafter.reset(reuse, request.temperature, request.seed + 1)
     committed = list(prompt_ids)
     pending = prefill_chunks(stage, drafter, channel, prompt_ids, reuse, prefill_chunk)  # tokens the target has not yet seen
-    k_now, ahead = k, None
+    k_now, ahead = (k if k_costs is None else k_costs.choose()), None
     while not output.done and not cancelled():
         t_round = time.perf_counter()
         start = len(committed) - len(pending)

@@ -41,8 +41,7 @@ def summarize(gen: Generation, k: int, drafter: str) -> dict:
             "draft": mean(r.draft_ms for r in rounds),
             "stage0": mean(r.stage0_ms for r in rounds),
             "stage1": mean(r.stage1_ms for r in rounds),
-            # under spec.overlap a reply may wait while rank 0 drafts ahead: then this is a lower bound
-            "network": mean(max(0.0, r.round_ms - r.ahead_ms - r.stage1_ms) for r in rounds),
+            "network": mean(r.network_ms for r in rounds),
             "ahead": mean(r.ahead_ms for r in rounds),
             "round": mean(r.draft_ms + r.stage0_ms + r.round_ms for r in rounds),
         },

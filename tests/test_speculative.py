@@ -33,7 +33,8 @@ MAX_NEW = 23  # not a multiple of K+1 for any K tested
 
 def spec_args(target, drafter: str, k: int, draft_folder=None, max_new=MAX_NEW, prompt=PROMPT):
     args = [f"model.target={target}", "model.dtype=float32", f"spec.k={k}", f"prompt_ids={ids_arg(prompt)}",
-            f"gen.max_new_tokens={max_new}", "spec.adaptive=false"]  # a fixed K: every K really exercised
+            f"gen.max_new_tokens={max_new}", "spec.adaptive=false",  # a fixed K: every K really exercised
+            "spec.overlap=false"]  # the plain round; test_overlap_is_exact_for_every_k turns it on
     if drafter == "ngram":
         return args + ["draft.kind=ngram"]
     return args + ["draft.kind=model", f"draft.model={draft_folder}", "draft.dtype=float32"]
