@@ -62,7 +62,10 @@ def quantizer(cfg: TandemConfig, which: str):
 
 
 def build_stage(cfg: TandemConfig, rank: int):
-    """Rank 0: embeddings + layers [0, split); rank 1: layers [split, L), the final norm and the head."""
+    """Rank 0: embeddings + layers [0, split); rank 1: layers [split, L), the final norm and the head.
+    (The entry settles model.split=auto in the handshake first; a script building both stages from one
+    config settles it here, once.)"""
+    resolve_split(cfg)
     split, num_layers = split_point(cfg)
     first, last = (0, split) if rank == 0 else (split, num_layers)
     return _load_stage(cfg.model.target, first, last, embed=rank == 0, head=rank == 1, dtype=cfg.model.dtype,

@@ -139,8 +139,8 @@ def test_seeded_sampling_is_reproducible(tiny_qwen):
 def test_rank_materializes_only_its_share(family, tiny_qwen, tiny_llama):
     folder = tiny_qwen if family == "qwen2" else tiny_llama
     whole = sum(p.numel() * p.element_size() for p in load_reference(folder).parameters())
-    cfg = load_tandem_config([f"model.target={folder}", "model.dtype=float32", "prompt_ids=[1]"])
-    for rank in (0, 1):
+    cfg = load_tandem_config([f"model.target={folder}", "model.dtype=float32", "prompt_ids=[1]", "model.split=null"])
+    for rank in (0, 1):  # half the layers each
         stage = build_stage(cfg, rank)
         mine = sum(p.numel() * p.element_size() for p in stage.parameters())
         print(f"{family} rank {rank}: {mine} of {whole} parameter bytes ({mine / whole:.0%})")

@@ -261,4 +261,3 @@ def test_losing_rank1_fails_the_request_in_flight_and_stops_the_server(models):
     threads[0].join(30)
     assert not threads[0].is_alive()
     assert isinstance(outcome.get(0), PeerError) and "lost the other rank" in str(outcome[0])
-
