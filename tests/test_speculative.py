@@ -561,8 +561,14 @@ def test_k_from_costs_ignores_the_draft_cost_of_a_round_that_caught_up():
 
 
 @pytest.mark.parametrize("drafter,overlap", [("self", "false"), ("unrelated", "false"), ("unrelated", "true")])
-def test_k_from_costs_is_exact(drafter, overlap, tiny_qwen, tiny_qwen_draft):
+def test_k_from_costs_is_exact(drafter, overlap, tiny_qwen, tiny_qwen_draft, monkeypatch):
+    from speculative.k_choice import KFromCosts
+    picks = []
+    choose = KFromCosts.choose
+    monkeypatch.setattr(KFromCosts, "choose", lambda self: picks.append(choose(self)) or picks[-1])
     draft = tiny_qwen if drafter == "self" else tiny_qwen_draft
     out = run_pair(*spec_args(tiny_qwen, "model", 8, draft, max_new=40), "spec.k_from_costs=true",
                    f"spec.overlap={overlap}")
     assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, 40)
+    if drafter == "unrelated":  # a drafter that is never right: K=0 rounds (the drafter catching up in the
+        assert 0 in picks and any(k > 0 for k in picks[2:]), picks  # wait) and explored drafting rounds
