@@ -180,6 +180,7 @@ def _choice(value, allowed, key):
 def validate(cfg: TandemConfig) -> None:
     _choice(cfg.model.dtype, ("float32", "bfloat16", "float16"), "model.dtype")
     _choice(cfg.draft.dtype, ("float32", "bfloat16", "float16"), "draft.dtype")
+    _choice(cfg.model.quant_compute_dtype, ("float32", "bfloat16", "float16"), "model.quant_compute_dtype")
     _choice(cfg.model.quant, ("none", "nf4"), "model.quant")
     _choice(cfg.draft.quant, ("none", "nf4"), "draft.quant")
     _choice(cfg.draft.kind, ("none", "model", "ngram"), "draft.kind")

@@ -73,13 +73,13 @@ class KFromCosts:
         return [0.0] + [(self.kept[i] + prior_weight * pooled) / (self.tried[i] + prior_weight)
                         for i in range(1, self.k_max + 2)]
 
-    def round_ms(self, k: int, all_kept: float) -> float:
-        """Expected ms of a round of K drafts; `all_kept`: the chance that every draft is accepted."""
+    def round_ms(self, k: int, bet_holds: float) -> float:
+        """Expected ms of a round of K drafts; `bet_holds`: the chance that every draft and the
+        drafter's guess of the next token are accepted (what overlap bets on)."""
         r0 = k * self.draft_ms + _at(self.stage0_ms, k + 1)
         r1 = _at(self.stage1_ms, k + 1) + self.wire_ms
         if not self.overlap or k == 0:
             return r0 + r1
-        bet_holds = all_kept * self._acceptance()[k + 1]  # ... and the drafter's guess of the next token
         return (1 - bet_holds) * r0 + max(r0, r1)
 
     def rates(self) -> list[float]:
@@ -90,7 +90,7 @@ class KFromCosts:
             if k:
                 p *= a[k]
                 tokens += p
-            rates.append(tokens / max(self.round_ms(k, p), 1e-6))
+            rates.append(tokens / max(self.round_ms(k, p * a[k + 1]), 1e-6))
         return rates
 
     def choose(self) -> int:

@@ -73,6 +73,7 @@ def test_bad_value_type():
 
 @pytest.mark.parametrize("argv,needles", [
     (["prompt=hi", "model.dtype=fp8"], ["model.dtype='fp8'", "float32, bfloat16, float16"]),
+    (["prompt=hi", "model.quant_compute_dtype=fp8"], ["model.quant_compute_dtype='fp8'", "float32, bfloat16, float16"]),
     (["prompt=hi", "gen.top_p=0"], ["gen.top_p", "(0, 1]"]),
     (["gen.max_new_tokens=5"], ["give a prompt", "prompt=", "serve.port"]),
     (["prompt=hi", "config=/nonexistent.yaml"], ["/nonexistent.yaml not found", "config=PATH"]),
