@@ -14,6 +14,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -28,7 +29,8 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     target: str = f"{MODELS}/qwen2.5-coder-1.5b-instruct"  # a local HF folder (config.json, *.safetensors, tokenizer)
-    split: int | str | None = "auto"  # first layer of rank 1; auto = balance the ranks' busy time (timed); None = half
+    split: int | str | None = "auto"  # first layer of rank 1; auto = of the splits that fit model.max_memory, the fastest (timed); None = half
+    max_memory: Any = None  # bytes a rank may hold for weights + KV cache (+ the drafter on rank 0): 6GiB, 500MB, or a list, one per rank; None = free memory less 10%
     dtype: str = "bfloat16"  # float32 | bfloat16 | float16
     max_len: int = 4096  # KV-cache capacity of each stage, in tokens (prompt + output + K)
     prefill_chunk: int = 512  # a longer prompt crosses in chunks of this many tokens, pipelined across the ranks
@@ -186,6 +188,7 @@ def validate(cfg: TandemConfig) -> None:
     _choice(cfg.draft.kind, ("none", "model", "ngram"), "draft.kind")
     _choice(cfg.draft.graph, ("auto", "on", "off"), "draft.graph")
     _choice(cfg.transport.kind, ("gloo", "relay"), "transport.kind")
+    _check_sizes(cfg.model.max_memory)
     if cfg.model.prefill_chunk < 1:
         raise ConfigError(f"model.prefill_chunk={cfg.model.prefill_chunk} must be >= 1")
     if cfg.spec.k < 0:
@@ -204,6 +207,17 @@ def validate(cfg: TandemConfig) -> None:
         raise ConfigError(f"serve.port={cfg.serve.port} is not a TCP port (0..65535)")
     if cfg.draft.top_k < 1:
         raise ConfigError("draft.top_k must be >= 1")
+
+
+def _check_sizes(max_memory) -> None:
+    from model_parallel.memory import parse_size
+    values = list(max_memory) if OmegaConf.is_list(max_memory) or isinstance(max_memory, list) else [max_memory]
+    for i, value in enumerate(values):
+        if value is not None or len(values) > 1:
+            try:
+                parse_size(value, "model.max_memory" + (f"[{i}]" if len(values) > 1 else ""))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
 
 def config_from_argv(argv: list[str] | None = None) -> TandemConfig:
