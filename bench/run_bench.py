@@ -318,6 +318,33 @@ def table(rows: list[dict], hf: dict | None) -> str:
     return "\n".join(lines)
 
 
+def overlap_table(rows: list[dict]) -> str:
+    """Why overlap gains what it gains, per row with drafting: a round of spec.overlap waits for the reply
+    (d + V after its send, d the emulated one-way delay, V rank 1's verify) and for rank 0's drafting
+    ahead (A, after the send's own delay d: the emulation sleeps in the sender); when the bet misses
+    (every draft accepted and the guess right, else) rank 0 then drafts in line (I). So per round:
+        on:  d + max(A, d + V) + (1 - h) I        off:  I + 2d + V
+    and overlap gains h I - max(0, A - d - V): the in-line work it saves on a hit, less what drafting
+    ahead overruns the wait. Measured per row: h (prepared rounds used / decode rounds), A, I, V, and
+    the decode ms per round beside the formula's."""
+    lines = ["| run | delay | hit rate h | A ahead ms | I in-line ms | V stage1 ms | ms/round measured | ms/round formula |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "pooled" not in r or r["k"] == 0:
+            continue
+        decode = [x for run in r["runs"] for x in run["rounds"][1:]]
+        d, n = r["delay_ms"], len(decode)
+        mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+        ahead = [x["ahead_ms"] for x in decode if x.get("ahead_ms")]
+        inline = [x["draft_ms"] + x["stage0_ms"] for x in decode if not x.get("from_ahead")]
+        h = sum(1 for x in decode if x.get("from_ahead")) / n if n else 0.0
+        a, i, v = mean(ahead), mean(inline), mean([x["stage1_ms"] for x in decode])
+        formula = d + max(a, d + v) + (1 - h) * i if ahead else i + 2 * d + v
+        measured = 1000 * sum(run["stats"]["total_s"] - run["stats"]["ttft_s"] for run in r["runs"]) / n if n else 0.0
+        lines.append(f"| {r['label']} | {d:g} | {h:.0%} | {a:.0f} | {i:.0f} | {v:.0f} | {measured:.0f} | {formula:.0f} |")
+    return "\n".join(lines)
+
+
 def split_of(row: dict) -> str:
     ranks = row["runs"][0].get("placement", {})
     return str(ranks["1"]["first"]) if "1" in ranks else "-"
@@ -369,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
         for row in saved["rows"]:
             if "error" not in row:
                 row["pooled"] = pool(row["runs"], row["delay_ms"])
-        print(header(saved) + "\n\n" + table(saved["rows"], saved["transformers"]))
+        print(header(saved) + "\n\n" + table(saved["rows"], saved["transformers"]) + "\n\n" + overlap_table(saved["rows"]))
         return
     t_start = time.perf_counter()
     cfg = OmegaConf.load(args.config)
@@ -419,7 +446,7 @@ def main(argv: list[str] | None = None) -> None:
     info["runtime_s"] = time.perf_counter() - t_start
     loads = [run["load_avg_1min"] for row in rows for run in row["runs"] if "load_avg_1min" in run]
     info["load_avg_1min"] = [min(loads), max(loads)] if loads else None
-    text = header(info) + "\n\n" + table(rows, hf)
+    text = header(info) + "\n\n" + table(rows, hf) + "\n\n" + overlap_table(rows)
     print(text)
     (out / "table.md").write_text(text + "\n")
     (out / "results.json").write_text(json.dumps({**info, "rows": rows, "transformers": hf}, indent=1))
