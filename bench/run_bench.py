@@ -29,8 +29,9 @@ Per Tandem row, over the decode rounds of all prompts pooled:
     = greedy    tokens identical to transformers greedy (common prefix / tokens; bf16 near-ties can differ)
     split       rank 1's first layer, as the ranks settled it (model.split=auto: by memory, then speed)
     est ms 0/1  each rank's own estimate of its work per round (its start-up line, timed in the handshake)
-    block ms 0/1  measured: rank 0's work per prepared round (drafting + its slice, in line or ahead: what
-                its estimate describes), rank 1's layers + head + verification per round
+    block ms 0/1  measured: rank 0's work per prepared round as its estimate counts it (with overlap the
+                mean ahead_ms: K+1 drafter steps + its slice; without, drafting in line + its slice), rank 1's
+                layers + head + verification per round
 Writes <out>/results.json (every run's stats and round records), <out>/table.md, and TensorBoard
 logs with a two-rank trace per run under <out>/tb. `--from <out>/results.json` prints the table again.
 """
@@ -186,9 +187,10 @@ def pool(runs: list[dict], delay_ms: float) -> dict:
     # each rank's busy fraction of the decode wall time (rank 0: drafting, its slice, drafting ahead)
     busy0 = sum(r["draft_ms"] + r["stage0_ms"] + r.get("ahead_ms", 0.0) for r in decode) / 1000 / decode_s if decode_s else 0.0
     busy1 = sum(r["stage1_ms"] for r in decode) / 1000 / decode_s if decode_s else 0.0
-    # rank 0's work per prepared round: each round drafted in line (draft + stage0) or ahead (ahead_ms)
-    blocks = [r["draft_ms"] + r["stage0_ms"] for r in decode if r["drafted"] and not r.get("from_ahead")] + \
-             [r["ahead_ms"] for r in decode if r.get("ahead_ms")]
+    # rank 0's work per prepared round, as its estimate counts it: drafting ahead (K+1 steps + its slice)
+    # with overlap, else drafting in line (K steps + its slice)
+    blocks = [r["ahead_ms"] for r in decode if r.get("ahead_ms")] or \
+        [r["draft_ms"] + r["stage0_ms"] for r in decode if r["drafted"] and not r.get("from_ahead")]
     block_ms = [sum(blocks) / len(blocks) if blocks else mean(lambda r: r["stage0_ms"]), ms["stage1"]]
     per_round = sum(r["committed"] for r in decode) / n if n else 0.0
     compute_s = (2 * delay_ms + ms["draft"] + ms["stage0"] + ms["stage1"]) / 1000
