@@ -213,7 +213,7 @@ def _check_sizes(max_memory) -> None:
     from model_parallel.memory import parse_size
     values = list(max_memory) if OmegaConf.is_list(max_memory) or isinstance(max_memory, list) else [max_memory]
     for i, value in enumerate(values):
-        if value is not None or len(values) > 1:
+        if value is not None:  # None: that rank's free memory
             try:
                 parse_size(value, "model.max_memory" + (f"[{i}]" if len(values) > 1 else ""))
             except ValueError as e:

@@ -64,18 +64,20 @@ def _meminfo(key: str) -> int:
 
 
 def rank_budget(setting, rank: int, world: int, device: str) -> tuple[int, str]:
-    """(bytes rank `rank` may hold, where that figure came from) for model.max_memory=`setting`."""
-    if setting is None:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if not device.startswith("cuda") else 1
-        free, how = free_bytes(device, local)
-        return int(free * (1 - HEADROOM)), f"{how}, less {HEADROOM:.0%}"
-    if isinstance(setting, (list, tuple)) or hasattr(setting, "__len__") and not isinstance(setting, str):
+    """(bytes rank `rank` may hold, where that figure came from) for model.max_memory=`setting`: one size
+    for every rank, a list with one per rank (null in it: that rank's free memory), or None."""
+    key = "model.max_memory"
+    if setting is not None and not isinstance(setting, (str, int, float)):
         values = list(setting)
         if len(values) != world:
             raise ValueError(f"model.max_memory lists {len(values)} sizes for {world} ranks: give one per rank, "
                              f"or one size for all")
-        return parse_size(values[rank], f"model.max_memory[{rank}]"), f"model.max_memory[{rank}]"
-    return parse_size(setting), "model.max_memory"
+        setting, key = values[rank], f"model.max_memory[{rank}]"
+    if setting is None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if not device.startswith("cuda") else 1
+        free, how = free_bytes(device, local)
+        return int(free * (1 - HEADROOM)), f"{how}, less {HEADROOM:.0%}"
+    return parse_size(setting, key), key
 
 
 # --- what a stage holds -------------------------------------------------------------------------

@@ -131,6 +131,9 @@ def test_rank_costs_count_the_drafter_and_its_cache_on_rank_0(tiny_qwen, tiny_qw
     cfg = load_tandem_config(args)
     (rank0, source0), (rank1, source1) = (rank_costs(cfg, r, timed=False) for r in (0, 1))
     assert (rank0.budget, source0, rank1.budget, source1) == (10**9, "model.max_memory[0]", 2 * 10**9, "model.max_memory[1]")
+    assert rank_costs(load_tandem_config([*args, "model.max_memory=[null,2GB]"]), 0, timed=False)[1] == "MemAvailable, less 10%"
+    with pytest.raises(ConfigError, match="model.max_memory lists 3 sizes for 2 ranks"):
+        rank_costs(load_tandem_config([*args, "model.max_memory=[1GB,1GB,1GB]"]), 0, timed=False)
     drafter = build_draft_stage(cfg)
     no_draft = rank_costs(load_tandem_config([*args, "draft.kind=none"]), 0, timed=False)[0]
     assert abs(rank0.fixed_bytes - no_draft.fixed_bytes - held_bytes(drafter)) <= 0.05 * held_bytes(drafter)
