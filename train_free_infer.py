@@ -66,7 +66,8 @@ def handshake(cfg: TandemConfig, channel, rank: int) -> None:
     every = [RankCosts(h.budget, h.fixed_bytes, h.layer_bytes, h.layer_ms, h.fixed_ms) for h in hellos]
     splits = [h.split for h in hellos if h.split is not None]
     settle_split(cfg, every, splits[0] if splits else "auto")
-    print(f"[{describe_rank(cfg, rank, every, source)}]", file=sys.stderr, flush=True)
+    sys.stderr.write(f"[{describe_rank(cfg, rank, every, source)}]\n")  # one write: the ranks share a terminal
+    sys.stderr.flush()
 
 
 def disagreement(rank0: Hello, rank1: Hello) -> str | None:
