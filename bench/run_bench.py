@@ -161,7 +161,7 @@ def placement(stderr: str) -> dict:
     """Each rank's start-up line: its layers and, under model.split=auto, its estimated ms per round."""
     import re
     ranks = {}
-    for m in re.finditer(r"\[rank (\d): layers (\d+)-(\d+) [^\]]*\]", stderr):
+    for m in re.finditer(r"\[rank (\d): layers (\d+)-(\d+) .*?(?:timed here\)|\(model\.split was given\))\]", stderr):
         est = re.search(r"estimated (\d+) ms per round", m.group(0))
         ranks[m.group(1)] = {"first": int(m.group(2)), "last": int(m.group(3)), "line": m.group(0)[1:-1],
                              "estimated_ms": float(est.group(1)) if est else None}
