@@ -74,8 +74,10 @@ class TransportConfig:
     kind: str = "gloo"  # gloo | relay
     relay: str | None = None  # HOST:PORT of the relay (kind=relay)
     session: str | None = None  # session id both ranks give the relay
-    secret: str | None = None  # shared secret; prefer secret_file
-    secret_file: str | None = None
+    secret: str | None = None  # pairing secret of the two nodes (end-to-end keys); prefer secret_file
+    secret_file: str | None = None  # never the relay's token: the relay must not hold this
+    relay_token: str | None = None  # the relay's admission token (its --secret-file); prefer relay_token_file
+    relay_token_file: str | None = None
     timeout_s: float = 120.0  # per-operation timeout: a silent peer fails within this
     reconnect_s: float = 60.0  # kind=relay: after a dropped link, re-dial and resume the session for up to this long
     emulate_delay_ms: float = 0.0  # emulated one-way delay added to every message (tests, benchmarks)
@@ -166,6 +168,7 @@ def load_config(overrides: list[str], config_file: str | Path | None = None) -> 
         setattr(cfg.model, name, _expand(getattr(cfg.model, name)))
     cfg.draft.model = _expand(cfg.draft.model)
     cfg.transport.secret_file = _expand(cfg.transport.secret_file)
+    cfg.transport.relay_token_file = _expand(cfg.transport.relay_token_file)
     # YAML 1.1 reads a bare on/off as a boolean, which omegaconf then stores in this str field as True/False
     cfg.draft.graph = {"True": "on", "False": "off"}.get(cfg.draft.graph, cfg.draft.graph)
     validate(cfg)

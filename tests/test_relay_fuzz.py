@@ -30,7 +30,7 @@ from netbridge.channel import PeerError
 from netbridge.frames import FrameError, Message, encode
 from netbridge.link import DATA, HEADER, HEARTBEAT, PAIRED, PEER_LEFT
 from netbridge.relay_channel import RelayChannel
-from tests.test_relay import SECRET, _exact, closed_by_peer, dial_raw, loops, pair, read_link, relay_process
+from tests.test_relay import PAIRING, TOKEN, _exact, closed_by_peer, dial_raw, loops, pair, read_link, relay_process
 
 FUZZ_BOUND = 1 << 20  # the fuzzed relay's --max-frame-bytes, so lengths near the bound are reachable
 N_HANDSHAKES, N_STREAMS, N_BODY_BATCHES = 3000, 2500, 1200
@@ -42,7 +42,7 @@ class Count:
     handshakes = frames = bodies = 0
 
 
-def valid_claim(nonce: bytes, session: bytes = b"fz", role=auth.ROLE_DATA, rank=0, world=2, secret=SECRET) -> bytes:
+def valid_claim(nonce: bytes, session: bytes = b"fz", role=auth.ROLE_DATA, rank=0, world=2, secret=TOKEN) -> bytes:
     client_nonce = secrets.token_bytes(auth.NONCE_BYTES)
     mac = auth.client_mac(secret, nonce, client_nonce, role, rank, world, session)
     return auth.CLAIM_PREFIX.pack(auth.CLAIM_MAGIC, auth.VERSION, role, rank, world, len(session)) + session + client_nonce + mac
@@ -74,7 +74,7 @@ def run_handshake_case(port: int, case) -> None:
             blob = bytearray(valid_claim(nonce, b"zz"))
             blob[arg // 8] ^= 1 << (arg % 8)
         elif kind == "wrong-secret":
-            blob = valid_claim(nonce, secret=arg if arg != SECRET else arg + b"!")
+            blob = valid_claim(nonce, secret=arg if arg != TOKEN else arg + b"!")
         elif kind == "fields":
             role, rank, world, session = arg
             blob = valid_claim(nonce, session, role, rank, world)
@@ -293,7 +293,7 @@ def test_fuzzed_relay_keeps_serving_a_healthy_session(tmp_path, loop):
             fuzz_streams()
 
             box: dict = {}
-            th = threading.Thread(target=lambda: box.setdefault("rx", RelayChannel.connect(relay.addr, "bodies", 1, SECRET, timeout_s=10)))
+            th = threading.Thread(target=lambda: box.setdefault("rx", RelayChannel.connect(relay.addr, "bodies", 1, TOKEN, PAIRING, timeout_s=10)))
             th.start()
             sender = dial_raw(relay, "bodies", 0)
             assert read_link(sender) == (PAIRED, b"")
