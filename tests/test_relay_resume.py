@@ -129,7 +129,7 @@ def test_past_reconnect_s_the_error_is_one_line_naming_the_relay(tmp_path):
 class StandIn:
     """Two channels joined through two socketpairs and a forwarding thread per direction that parses link frames,
     records every byte that crosses, and hands each DATA body to `mutate(direction, index, body)`, which returns
-    the bodies to forward instead (a list: [] drops, [b, b] replays)."""
+    the bodies to forward instead (a list: [] drops, [b, b] replays; an item ("back", b) goes back to the sender)."""
 
     def __init__(self, mutate=None):
         self.mutate = mutate or (lambda direction, index, body: [body])
@@ -163,7 +163,8 @@ class StandIn:
                     bodies = self.mutate(direction, index, body)
                     index += 1
                 for b in bodies:
-                    dst.sendall(HEADER.pack(kind, len(b)) + b)
+                    to, b = (src, b[1]) if isinstance(b, tuple) else (dst, b)
+                    to.sendall(HEADER.pack(kind, len(b)) + b)
         except OSError:
             return
 
@@ -216,6 +217,47 @@ def test_a_replayed_frame_is_refused():
         s.close()
     text = str(caught.value)
     assert "\n" not in text and "relay stand-in" in text and "replayed (seq 1 again, expected 2)" in text, text
+
+
+def test_a_reordered_frame_is_refused_before_anything_is_delivered():
+    """The stand-in holds rank 0's first message back and forwards it after the second: rank 1's first receive
+    must fail, not deliver message 1 first."""
+    held = []
+
+    def swap(direction, index, body):
+        if direction == 0 and index == 1:  # (0 is the hello)
+            held.append(body)
+            return []
+        if direction == 0 and index == 2:
+            return [body, held.pop()]
+        return [body]
+    s = StandIn(swap)
+    try:
+        s.c0.send("ping", {"i": 0}, x=torch.arange(16))
+        s.c0.send("ping", {"i": 1}, x=torch.arange(16))
+        with pytest.raises(PeerError) as caught:
+            s.c1.recv("ping")
+    finally:
+        s.close()
+    text = str(caught.value)
+    assert "\n" not in text and "relay stand-in" in text and "out of order (seq 2, expected 1)" in text, text
+
+
+def test_a_frame_reflected_to_its_sender_is_refused():
+    """The stand-in forwards rank 0's message and also sends a copy back to rank 0, which must not take its own
+    frame for one of rank 1's (it is sealed under the other direction's key)."""
+    def reflect(direction, index, body):
+        return [body, ("back", body)] if direction == 0 and index == 1 else [body]
+    s = StandIn(reflect)
+    try:
+        s.c0.send("ping", {"i": 0}, x=torch.arange(16))
+        assert s.c1.recv("ping").meta["i"] == 0
+        with pytest.raises(PeerError) as caught:
+            s.c0.recv()
+    finally:
+        s.close()
+    text = str(caught.value)
+    assert "\n" not in text and "refused a frame from rank 1 through the relay stand-in: tampered with" in text, text
 
 
 def test_the_relay_cannot_read_the_plaintext():
