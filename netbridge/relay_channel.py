@@ -131,8 +131,7 @@ class RelayChannel(Channel):
         if not session:
             raise PeerError("transport.kind=relay needs transport.session=ID, the same on both ranks (or torchrun --rdzv_id)")
         try:
-            token = auth.load_secret(getattr(t, "relay_token", None),
-                                     getattr(t, "relay_token_file", None) or os.environ.get("TANDEM_RELAY_TOKEN_FILE"),
+            token = auth.load_secret(t.relay_token, t.relay_token_file or os.environ.get("TANDEM_RELAY_TOKEN_FILE"),
                                      what=auth.RELAY_TOKEN)
             secret = auth.load_secret(t.secret, t.secret_file or os.environ.get("TANDEM_SECRET_FILE"), what=auth.PAIRING_SECRET)
         except auth.HandshakeError as e:

@@ -54,6 +54,7 @@ class RelayProcess:
 @contextmanager
 def relay_process(tmp_path: Path, *extra: str, secret: bytes = TOKEN, host: str = "127.0.0.1", netns: str | None = None):
     """`python -m netbridge.relay` on a free port; yields once it prints that it listens; SIGTERM at the end."""
+    assert secret != PAIRING, "the relay is given its token, never the nodes' pairing secret"
     secret_file = tmp_path / f"relay-secret-{secrets.token_hex(4)}"
     secret_file.write_bytes(secret + b"\n")
     secret_file.chmod(0o600)
