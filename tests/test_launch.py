@@ -121,6 +121,26 @@ def test_missing_model_folder(tmp_path):
     assert "pass a local Hugging Face folder" in str(error) or "model_parallel.fetch_weights" in str(error)
 
 
+@pytest.mark.parametrize("extra,model,command", [
+    ([], "qwen2.5-coder-1.5b-instruct", "`python -m model_parallel.fetch_weights` first"),
+    (["config=configs/smollm2.yaml"], "smollm2-135m-instruct", "`python -m model_parallel.fetch_weights --models smollm2-135m` first"),
+])
+def test_a_missing_embedded_model_names_the_fetch_command_wherever_the_cache_is(extra, model, command, tmp_path, monkeypatch):
+    """The default models live under $TANDEM_CACHE/models (a path with no "tandem" in it here): missing,
+    the error names the command that fetches them there."""
+    cache = tmp_path / "weights-cache"
+    monkeypatch.setenv("TANDEM_CACHE", str(cache))
+    monkeypatch.chdir(REPO)
+    cfg = load_config(["prompt=hi", *extra])
+    assert cfg.model.target == str(cache / "models" / model)
+    error = pair_error("prompt_ids=[1,2]", *extra)
+    assert_one_line_error(error, ModelLoadError, f"{cache / 'models' / model} has no config.json", command)
+    # fetched into another cache than this run's: the command names it
+    other = tmp_path / "elsewhere" / "models" / model
+    error = pair_error("prompt_ids=[1,2]", *extra, f"model.target={other}")
+    assert_one_line_error(error, ModelLoadError, f"--cache {tmp_path / 'elsewhere'}` first")
+
+
 def test_split_out_of_range(tiny_qwen):
     error = pair_error(f"model.target={tiny_qwen}", "model.split=4", "prompt_ids=[1,2]")
     assert_one_line_error(error, ConfigError, "model.split=4 is out of range", "has 4 layers", "1..3")
