@@ -141,6 +141,24 @@ def test_a_missing_embedded_model_names_the_fetch_command_wherever_the_cache_is(
     assert_one_line_error(error, ModelLoadError, f"--cache {tmp_path / 'elsewhere'}` first")
 
 
+def test_the_drafter_runs_where_the_target_runs_by_default(tiny_qwen, tiny_qwen_draft, monkeypatch):
+    """draft.device=auto (the default): rank 0's target device, its GPU on a GPU host, where the CUDA
+    graph is then captured (draft.graph=auto); a device given explicitly is kept."""
+    import torch
+    from launch.build import build_draft_stage, build_stage, draft_device, use_graph
+    cfg = load_config(["prompt=hi", f"model.target={tiny_qwen}", f"draft.model={tiny_qwen_draft}", "model.split=2"])
+    assert cfg.draft.device == "auto"
+    target, drafter = build_stage(cfg, 0), build_draft_stage(cfg)
+    devices = {p.device for p in target.parameters()} | {p.device for p in drafter.parameters()}
+    assert len(devices) == 1, devices  # here: the CPU, for both
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a host with two GPUs, rank 0 on the second
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert draft_device(cfg) == "cuda:1" and use_graph(cfg.draft, draft_device(cfg))
+    cfg.draft.device = "cpu"
+    assert draft_device(cfg) == "cpu" and not use_graph(cfg.draft, draft_device(cfg))
+
+
 def test_split_out_of_range(tiny_qwen):
     error = pair_error(f"model.target={tiny_qwen}", "model.split=4", "prompt_ids=[1,2]")
     assert_one_line_error(error, ConfigError, "model.split=4 is out of range", "has 4 layers", "1..3")
