@@ -227,7 +227,7 @@ class RelayChannel(Channel):
         except secure.WrongPairingSecret:
             raise PeerError(f"rank {self.peer}'s hello through the relay {self.relay} is not signed with this node's pairing "
                             "secret: transport.secret_file (or TANDEM_SECRET_FILE) must hold the same pairing secret on both "
-                            "nodes (not the relay's token)") from None
+                            "nodes (not the relay's token), or something on the path altered the hello") from None
         except secure.SecureError as e:
             raise RefusedFrame(f"refused a frame from rank {self.peer} through the relay {self.relay}: {e.what}; someone on "
                                "the path altered, replayed, reordered or reflected it, or the other end is not this session's "
