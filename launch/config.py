@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    target: str = f"{MODELS}/qwen2.5-coder-1.5b-instruct"  # a local HF folder (config.json, *.safetensors, tokenizer)
+    target: str = f"{MODELS}/qwen2.5-coder-1.5b-instruct"  # a local HF folder, or a Hub id org/name[@revision]
     split: int | str | None = "auto"  # first layer of rank 1; auto = balance the ranks' busy time (timed); None = half
     dtype: str = "bfloat16"  # float32 | bfloat16 | float16
     max_len: int = 4096  # KV-cache capacity of each stage, in tokens (prompt + output + K)
@@ -36,12 +36,13 @@ class ModelConfig:
     quant_compute_dtype: str = "bfloat16"
     quant_double: bool = True  # NF4 double quantization
     quant_lm_head: bool = False  # the LM head stays in full precision unless asked
+    hub_cache: str | None = None  # where Hub ids (target and drafter) are cached; None = huggingface_hub's (HF_HUB_CACHE)
 
 
 @dataclass
 class DraftConfig:
     kind: str = "model"  # none (one token per round trip) | model (a small LM) | ngram (prompt lookup)
-    model: str | None = f"{MODELS}/qwen2.5-coder-0.5b-instruct"  # a local HF folder sharing the target's tokenizer
+    model: str | None = f"{MODELS}/qwen2.5-coder-0.5b-instruct"  # a local HF folder or Hub id sharing the target's tokenizer
     device: str = "cpu"
     dtype: str = "bfloat16"
     graph: str = "auto"  # auto | on | off : capture the draft step as a CUDA graph (CUDA only)
@@ -165,6 +166,7 @@ def load_config(overrides: list[str], config_file: str | Path | None = None) -> 
     for name in ("target",):
         setattr(cfg.model, name, _expand(getattr(cfg.model, name)))
     cfg.draft.model = _expand(cfg.draft.model)
+    cfg.model.hub_cache = _expand(cfg.model.hub_cache)
     cfg.transport.secret_file = _expand(cfg.transport.secret_file)
     # YAML 1.1 reads a bare on/off as a boolean, which omegaconf then stores in this str field as True/False
     cfg.draft.graph = {"True": "on", "False": "off"}.get(cfg.draft.graph, cfg.draft.graph)
