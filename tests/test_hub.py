@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from model_parallel.hub import HubError, fetch_stage, resolve
 from model_parallel.loader import load_stage
 from tests.stand_in_hub import StandInHub
-from tests.tiny_models import ids_arg, reference_greedy, run_pair, save_tiny, save_tiny_tokenizer
+from tests.tiny_models import ids_arg, reference_greedy, run_pair, run_tandem, save_tiny, save_tiny_tokenizer
 
 PROMPT = [11, 42, 7, 250, 3, 99, 180, 5, 42, 7]
 MAX_NEW = 12
@@ -166,3 +166,28 @@ def test_an_existing_local_folder_wins_over_a_hub_id(repos, tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     folder, line = resolve("org/tiny", "model.target", str(tmp_path / "cache"), 0)
     assert folder == "org/tiny" and "local folder" in line and not (tmp_path / "cache").exists()
+
+
+def test_torchrun_reads_the_hub_environment(hub, repos, tmp_path):
+    """The real entry under torchrun, configured only by huggingface_hub's environment: HF_ENDPOINT to the
+    stand-in, HF_HUB_CACHE to one cache both ranks of this host share (each adds its ranges in turn)."""
+    cache = tmp_path / "hf-cache"
+    out, proc = run_tandem(tmp_path, "model.target=org/tiny", "model.dtype=float32", "model.split=2", "draft.kind=none",
+                           f"prompt_ids={ids_arg(PROMPT)}", f"gen.max_new_tokens={MAX_NEW}",
+                           env={"HF_ENDPOINT": hub.endpoint, "HF_HUB_CACHE": str(cache), "HF_HUB_DISABLE_PROGRESS_BARS": "1"})
+    assert out["token_ids"] == reference_greedy(repos["main"], PROMPT, MAX_NEW)
+    assert "model.target: org/tiny from the Hub" in proc.stderr
+    # one cache, both shares: what the two ranks fetched adds up to their shares, each byte once
+    shares = [expected_bytes(repos["main"], stage_tensors(r)) for r in (0, 1)]
+    fetched = {f: n for f, n in hub.fetched("rank0").items() if f.startswith("model-")}
+    for f, n in hub.fetched("rank1").items():
+        if f.startswith("model-"):
+            fetched[f] = fetched.get(f, 0) + n
+    headers = {f: 8 + struct.unpack("<Q", (repos["main"] / f).read_bytes()[:8])[0] for f in fetched}
+    union = {f: shares[0].get(f, 0) + shares[1].get(f, 0) - (headers[f] if f in shares[0] and f in shares[1] else 0)
+             for f in fetched}
+    embed = expected_bytes(repos["main"], lambda k: k == "model.embed_tokens.weight")  # both ranks need it
+    for f, n in embed.items():
+        union[f] -= n - headers[f]
+    assert fetched == union
+    assert any(cache.glob("models--org--tiny/tandem/*/model-*.safetensors.ranges.json"))
