@@ -193,7 +193,7 @@ def validate(cfg: TandemConfig) -> None:
     if cfg.spec.k < 0:
         raise ConfigError(f"spec.k={cfg.spec.k} must be >= 0")
     if cfg.draft.kind == "model" and not cfg.draft.model:
-        raise ConfigError("draft.kind=model needs draft.model=PATH (a local HF folder sharing the target's tokenizer)")
+        raise ConfigError("draft.kind=model needs draft.model=PATH or a Hub id (a model sharing the target's tokenizer)")
     if cfg.gen.max_new_tokens < 1:
         raise ConfigError("gen.max_new_tokens must be >= 1")
     if cfg.gen.temperature < 0:

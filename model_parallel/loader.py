@@ -63,7 +63,7 @@ def load_config(folder: str | Path):
     folder = Path(folder)
     path = folder / "config.json"
     if not path.is_file():
-        hint = "run `python -m model_parallel.fetch_weights` first" if "tandem" in str(folder) else "pass a local Hugging Face folder"
+        hint = "run `python -m model_parallel.fetch_weights` first" if "tandem" in str(folder) else "pass a local Hugging Face folder or a Hub id (org/name[@revision])"
         raise ModelLoadError(f"model folder {folder} has no config.json ({'missing folder' if not folder.exists() else 'not a HF model folder'}); {hint}")
     check_config_fields(path, read_json(path))
     config = parse_config(folder, path)
