@@ -9,6 +9,7 @@ Rank 1: layers [split, L), the final norm and the LM head, and verification.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -151,11 +152,16 @@ def _raise_interrupted(signum, _frame=None):
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = config_from_argv(argv)
+    try:
+        cfg = config_from_argv(argv)  # exits 0 after printing the keys for --help / -h
+    except ConfigError as e:
+        # every rank on this host read the same command line: the first says so, each tells torchrun
+        report(str(e), echo=os.environ.get("LOCAL_RANK", "0") == "0")
+        sys.exit(1)
     if threading.current_thread() is threading.main_thread():  # (tests drive main() from threads)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, _raise_interrupted)
-    channel = None
+    channel, rank = None, None
     try:
         rank, _ = torchrun_rank()
         skip_the_final_collections_at_exit()
@@ -166,11 +172,13 @@ def main(argv: list[str] | None = None) -> None:
         channel = open_channel(cfg, rank)
         rank0(cfg, channel, listener) if rank == 0 else rank1(cfg, channel)
     except EXPECTED as e:
-        report(str(e))  # first: torchrun stops this rank as soon as the peer exits
+        report(str(e), rank)  # first: torchrun stops this rank as soon as the peer exits
         _tell_peer(channel, str(e))
         sys.exit(130 if isinstance(e, Interrupted) else 1)
     except BaseException as e:
         _tell_peer(channel, _one_line(e))
+        if not isinstance(e, SystemExit):  # Python prints the traceback; torchrun's summary ends with this line
+            report(_one_line(e), rank, echo=False)
         raise
     finally:
         if channel is not None:

@@ -236,6 +236,9 @@ class Shard:
                 raise HubError(f"offline (HF_HUB_OFFLINE=1): {self.file} of {self.source['spec']} is not in the cache "
                                f"(this stage needs {human(sum(b - a for a, b in gaps))} more of it, in {self.folder}); "
                                f"run once online, or unset HF_HUB_OFFLINE")
+        if gaps and bar is not None:  # the total grows as each shard's header tells what it lacks
+            bar.total = (bar.total or 0) + sum(b - a for a, b in gaps)
+            bar.refresh()
         fetched = 0
         for a, b in gaps:
             fetched += self.get_range(record, a, b, bar)
