@@ -40,9 +40,11 @@ class Logged:
 
 
 class StandInHub:
-    def __init__(self, repos: dict[str, dict[str, Path]], fail_after_bytes: int | None = None):
+    def __init__(self, repos: dict[str, dict[str, Path]], fail_after_bytes: int | None = None, token: str | None = None):
         """repos: repo id -> {revision name: folder}. fail_after_bytes: drop the connection once this many
-        file bytes were sent in all (an interrupted download), then serve normally again."""
+        file bytes were sent in all (an interrupted download), then serve normally again. token: every
+        request must carry it (a gated model), else 401 GatedRepo as the Hub answers."""
+        self.token = token
         self.repos = {repo: {rev: Path(folder) for rev, folder in revs.items()} for repo, revs in repos.items()}
         self.commits = {repo: {rev: commit_id(folder) for rev, folder in revs.items()} for repo, revs in self.repos.items()}
         self.log: list[Logged] = []
@@ -100,6 +102,10 @@ class StandInHub:
 
             def route(self, head: bool):
                 path = unquote(urlparse(self.path).path)
+                if hub.token is not None and self.headers.get("Authorization") != f"Bearer {hub.token}":
+                    hub.record(Logged("DENIED", "", "", path, 0, 0, self.client()))
+                    return self.reply(401, b'{"error": "gated"}', {"X-Error-Code": "GatedRepo",
+                                                                  "X-Error-Message": "Access to this model is restricted."})
                 api = re.fullmatch(r"/api/models/([^/]+/[^/]+)/(revision|tree)/(.+?)(?:/)?", path)
                 if api:
                     return self.api(*api.groups())

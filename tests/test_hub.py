@@ -159,6 +159,22 @@ def test_an_interrupted_fetch_resumes_where_it_stopped(repos, tmp_path, monkeypa
     assert torch.equal(stage.head.weight, origin["model.embed_tokens.weight"])
 
 
+def test_a_gated_model_needs_hf_token_and_every_request_carries_it(repos, tmp_path, monkeypatch):
+    with StandInHub({"org/tiny": {"main": repos["main"]}}, token="hf_secret") as server:
+        monkeypatch.setattr(constants, "ENDPOINT", server.endpoint)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        with pytest.raises(HubError) as caught:
+            resolve("org/tiny", "model.target", str(tmp_path / "without"), 1)
+        assert "\n" not in str(caught.value) and "HF_TOKEN" in str(caught.value) and "org/tiny" in str(caught.value)
+        monkeypatch.setenv("HF_TOKEN", "hf_secret")
+        denied = len([e for e in server.log if e.method == "DENIED"])
+        folder, _ = resolve("org/tiny", "model.target", str(tmp_path / "with"), 1)
+        fetch_stage(folder, 2, 4, embed=False, head=True, rank=1)
+        assert len([e for e in server.log if e.method == "DENIED"]) == denied  # the byte ranges too
+        assert server.fetched("rank1").keys() >= expected_bytes(repos["main"], stage_tensors(1)).keys()
+
+
 def test_an_existing_local_folder_wins_over_a_hub_id(repos, tmp_path, monkeypatch):
     local = tmp_path / "org" / "tiny"
     local.parent.mkdir()
