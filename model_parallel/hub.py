@@ -29,6 +29,7 @@ import json
 import os
 import re
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,9 +118,12 @@ def download_small_files(spec: str, repo_id: str, revision: str, cache_dir: str 
         missing = re.search(r"missing \((.*?)\)\.", str(e))
         raise HubError(f"offline: {missing[1] if missing else 'a file'} of {spec} is not in the cache "
                        f"({cache_dir or constants.HF_HUB_CACHE}); run once online, or unset HF_HUB_OFFLINE") from None
-    except LocalEntryNotFoundError:
-        raise HubError(f"offline: {spec} is not in the cache ({cache_dir or constants.HF_HUB_CACHE}), so config.json "
-                       f"cannot be read; run once online, or unset HF_HUB_OFFLINE") from None
+    except LocalEntryNotFoundError as e:
+        where = f"{spec} is not in the cache ({cache_dir or constants.HF_HUB_CACHE}), so config.json cannot be read"
+        if constants.is_offline_mode():
+            raise HubError(f"offline: {where}; run once online, or unset HF_HUB_OFFLINE") from None
+        cause = one_line(e.__cause__, 120) if e.__cause__ else "no answer"
+        raise HubError(f"cannot reach {constants.ENDPOINT} ({cause}) and {where}; check the network or HF_ENDPOINT") from None
     except OSError as e:  # connection errors, HTTP errors the hub did not classify
         raise HubError(f"{spec}: cannot download from {constants.ENDPOINT} ({one_line(e, 160)}); check the network or "
                        f"HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to run from the cache") from None
@@ -339,15 +343,16 @@ def union(ranges: list[list[int]]) -> list[list[int]]:
 
 
 def link(path: Path, target: str | Path) -> None:
+    """`path` -> `target`, replacing whatever was there in one step (ranks of one host make the same links)."""
     if path.is_symlink() and os.readlink(path) == str(target):
         return
-    if path.is_symlink() or path.exists():
-        path.unlink()
-    path.symlink_to(target)
+    tmp = path.with_name(path.name + f".link{os.getpid()}.{threading.get_ident()}")
+    tmp.symlink_to(target)
+    os.replace(tmp, path)
 
 
 def write_json(path: Path, data: dict) -> None:
     """Atomically: a reader (or a crash) never sees half a record."""
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}.{threading.get_ident()}")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
