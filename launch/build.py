@@ -4,6 +4,7 @@ Every stage is built here: the target's two slices and the drafter's whole small
 `_load_stage`, with one rule for devices, dtypes and caches; the capacity rule is `check_capacity`."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from launch.config import ConfigError, TandemConfig
@@ -20,6 +21,22 @@ def split_point(cfg: TandemConfig) -> tuple[int, int]:
         raise ConfigError(f"model.split={split} is out of range: {Path(cfg.model.target).name} has {num_layers} layers, "
                           f"so the split must be 1..{num_layers - 1} (each rank needs at least one layer)")
     return split, num_layers
+
+
+def resolve_models(cfg: TandemConfig, rank: int) -> list[str]:
+    """model.target (and, on rank 0, draft.model) as local folders, before the split is settled: for a Hub
+    id its config, tokenizer and index are fetched now, its weights only when the stage is built, and only
+    the stage's (model_parallel.hub). Returns the lines that say which was used."""
+    from model_parallel.hub import resolve
+    given = cfg.model.target
+    cfg.model.target, line = resolve(given, "model.target", cfg.model.hub_cache, rank)
+    if cfg.model.target != given and cfg.serve.model_name is None:
+        cfg.serve.model_name = given  # clients name the model by its id, not by a cache folder
+    lines = [line]
+    if rank == 0 and cfg.draft.kind == "model" and cfg.spec.k > 0:  # the drafter is rank 0's alone
+        cfg.draft.model, line = resolve(cfg.draft.model, "draft.model", cfg.model.hub_cache, rank)
+        lines.append(line)
+    return lines
 
 
 def resolve_split(cfg: TandemConfig) -> str | None:
@@ -50,7 +67,7 @@ def rank_costs(cfg: TandemConfig, rank: int, world: int = 2, timed: bool | None 
         raise ConfigError(str(e)) from None
     target = model_bytes(cfg.model.target, cfg.model.dtype, quantizer(cfg, "model"), cfg.model.max_len)
     fixed = target.stage(0, 0, embed=first, head=last)
-    if first and _drafting(cfg) and _same_memory(cfg.draft.device, device):
+    if first and _drafting(cfg) and _same_memory(draft_device(cfg), device):
         d = cfg.draft
         drafter = model_bytes(d.model, d.dtype, quantizer(cfg, "draft"), d.max_len)
         fixed += drafter.stage(0, len(drafter.layers), embed=True, head=True)
@@ -71,7 +88,8 @@ def _timed_ms(cfg: TandemConfig, device: str, first: bool, last: bool) -> tuple[
     other_ms = call_ms
     if first and _drafting(cfg):
         d = cfg.draft
-        other_ms += draft_steps(cfg) * time_draft_step(load_config(d.model), d.device, DTYPES[d.dtype], quantizer(cfg, "draft"))
+        other_ms += draft_steps(cfg) * time_draft_step(load_config(d.model), draft_device(cfg), DTYPES[d.dtype],
+                                                        quantizer(cfg, "draft"))
     if last:
         other_ms += time_head(target, block, device, dtype, quantizer(cfg, "model"))
     return layer_ms, other_ms
@@ -86,9 +104,9 @@ def draft_steps(cfg: TandemConfig) -> int:
     return (cfg.spec.k + (1 if cfg.spec.overlap else 0)) if _drafting(cfg) else 0
 
 
-def _same_memory(draft_device: str, device: str) -> bool:
+def _same_memory(one: str, other: str) -> bool:
     import torch
-    a, b = torch.device(draft_device), torch.device(device)
+    a, b = torch.device(one), torch.device(other)
     return a.type == b.type and (a.type == "cpu" or (a.index or 0) == (b.index or 0))
 
 
@@ -162,18 +180,22 @@ def build_stage(cfg: TandemConfig, rank: int):
     first, last = (0, split) if rank == 0 else (split, num_layers)
     return _load_stage(cfg.model.target, first, last, embed=rank == 0, head=rank == 1, dtype=cfg.model.dtype,
                        device=device_for(cfg), quant=quantizer(cfg, "model"), max_len=cfg.model.max_len,
-                       setting="model.max_len", progress=f"rank {rank} layers {first}-{last - 1}")
+                       setting="model.max_len", progress=f"rank {rank} layers {first}-{last - 1}", rank=rank)
 
 
 def build_draft_stage(cfg: TandemConfig):
     """The drafter's whole model (embeddings, every layer, head) as one stage on draft.device."""
     d = cfg.draft
     return _load_stage(d.model, 0, load_config(d.model).num_hidden_layers, embed=True, head=True, dtype=d.dtype,
-                       device=d.device, quant=quantizer(cfg, "draft"), max_len=d.max_len, setting="draft.max_len",
-                       progress="drafter")
+                       device=draft_device(cfg), quant=quantizer(cfg, "draft"), max_len=d.max_len, setting="draft.max_len",
+                       progress="rank 0 drafter", rank=0)
 
 
-def _load_stage(folder, first, last, *, embed, head, dtype, device, quant, max_len, setting, progress):
+def _load_stage(folder, first, last, *, embed, head, dtype, device, quant, max_len, setting, progress, rank):
+    from model_parallel.hub import fetch_stage
+    fetched = fetch_stage(folder, first, last, embed, head, rank, progress=f"{progress}: fetching")  # Hub ids only
+    if fetched is not None:
+        print(f"[{progress}: {fetched.describe()}]", file=sys.stderr, flush=True)
     stage = load_stage(folder, first, last, embed=embed, head=head, dtype=dtype, device=device, progress=progress,
                        quant=quant)
     stage.allocate_cache(max_len, compute_dtype(stage), setting=setting)
@@ -186,6 +208,11 @@ def device_for(cfg: TandemConfig) -> str:
     if torch.cuda.is_available():
         return f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % torch.cuda.device_count()}"
     return "cpu"
+
+
+def draft_device(cfg: TandemConfig) -> str:
+    """draft.device; auto = where this rank's target slice runs (its GPU when it has one)."""
+    return device_for(cfg) if cfg.draft.device == "auto" else cfg.draft.device
 
 
 def compute_dtype(stage):
@@ -292,15 +319,15 @@ def model_drafter(cfg: TandemConfig):
     """draft.model as a ModelDrafter (what build_drafter gives once the vocabularies are checked)."""
     from speculative.drafters import ModelDrafter
     return ModelDrafter(build_draft_stage(cfg), max_k=max(cfg.spec.k, 1), top_k=cfg.draft.top_k,
-                        use_graph=use_graph(cfg.draft))
+                        use_graph=use_graph(cfg.draft, draft_device(cfg)))
 
 
-def use_graph(d) -> bool:
+def use_graph(d, device: str) -> bool:
     """draft.graph: auto = capture on CUDA; on = insist (and say why it cannot be)."""
     import torch
-    on_cuda = d.device.startswith("cuda")
+    on_cuda = device.startswith("cuda")
     if d.graph == "on" and not (on_cuda and torch.cuda.is_available()):
-        raise ConfigError(f"draft.graph=on needs a CUDA draft.device (got {d.device!r}"
+        raise ConfigError(f"draft.graph=on needs a CUDA draft.device (got {device!r}"
                           f"{'' if torch.cuda.is_available() else ', no CUDA here'}); use draft.graph=auto")
     return d.graph == "on" or (d.graph == "auto" and on_cuda)
 
