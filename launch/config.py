@@ -35,9 +35,9 @@ class ConfigError(ValueError):
 class ModelConfig:
     target: str = f"{MODELS}/qwen2.5-coder-1.5b-instruct"  # a local HF folder (config.json, *.safetensors, tokenizer), or a Hub id org/name[@revision]
     split: int | str | None = "auto"  # first layer of rank 1; auto = of the splits that fit model.max_memory, the fastest (timed); None = half
-    max_memory: Any = None  # bytes a rank may hold for weights + KV cache (+ the drafter on rank 0): 6GiB, 500MB, or a list, one per rank; None = free memory less 10%
     dtype: str = "bfloat16"  # float32 | bfloat16 | float16
     max_len: int = 4096  # KV-cache capacity of each stage, in tokens (prompt + output + K)
+    max_memory: Any = None  # bytes a rank may hold for weights + KV cache (+ the drafter on rank 0): 6GiB, 500MB, or a list, one per rank; None = free memory less 10%
     prefill_chunk: int = 512  # a longer prompt crosses in chunks of this many tokens, pipelined across the ranks
     quant: str = "none"  # none | nf4 (bitsandbytes 4-bit; each rank quantizes its own slice)
     quant_compute_dtype: str = "bfloat16"  # NF4 matmuls compute in this; norms, embeddings, KV cache stay in model.dtype
