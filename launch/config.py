@@ -101,6 +101,7 @@ class ServeConfig:
     host: str = "127.0.0.1"  # 0.0.0.0 to accept other hosts (no authentication: keep it on a trusted network)
     model_name: str | None = None  # the model id clients send; None = the target folder's name
     max_queue: int = 64  # requests waiting beyond this are refused with 429
+    max_body_bytes: int = 1048576  # a request body beyond this is refused with 413 before it is read
 
 
 @dataclass
@@ -202,6 +203,8 @@ def validate(cfg: TandemConfig) -> None:
         raise ConfigError('give a prompt: prompt="..." (or prompt_ids=[1,2,3]), or serve.port=PORT to serve an API')
     if cfg.serve.port is not None and not 0 <= cfg.serve.port <= 65535:
         raise ConfigError(f"serve.port={cfg.serve.port} is not a TCP port (0..65535)")
+    if cfg.serve.max_body_bytes < 1:
+        raise ConfigError("serve.max_body_bytes must be >= 1")
     if cfg.draft.top_k < 1:
         raise ConfigError("draft.top_k must be >= 1")
 

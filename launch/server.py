@@ -4,7 +4,8 @@
     GET  /v1/models             GET  /health
 
 The HTTP side (FastAPI on uvicorn, in the main thread so it owns SIGINT/SIGTERM) only parses and
-queues. One engine thread owns the channel and the caches: it takes requests one at a time in arrival
+queues: a body over serve.max_body_bytes is refused (413) before it is read, and parsing and
+tokenizing run in worker threads, so /health and other clients never wait on one request. One engine thread owns the channel and the caches: it takes requests one at a time in arrival
 order and runs each through the Session, which reuses the longest prefix the caches already hold.
 Text goes back to the request's event loop as it commits; a client that goes away sets a flag the
 round loop reads between rounds. When rank 1 is lost, the request in flight gets a 503 naming the
@@ -40,6 +41,7 @@ class Job:
     """One queued request and the way back to its HTTP handler."""
     prompt: Prompt
     loop: asyncio.AbstractEventLoop
+    arrived: float = 0.0  # time.perf_counter() when the request arrived: ttft_ms counts from here
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -101,6 +103,7 @@ class Engine:
 
     def _serve(self, job: Job) -> None:
         p = job.prompt
+        started = time.perf_counter()
         output = Output(self.tokenizer, self.eos_ids, p.max_tokens, p.stop)
         sent = ""
 
@@ -120,6 +123,8 @@ class Engine:
         stats = summarize(gen, self.cfg.spec.k, self.cfg.draft.kind if self.cfg.spec.k else "none")
         stats["prompt_tokens_reused"] = gen.reused
         stats["prefilled_tokens"] = len(p.ids) - gen.reused
+        stats["queue_s"] = started - job.arrived  # parsing, tokenizing and waiting behind other requests
+        stats["ttft_s"] += stats["queue_s"]  # as the client sees it: from the request's arrival
         if self.telemetry is not None:
             self.telemetry.on_request(stats, self.served)
         self.served += 1
@@ -154,14 +159,20 @@ def build_app(cfg: TandemConfig, engine: Engine, tokenizer, vocab_size: int, mod
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "tandem"}]}
 
-    async def handle(http: HttpRequest, parse, kind: str):
+    def parse_and_check(raw: bytes, parse) -> Prompt:  # in a worker thread: tokenizing may take a while
         try:
-            body = json.loads(await http.body())
-        except ValueError:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
             raise ApiError(400, "the request body is not valid JSON") from None
         prompt = parse(body, tokenizer, cfg, model_name)
         check_prompt(cfg, prompt, vocab_size)
-        job = Job(prompt, asyncio.get_running_loop())
+        return prompt
+
+    async def handle(http: HttpRequest, parse, kind: str):
+        arrived = time.perf_counter()
+        raw = await read_body(http, cfg.serve.max_body_bytes)
+        prompt = await asyncio.to_thread(parse_and_check, raw, parse)
+        job = Job(prompt, asyncio.get_running_loop(), arrived)
         engine.submit(job)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if prompt.stream:
@@ -177,6 +188,25 @@ def build_app(cfg: TandemConfig, engine: Engine, tokenizer, vocab_size: int, mod
         return await handle(http, parse_completion, "text")
 
     return app
+
+
+async def read_body(http: HttpRequest, limit: int) -> bytes:
+    """The body, refused with a 413 as soon as it is known to exceed `limit` (its Content-Length, or
+    the bytes received so far when it comes chunked)."""
+    too_big = ApiError(413, f"the request body exceeds serve.max_body_bytes={limit}", param=None,
+                       code="request_too_large")
+    declared = http.headers.get("content-length", "0")
+    if not declared.isdigit():
+        raise ApiError(400, "Content-Length is not a number")
+    if int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def check_prompt(cfg: TandemConfig, prompt: Prompt, vocab_size: int) -> None:
@@ -254,7 +284,7 @@ def tandem_fields(done: dict) -> dict:
     """Beyond OpenAI's fields: what Tandem measured for this request."""
     s = done["stats"]
     return {"token_ids": done["token_ids"], "prompt_tokens_reused": s["prompt_tokens_reused"],
-            "prefilled_tokens": s["prefilled_tokens"], "ttft_ms": s["ttft_s"] * 1000, "tokens_per_s": s["tokens_per_s"],
+            "prefilled_tokens": s["prefilled_tokens"], "ttft_ms": s["ttft_s"] * 1000, "queue_ms": s["queue_s"] * 1000, "tokens_per_s": s["tokens_per_s"],
             "tokens_per_round": s["tokens_per_round"], "acceptance_rate": s["acceptance_rate"]}
 
 

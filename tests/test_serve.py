@@ -197,7 +197,7 @@ def post(server, path: str, body: bytes) -> tuple[int, dict]:
     ("/v1/chat/completions", b"{not json", 400, None),
     ("/v1/chat/completions", b'{"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}', 404, "model"),
     ("/v1/completions", json.dumps({"prompt": "x" * 3000}).encode(), 400, None),
-    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 100000}', 400, None),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 100000}', 400, "max_tokens"),  # > gen.max_new_tokens
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, "n"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}', 400, "tools"),
     ("/v1/chat/completions", b'{"messages": "hi"}', 400, "messages"),
@@ -216,7 +216,7 @@ def test_openai_client_raises_its_own_error_types(client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="model.max_len"):
-        client.completions.create(model="target", prompt="hi", max_tokens=100000)
+        client.completions.create(model="target", prompt=[5] * (MAX_LEN - 10), max_tokens=16)
 
 
 def test_sigint_stops_both_ranks_cleanly(server):
