@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
         skip_the_final_collections_at_exit()
         listener = None
         if rank == 0 and cfg.serve.port is not None:
-            from launch.server import reserve_port
+            from launch.server import load_api_key, reserve_port
+            load_api_key(cfg)  # an unreadable key file fails now, not after the weights load
             listener = reserve_port(cfg)  # before the process group opens ports of its own
         channel = open_channel(cfg, rank)
         rank0(cfg, channel, listener) if rank == 0 else rank1(cfg, channel)

@@ -98,7 +98,9 @@ class LogConfig:
 @dataclass
 class ServeConfig:
     port: int | None = None  # serve an OpenAI-compatible HTTP API on rank 0 instead of answering `prompt` once
-    host: str = "127.0.0.1"  # 0.0.0.0 to accept other hosts (no authentication: keep it on a trusted network)
+    host: str = "127.0.0.1"  # 0.0.0.0 to accept other hosts (then set api_key_file)
+    api_key_file: str | None = None  # a file holding the key clients must send (Authorization: Bearer KEY)
+    api_key: str | None = None  # the key itself; prefer api_key_file (a command line shows in `ps`)
     model_name: str | None = None  # the model id clients send; None = the target folder's name
     max_queue: int = 64  # requests waiting beyond this are refused with 429
     max_body_bytes: int = 1048576  # a request body beyond this is refused with 413 before it is read
@@ -167,6 +169,7 @@ def load_config(overrides: list[str], config_file: str | Path | None = None) -> 
         setattr(cfg.model, name, _expand(getattr(cfg.model, name)))
     cfg.draft.model = _expand(cfg.draft.model)
     cfg.transport.secret_file = _expand(cfg.transport.secret_file)
+    cfg.serve.api_key_file = _expand(cfg.serve.api_key_file)
     # YAML 1.1 reads a bare on/off as a boolean, which omegaconf then stores in this str field as True/False
     cfg.draft.graph = {"True": "on", "False": "off"}.get(cfg.draft.graph, cfg.draft.graph)
     validate(cfg)
@@ -203,6 +206,8 @@ def validate(cfg: TandemConfig) -> None:
         raise ConfigError('give a prompt: prompt="..." (or prompt_ids=[1,2,3]), or serve.port=PORT to serve an API')
     if cfg.serve.port is not None and not 0 <= cfg.serve.port <= 65535:
         raise ConfigError(f"serve.port={cfg.serve.port} is not a TCP port (0..65535)")
+    if cfg.serve.api_key is not None and cfg.serve.api_key_file is not None:
+        raise ConfigError("give serve.api_key_file or serve.api_key, not both")
     if cfg.serve.max_body_bytes < 1:
         raise ConfigError("serve.max_body_bytes must be >= 1")
     if cfg.draft.top_k < 1:

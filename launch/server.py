@@ -14,6 +14,8 @@ cause and the server stops; `serve` then raises, and the entry reports one line 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import queue
 import signal
@@ -142,12 +144,24 @@ class Engine:
                 job.emit("error", ApiError(503, f"the server is stopping: {cause}", "server_error"))
 
 
-def build_app(cfg: TandemConfig, engine: Engine, tokenizer, vocab_size: int, model_name: str):
+def build_app(cfg: TandemConfig, engine: Engine, tokenizer, vocab_size: int, model_name: str, api_key: str | None = None):
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)
     async def api_error(_, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    if api_key is not None:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def authenticate(http: HttpRequest, call_next):  # before the body is read
+            given = http.headers.get("authorization", "").encode("latin-1", "replace")
+            if http.url.path == "/health" or hmac.compare_digest(given, expected):
+                return await call_next(http)
+            e = ApiError(401, "a valid API key is required: send Authorization: Bearer KEY (the key in the server's "
+                              "serve.api_key_file)", code="invalid_api_key")
+            return JSONResponse(e.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
     @app.get("/health")
     async def health():
@@ -302,6 +316,37 @@ def reserve_port(cfg: TandemConfig) -> socket.socket:
     return listener
 
 
+def load_api_key(cfg: TandemConfig) -> str | None:
+    """serve.api_key_file's first line (or serve.api_key); None when neither is set."""
+    from launch.config import ConfigError
+    path = cfg.serve.api_key_file
+    if path is None:
+        key = cfg.serve.api_key
+    else:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read serve.api_key_file={path} ({getattr(e, 'strerror', None) or e}); "
+                              "create it, e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))' > FILE") from None
+    if key is not None and (not key or not key.isprintable() or not key.isascii()):
+        raise ConfigError(f"the API key in {'serve.api_key_file=' + path if path else 'serve.api_key'} is empty or not printable ASCII")
+    return key
+
+
+def open_host_warning(host: str, api_key: str | None) -> str | None:
+    """The line printed when anyone on the network could use the GPUs."""
+    if api_key is not None or host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        pass
+    return (f"[warning: serving on {host} without an API key: anyone who can reach this port can use it; "
+            "set serve.api_key_file=FILE]")
+
+
 def serve(cfg: TandemConfig, session, tokenizer, eos_ids: set[int], vocab_size: int,
           listener: socket.socket | None = None) -> None:
     """Serve until SIGINT/SIGTERM (returns) or until rank 1 is lost (raises its PeerError)."""
@@ -314,8 +359,12 @@ def serve(cfg: TandemConfig, session, tokenizer, eos_ids: set[int], vocab_size: 
     if cfg.log.dir:
         from launch.telemetry import Telemetry
         telemetry = Telemetry(cfg, None)
+    api_key = load_api_key(cfg)
+    warning = open_host_warning(cfg.serve.host, api_key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     engine = Engine(cfg, session, tokenizer, eos_ids, telemetry)
-    app = build_app(cfg, engine, tokenizer, vocab_size, model_name)
+    app = build_app(cfg, engine, tokenizer, vocab_size, model_name, api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.serve.host, port=cfg.serve.port, log_level="warning",
                                            lifespan="off", timeout_graceful_shutdown=2))
     engine.on_fatal = lambda: setattr(server, "should_exit", True)

@@ -40,7 +40,7 @@ def models(tmp_path_factory):
 def serve_args(target, draft, port):
     return [f"model.target={target}", "model.dtype=float32", f"model.max_len={MAX_LEN}", "draft.kind=model",
             f"draft.model={draft}", "draft.dtype=float32", f"draft.max_len={MAX_LEN}", f"serve.port={port}",
-            "gen.max_new_tokens=16"]
+            f"gen.max_new_tokens={MAX_LEN - 64}"]  # the disconnect tests ask for that much
 
 
 def wait_healthy(url: str, proc, timeout_s: float = 180) -> None:
