@@ -15,6 +15,15 @@ class LaunchError(RuntimeError):
     """Started the wrong way; the message says how to start."""
 
 
+class Interrupted(Exception):
+    """SIGINT (Ctrl-C) or SIGTERM (torchrun stopping its workers): one line, never a traceback."""
+
+    def __init__(self, signum: int, detail: str = ""):
+        import signal
+        super().__init__(f"stopped by {signal.Signals(signum).name}{detail}")
+        self.signum = signum
+
+
 def torchrun_rank() -> tuple[int, int]:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise LaunchError("not started by torchrun: run `torchrun --nproc_per_node=2 train_free_infer.py ...` "

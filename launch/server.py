@@ -48,7 +48,10 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def emit(self, kind: str, value) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is closed: the server stopped and nobody is listening
+            pass
 
 
 class Engine:
@@ -61,13 +64,14 @@ class Engine:
         self.fatal: BaseException | None = None  # rank 1 lost: the server stops and the entry reports it
         self.on_fatal = lambda: None
         self.current: Job | None = None
+        self.stopping: str | None = None  # a signal's cause: every request ends now with it
         self.served = 0
         self.cancelled = 0  # requests whose client went away before the end
         self.thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
 
     def submit(self, job: Job) -> None:
-        if self.fatal is not None:
-            raise ApiError(503, f"the server is stopping: {self.fatal}", "server_error")
+        if self.fatal is not None or self.stopping is not None:
+            raise ApiError(503, f"the server is stopping: {self.fatal or self.stopping}", "server_error")
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
@@ -81,6 +85,16 @@ class Engine:
         self._fail_waiting(RuntimeError("the server is shutting down"))
         self.jobs.put(None)
         self.thread.join()
+
+    def interrupt(self, cause: str) -> None:
+        """A signal: the request in flight ends at once with an error (a stream gets an error event, then
+        [DONE]) and stops at its next round; the waiting ones get the error too."""
+        self.stopping = cause
+        job = self.current
+        if job is not None:
+            job.cancelled.set()
+            job.emit("error", ApiError(503, f"the server is stopping: {cause}", "server_error"))
+        self._fail_waiting(RuntimeError(cause))
 
     def _run(self) -> None:
         idle_s = max(0.5, self.cfg.transport.timeout_s / 4)  # rank 1's receive times out after timeout_s
@@ -349,7 +363,8 @@ def open_host_warning(host: str, api_key: str | None) -> str | None:
 
 def serve(cfg: TandemConfig, session, tokenizer, eos_ids: set[int], vocab_size: int,
           listener: socket.socket | None = None) -> None:
-    """Serve until SIGINT/SIGTERM (returns) or until rank 1 is lost (raises its PeerError)."""
+    """Serve until SIGINT/SIGTERM (raises Interrupted, once rank 1 has had its Bye), until the server is
+    told to exit (returns), or until rank 1 is lost (raises its PeerError)."""
     import uvicorn
     listener = listener or reserve_port(cfg)
     host, port = listener.getsockname()[:2]
@@ -365,8 +380,16 @@ def serve(cfg: TandemConfig, session, tokenizer, eos_ids: set[int], vocab_size: 
         print(warning, file=sys.stderr, flush=True)
     engine = Engine(cfg, session, tokenizer, eos_ids, telemetry)
     app = build_app(cfg, engine, tokenizer, vocab_size, model_name, api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.serve.host, port=cfg.serve.port, log_level="warning",
-                                           lifespan="off", timeout_graceful_shutdown=2))
+    signals: list[int] = []
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:  # SIGINT/SIGTERM (uvicorn's handler while it runs)
+            if not signals:
+                signals.append(sig)
+                engine.interrupt(f"stopped by {signal.Signals(sig).name}")
+            super().handle_exit(sig, frame)
+    server = Server(uvicorn.Config(app, host=cfg.serve.host, port=cfg.serve.port, log_level="warning",
+                                   lifespan="off", timeout_graceful_shutdown=2))
     engine.on_fatal = lambda: setattr(server, "should_exit", True)
     if threading.current_thread() is threading.main_thread():
         # uvicorn restores the handlers it found and re-raises the signal it caught once it has shut
@@ -383,5 +406,8 @@ def serve(cfg: TandemConfig, session, tokenizer, eos_ids: set[int], vocab_size: 
         telemetry.close()
     if engine.fatal is not None:
         raise engine.fatal
+    if signals:
+        from launch.distributed import Interrupted
+        raise Interrupted(signals[0], f" after {engine.served} requests")
     print(f"[stopped after {engine.served} requests]", file=sys.stderr, flush=True)
 
