@@ -182,8 +182,11 @@ def _one_line(e: BaseException) -> str:
 
 
 def _tell_peer(channel, message: str, wait_s: float = 5.0) -> None:
-    """Best effort: let the other rank exit with the cause instead of waiting out its timeout."""
-    if channel is None or isinstance(sys.exc_info()[1], PeerError):
+    """Best effort: let the other rank exit with the cause instead of waiting out its timeout. Not after a
+    PeerError that means the peer is gone; a frame this rank refused (tampered, replayed: a PeerError and a
+    FrameError) leaves the peer there, waiting for the reason."""
+    cause = sys.exc_info()[1]
+    if channel is None or (isinstance(cause, PeerError) and not isinstance(cause, FrameError)):
         return
     try:
         channel.timeout_s = min(channel.timeout_s, wait_s)
