@@ -13,14 +13,14 @@ import signal
 import sys
 import threading
 
-from launch.build import (build_drafter, build_stage, check_tokenizer, eos_ids, load_tokenizer, prompt_ids,
+from launch.build import (build_drafter, build_stage, check_vocabularies, eos_ids, load_tokenizer, prompt_ids,
                           resolve_split, split_point)
 from launch.config import ConfigError, TandemConfig, config_from_argv
 from launch.distributed import (Interrupted, LaunchError, close_channel, open_channel, report,
                                 skip_the_final_collections_at_exit, torchrun_rank)
 from launch.telemetry import Telemetry
 from kvcache.static_cache import CacheOverflowError
-from model_parallel.loader import ModelLoadError
+from model_parallel.loader import ModelLoadError, load_config
 from netbridge import protocol
 from netbridge.channel import PeerError
 from netbridge.frames import FrameError
@@ -67,10 +67,11 @@ def rank0(cfg: TandemConfig, channel, listener=None) -> dict | None:
     """Rank 0's whole life: one answer (returned as the output JSON), or serving until a signal
     (on `listener`, the HTTP port bound at start)."""
     handshake(cfg, channel, 0)
-    stage = build_stage(cfg, 0)
+    target_config = load_config(cfg.model.target)  # what can be checked is, before any weights load
     tokenizer = load_tokenizer(cfg.model.target)
-    check_tokenizer(tokenizer, stage.config, cfg.model.target)
-    ids = prompt_ids(cfg, tokenizer, stage.config.vocab_size) if cfg.serve.port is None else None
+    check_vocabularies(cfg, tokenizer, target_config)
+    ids = prompt_ids(cfg, tokenizer, target_config.vocab_size) if cfg.serve.port is None else None
+    stage = build_stage(cfg, 0)
     drafter = build_drafter(cfg, tokenizer, stage.config)
     session = Session(stage, drafter, channel, cfg.spec.k, cfg.spec.adaptive, cfg.spec.overlap, cfg.model.prefill_chunk,
                       cfg.spec.k_from_costs)
