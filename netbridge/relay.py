@@ -696,8 +696,9 @@ class _Conn(asyncio.Protocol):
         peer = self.peer
         if peer is None:
             return
-        if self.at_boundary() and peer.transport is not None and not peer.transport.is_closing():
-            end = HEADER.pack(PEER_LEFT, 0)
+        if self.at_boundary() and not getattr(self, "silent", False) and peer.transport is not None \
+                and not peer.transport.is_closing():
+            end = HEADER.pack(PEER_LEFT, 0)  # its connection closed: the peer gives it a short grace, not reconnect_s
             if self.relay.emulating:
                 self._to_peer(end)
             else:
@@ -742,6 +743,7 @@ class _Conn(asyncio.Protocol):
         if self.state == "hello" and now > self.deadline:
             self.drop(f"no complete handshake within {self.relay.handshake_timeout_s:.0f} s (slow or silent client)")
         elif self.state in ("waiting", "paired", "rdzv") and not self.paused and now - self.last_rx > self.relay.idle_timeout_s:
+            self.silent = True  # its peer is not told it left: a silent node may still come back within reconnect_s
             self.drop(f"silent for {self.relay.idle_timeout_s:.0f} s, not even heartbeats (--idle-timeout-s)")
 
     def drop(self, why: str | None) -> None:
