@@ -296,6 +296,7 @@ class RelayChannel(Channel):
         """Re-dial the relay with backoff until re-paired and resynchronized, or PeerError past the window
         (transport.reconnect_s, or less when the peer's connection closed)."""
         started = time.monotonic()
+        peer_closed = window_s is not None
         window_s = self.reconnect_s if window_s is None else min(window_s, self.reconnect_s)
         deadline = started + window_s
         pause, last = _BACKOFF_S[0], "no attempt"
@@ -303,8 +304,9 @@ class RelayChannel(Channel):
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                limit = "transport.reconnect_s" if window_s == self.reconnect_s else "its connection closed and it did not re-dial"
-                raise PeerError(f"{why}; could not resume within {window_s:g} s ({limit}; last try: "
+                if peer_closed:
+                    raise PeerError(f"{why} and did not re-dial within {window_s:g} s")
+                raise PeerError(f"{why}; could not resume within {self.reconnect_s:g} s (transport.reconnect_s; last try: "
                                 f"{last}): is the relay at {self.relay} running and reachable from here, and is rank "
                                 f"{self.peer} still running?")
             try:
