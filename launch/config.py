@@ -198,10 +198,12 @@ def validate(cfg: TandemConfig) -> None:
         raise ConfigError("draft.kind=model needs draft.model=PATH (a local HF folder sharing the target's tokenizer)")
     if cfg.gen.max_new_tokens < 1:
         raise ConfigError("gen.max_new_tokens must be >= 1")
-    if cfg.gen.temperature < 0:
-        raise ConfigError("gen.temperature must be >= 0 (0 = greedy)")
+    if not cfg.gen.temperature >= 0 or cfg.gen.temperature == float("inf"):  # NaN fails every comparison
+        raise ConfigError("gen.temperature must be a finite number >= 0 (0 = greedy)")
     if not 0 < cfg.gen.top_p <= 1:
         raise ConfigError("gen.top_p must be in (0, 1]")
+    if not -2**63 <= cfg.gen.seed < 2**63 - 1:  # torch.Generator takes 64 bits; the drafter's seed is gen.seed + 1
+        raise ConfigError(f"gen.seed={cfg.gen.seed} does not fit in 64 bits")
     if cfg.prompt is None and cfg.prompt_ids is None and cfg.serve.port is None:
         raise ConfigError('give a prompt: prompt="..." (or prompt_ids=[1,2,3]), or serve.port=PORT to serve an API')
     if cfg.serve.port is not None and not 0 <= cfg.serve.port <= 65535:

@@ -181,3 +181,12 @@ def test_fuzz_the_api_answers_and_stays_up(server, path, body):
 
 def test_after_the_fuzz_the_answers_are_still_right(server, models):
     still_serving(server, models[0])
+
+
+@pytest.mark.parametrize("override", ["gen.temperature=nan", "gen.temperature=inf", "gen.seed=100000000000000000000000",
+                                      "gen.seed=-9223372036854775809", "gen.top_p=nan"])
+def test_the_launchs_own_sampling_settings_are_bounded_too(override):
+    """gen.* are what a request without those fields gets: the same bounds, at start, as one line."""
+    from launch.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match=override.split("=")[0]):
+        load_config(["prompt=x", override])
