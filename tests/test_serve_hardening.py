@@ -79,6 +79,16 @@ def test_the_widest_seeds_sample(server):
         assert status == 200 and len(answer["tandem"]["token_ids"]) == 4
 
 
+def test_the_smallest_temperatures_sample(server, models):
+    """Found by the fuzz: T=1e-300 is a valid request, and logits / T overflowed to NaN probabilities on
+    rank 1 (both ranks died). A sampler that small is the argmax."""
+    greedy = reference_greedy(models[0], [5, 6, 7], 4)
+    for temperature in (5e-324, 1e-300, 1e-30):
+        status, answer = server.post("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": temperature,
+                                                         "seed": 1})
+        assert status == 200 and answer["tandem"]["token_ids"] == greedy, (temperature, answer)
+
+
 def test_max_tokens_up_to_gen_max_new_tokens(server):
     status, answer = server.post("/v1/completions", {"prompt": [5, 6], "max_tokens": MAX_NEW})
     assert status == 200 and answer["usage"]["completion_tokens"] == MAX_NEW
@@ -154,9 +164,30 @@ field_values = st.fixed_dictionaries({}, optional={
     "logprobs": json_values, "echo": json_values, "tools": json_values, "best_of": json_values})
 
 
+valid_values = st.fixed_dictionaries({}, optional={
+    "max_tokens": st.integers(1, 6), "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
+    "seed": st.integers(-2**63, 2**63 - 1), "stop": st.text(min_size=1, max_size=2) | st.lists(st.text(min_size=1, max_size=2), max_size=4),
+    "stream": st.booleans(), "model": st.just("target"), "n": st.just(1)})
+
+
+@st.composite
+def mostly_valid(draw) -> dict:
+    """A request the engine runs (any valid value of every field), with one field at a time made random."""
+    body = {"prompt": draw(st.text(min_size=1, max_size=30) | st.lists(st.integers(0, 319), min_size=1, max_size=5)),
+            "messages": draw(st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
+                                                             "content": st.text(max_size=30)}), min_size=1, max_size=3)),
+            "max_tokens": 4, **draw(valid_values)}
+    if draw(st.booleans()):
+        field = draw(st.sampled_from(FIELDS))
+        body[field] = draw(field_values.map(lambda d: d.get(field)) | json_values)
+    return body
+
+
 @st.composite
 def bodies(draw) -> bytes:
-    kind = draw(st.sampled_from(["fields", "fields", "fields", "json", "raw", "bytes"]))
+    kind = draw(st.sampled_from(["valid", "valid", "valid", "fields", "fields", "json", "raw", "bytes"]))
+    if kind == "valid":
+        return json.dumps(draw(mostly_valid())).encode()
     if kind == "fields":
         return json.dumps(draw(field_values)).encode()
     if kind == "json":
@@ -166,7 +197,7 @@ def bodies(draw) -> bytes:
     return draw(st.binary(max_size=64))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]), body=bodies())
 def test_fuzz_the_api_answers_and_stays_up(server, path, body):
     status, data = server.request("POST", path, body)
