@@ -51,7 +51,9 @@ def error_message(e: "urllib.error.HTTPError") -> str:
 
 def turn(url: str, messages: list[dict], args, out=sys.stdout) -> tuple[str, dict | None]:
     """Send the conversation, print the answer as it streams; returns (answer, the final chunk)."""
-    body = {"messages": messages, "max_tokens": args.max_tokens}
+    body = {"messages": messages}
+    if args.max_tokens is not None:
+        body["max_tokens"] = args.max_tokens
     if args.temperature is not None:
         body["temperature"] = args.temperature
     answer, final = "", None
@@ -72,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                     help="the server's key (serve.api_key_file); default: $OPENAI_API_KEY")
     ap.add_argument("--system", default=None, help="a system message for the whole conversation")
-    ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="default: as many as fit, up to the server's gen.max_new_tokens (more is refused)")
     ap.add_argument("--temperature", type=float, default=None, help="default: the server's gen.temperature")
     ap.add_argument("--stats", action="store_true", help="after each answer, print tokens/s and reused prompt tokens")
     return ap.parse_args(argv)

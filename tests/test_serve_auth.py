@@ -86,3 +86,10 @@ def test_an_open_host_without_a_key_is_warned_of(host, key, warned):
     assert (line is not None) == warned
     if warned:
         assert host in line and "serve.api_key_file" in line and "\n" not in line
+
+
+def test_tandem_chat_by_default_asks_for_no_more_than_the_server_allows(server):
+    """max_tokens above gen.max_new_tokens is refused: tandem-chat's default leaves it to the server."""
+    args = chat.parse_args(["--api-key", KEY])
+    answer, final = chat.turn(f"{server.url}/v1", [{"role": "user", "content": "hi"}], args, out=io.StringIO())
+    assert final["choices"][0]["finish_reason"] in ("length", "stop") and final["usage"]["completion_tokens"] >= 1
