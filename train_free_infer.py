@@ -9,12 +9,13 @@ Rank 1: layers [split, L), the final norm and the LM head, and verification.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
 
 from launch.build import (build_drafter, build_stage, check_vocabularies, eos_ids, load_tokenizer, prompt_ids,
-                          resolve_split, split_point)
+                          resolve_models, resolve_split, split_point)
 from launch.config import ConfigError, TandemConfig, config_from_argv
 from launch.distributed import (Interrupted, LaunchError, close_channel, open_channel, report,
                                 skip_the_final_collections_at_exit, torchrun_rank)
@@ -66,6 +67,7 @@ def handshake(cfg: TandemConfig, channel, rank: int) -> None:
 def rank0(cfg: TandemConfig, channel, listener=None) -> dict | None:
     """Rank 0's whole life: one answer (returned as the output JSON), or serving until a signal
     (on `listener`, the HTTP port bound at start)."""
+    announce(resolve_models(cfg, 0))
     handshake(cfg, channel, 0)
     target_config = load_config(cfg.model.target)  # what can be checked is, before any weights load
     tokenizer = load_tokenizer(cfg.model.target)
@@ -93,6 +95,11 @@ def rank0(cfg: TandemConfig, channel, listener=None) -> dict | None:
     return result
 
 
+def announce(lines: list[str]) -> None:
+    for line in lines:
+        print(f"[{line}]", file=sys.stderr, flush=True)
+
+
 def answer(cfg: TandemConfig, session: Session, ids: list[int], output: Output, tokenizer) -> dict:
     print(f"[prefill: {len(ids)} prompt tokens; k={cfg.spec.k}, drafter {cfg.draft.kind}]", file=sys.stderr, flush=True)
     telemetry = Telemetry(cfg, ids, tokenizer.decode(ids) if tokenizer else None) if cfg.log.dir else None
@@ -118,6 +125,7 @@ def write_output(cfg: TandemConfig, result: dict) -> None:
 
 
 def rank1(cfg: TandemConfig, channel) -> None:
+    announce(resolve_models(cfg, 1))
     handshake(cfg, channel, 1)
     stage = build_stage(cfg, 1)
     if threading.current_thread() is threading.main_thread():
@@ -148,11 +156,16 @@ def _raise_interrupted(signum, _frame=None):
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = config_from_argv(argv)
+    try:
+        cfg = config_from_argv(argv)  # exits 0 after printing the keys for --help / -h
+    except ConfigError as e:
+        # every rank on this host read the same command line: the first says so, each tells torchrun
+        report(str(e), echo=os.environ.get("LOCAL_RANK", "0") == "0")
+        sys.exit(1)
     if threading.current_thread() is threading.main_thread():  # (tests drive main() from threads)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, _raise_interrupted)
-    channel = None
+    channel, rank = None, None
     try:
         rank, _ = torchrun_rank()
         skip_the_final_collections_at_exit()
@@ -166,12 +179,14 @@ def main(argv: list[str] | None = None) -> None:
     except EXPECTED as e:
         if _signalled and isinstance(e, PeerError):  # the peer left because the same Ctrl-C stopped it
             e = Interrupted(_signalled[0])
-        report(str(e))  # first: torchrun stops this rank as soon as the peer exits
+        report(str(e), rank)  # first: torchrun stops this rank as soon as the peer exits
         # a signal reaches both ranks: the peer is stopping too, and may never read this
         _tell_peer(channel, str(e), wait_s=0.5 if isinstance(e, Interrupted) else 5.0)
         sys.exit(128 + e.signum if isinstance(e, Interrupted) else 1)
     except BaseException as e:
         _tell_peer(channel, _one_line(e))
+        if not isinstance(e, SystemExit):  # Python prints the traceback; torchrun's summary ends with this line
+            report(_one_line(e), rank, echo=False)
         raise
     finally:
         if channel is not None:

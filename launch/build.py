@@ -4,6 +4,7 @@ Every stage is built here: the target's two slices and the drafter's whole small
 `_load_stage`, with one rule for devices, dtypes and caches; the capacity rule is `check_capacity`."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from launch.config import ConfigError, TandemConfig
@@ -22,6 +23,22 @@ def split_point(cfg: TandemConfig) -> tuple[int, int]:
     return split, num_layers
 
 
+def resolve_models(cfg: TandemConfig, rank: int) -> list[str]:
+    """model.target (and, on rank 0, draft.model) as local folders, before the split is settled: for a Hub
+    id its config, tokenizer and index are fetched now, its weights only when the stage is built, and only
+    the stage's (model_parallel.hub). Returns the lines that say which was used."""
+    from model_parallel.hub import resolve
+    given = cfg.model.target
+    cfg.model.target, line = resolve(given, "model.target", cfg.model.hub_cache, rank)
+    if cfg.model.target != given and cfg.serve.model_name is None:
+        cfg.serve.model_name = given  # clients name the model by its id, not by a cache folder
+    lines = [line]
+    if rank == 0 and cfg.draft.kind == "model" and cfg.spec.k > 0:  # the drafter is rank 0's alone
+        cfg.draft.model, line = resolve(cfg.draft.model, "draft.model", cfg.model.hub_cache, rank)
+        lines.append(line)
+    return lines
+
+
 def resolve_split(cfg: TandemConfig) -> str | None:
     """model.split=auto (rank 0, before loading): the split that balances the ranks' busy time per round,
     timed here (model_parallel.split) and written into cfg; returns the line that says which and why
@@ -34,7 +51,7 @@ def resolve_split(cfg: TandemConfig) -> str | None:
     drafting = cfg.draft.kind == "model" and cfg.spec.k > 0
     steps = (cfg.spec.k + (1 if cfg.spec.overlap else 0)) if drafting else 0  # overlap also drafts the guess
     plan = plan_split(target, cfg.spec.k, device_for(cfg), DTYPES[_compute_dtype_name(cfg)],
-                      draft=load_config(cfg.draft.model) if drafting else None, draft_device=cfg.draft.device,
+                      draft=load_config(cfg.draft.model) if drafting else None, draft_device=draft_device(cfg),
                       draft_dtype=DTYPES[cfg.draft.dtype], draft_steps=steps)
     cfg.model.split = plan.split
     return plan.describe(target.num_hidden_layers, steps, cfg.spec.k + 1)
@@ -65,18 +82,22 @@ def build_stage(cfg: TandemConfig, rank: int):
     first, last = (0, split) if rank == 0 else (split, num_layers)
     return _load_stage(cfg.model.target, first, last, embed=rank == 0, head=rank == 1, dtype=cfg.model.dtype,
                        device=device_for(cfg), quant=quantizer(cfg, "model"), max_len=cfg.model.max_len,
-                       setting="model.max_len", progress=f"rank {rank} layers {first}-{last - 1}")
+                       setting="model.max_len", progress=f"rank {rank} layers {first}-{last - 1}", rank=rank)
 
 
 def build_draft_stage(cfg: TandemConfig):
     """The drafter's whole model (embeddings, every layer, head) as one stage on draft.device."""
     d = cfg.draft
     return _load_stage(d.model, 0, load_config(d.model).num_hidden_layers, embed=True, head=True, dtype=d.dtype,
-                       device=d.device, quant=quantizer(cfg, "draft"), max_len=d.max_len, setting="draft.max_len",
-                       progress="drafter")
+                       device=draft_device(cfg), quant=quantizer(cfg, "draft"), max_len=d.max_len, setting="draft.max_len",
+                       progress="rank 0 drafter", rank=0)
 
 
-def _load_stage(folder, first, last, *, embed, head, dtype, device, quant, max_len, setting, progress):
+def _load_stage(folder, first, last, *, embed, head, dtype, device, quant, max_len, setting, progress, rank):
+    from model_parallel.hub import fetch_stage
+    fetched = fetch_stage(folder, first, last, embed, head, rank, progress=f"{progress}: fetching")  # Hub ids only
+    if fetched is not None:
+        print(f"[{progress}: {fetched.describe()}]", file=sys.stderr, flush=True)
     stage = load_stage(folder, first, last, embed=embed, head=head, dtype=dtype, device=device, progress=progress,
                        quant=quant)
     stage.allocate_cache(max_len, compute_dtype(stage), setting=setting)
@@ -89,6 +110,11 @@ def device_for(cfg: TandemConfig) -> str:
     if torch.cuda.is_available():
         return f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % torch.cuda.device_count()}"
     return "cpu"
+
+
+def draft_device(cfg: TandemConfig) -> str:
+    """draft.device; auto = where this rank's target slice runs (its GPU when it has one)."""
+    return device_for(cfg) if cfg.draft.device == "auto" else cfg.draft.device
 
 
 def compute_dtype(stage):
@@ -194,15 +220,15 @@ def model_drafter(cfg: TandemConfig):
     """draft.model as a ModelDrafter (what build_drafter gives once the vocabularies are checked)."""
     from speculative.drafters import ModelDrafter
     return ModelDrafter(build_draft_stage(cfg), max_k=max(cfg.spec.k, 1), top_k=cfg.draft.top_k,
-                        use_graph=use_graph(cfg.draft))
+                        use_graph=use_graph(cfg.draft, draft_device(cfg)))
 
 
-def use_graph(d) -> bool:
+def use_graph(d, device: str) -> bool:
     """draft.graph: auto = capture on CUDA; on = insist (and say why it cannot be)."""
     import torch
-    on_cuda = d.device.startswith("cuda")
+    on_cuda = device.startswith("cuda")
     if d.graph == "on" and not (on_cuda and torch.cuda.is_available()):
-        raise ConfigError(f"draft.graph=on needs a CUDA draft.device (got {d.device!r}"
+        raise ConfigError(f"draft.graph=on needs a CUDA draft.device (got {device!r}"
                           f"{'' if torch.cuda.is_available() else ', no CUDA here'}); use draft.graph=auto")
     return d.graph == "on" or (d.graph == "auto" and on_cuda)
 
