@@ -59,6 +59,8 @@ def open_channel(cfg: TandemConfig, rank: int) -> Channel:
     endpoint = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     try:
         dist.init_process_group("gloo", timeout=timedelta(seconds=t.timeout_s))
+    except Interrupted:  # Ctrl-C while waiting for the other rank: that is the cause, not the group
+        raise
     except Exception as e:  # noqa: BLE001 - torch raises several types here; all mean the same to a user
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise LaunchError(f"rank {rank} could not form the gloo group via {endpoint} within {t.timeout_s:.0f} s ({first}); "

@@ -57,3 +57,18 @@ def test_ctrl_c_mid_generation_names_the_signal_on_both_ranks(tmp_path, sig):
     # before, each rank waited 5 s to tell a peer that was stopping too (7.6 s in all)
     assert exit_s < 6, f"{exit_s:.1f} s from {name} to exit"
     print(f"exit {proc.returncode} {exit_s:.2f} s after {name}")  # the figure for the note (pytest -s)
+
+
+def test_ctrl_c_while_waiting_for_the_gloo_group_is_named_as_such(monkeypatch):
+    """A signal's handler raises Interrupted wherever the main thread is; while it waits in
+    init_process_group that used to become "could not form the gloo group ... (stopped by SIGINT)"."""
+    import torch.distributed as dist
+
+    from launch.config import load_config
+    from launch.distributed import Interrupted, open_channel
+
+    def waiting(*args, **kwargs):
+        raise Interrupted(signal.SIGINT)  # what the handler raises when Ctrl-C comes during the wait
+    monkeypatch.setattr(dist, "init_process_group", waiting)
+    with pytest.raises(Interrupted, match="^stopped by SIGINT$"):
+        open_channel(load_config(["prompt=x"]), 0)
