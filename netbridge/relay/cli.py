@@ -10,7 +10,8 @@ import sys
 
 from netbridge import auth
 from netbridge.link import MAX_FRAME_BYTES
-from netbridge.relay.server import MAX_PENDING_PER_SOURCE, STALE_HANDSHAKE_S, Relay
+from netbridge.relay.admission import MAX_PENDING_PER_SOURCE, STALE_HANDSHAKE_S
+from netbridge.relay.server import Relay
 
 log = logging.getLogger("tandem.relay")
 
