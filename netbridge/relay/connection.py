@@ -113,6 +113,7 @@ class Connection(asyncio.Protocol):
         self.store_proxy: StoreProxy | None = None
         self.counted_store = False  # holds one of its store's pipe counts
         self.paused: set[str] = set()  # why reading from this client is paused
+        self.silent = False  # dropped for silence (see check_timers)
         now = time.monotonic()
         self.born = now
         self.deadline = now + relay.handshake_timeout_s
@@ -212,8 +213,9 @@ class Connection(asyncio.Protocol):
         peer = self.peer
         if peer is None:
             return
-        if self.frames.at_boundary() and peer.transport is not None and not peer.transport.is_closing():
-            self._to_peer(HEADER.pack(PEER_LEFT, 0))
+        if self.frames.at_boundary() and not self.silent and peer.transport is not None \
+                and not peer.transport.is_closing():
+            self._to_peer(HEADER.pack(PEER_LEFT, 0))  # its connection closed: the peer gives it a short grace, not reconnect_s
         if self.link is not None and self.link.is_busy():
             self.link.close_receiver_after_queued()
         else:
@@ -239,6 +241,7 @@ class Connection(asyncio.Protocol):
         if self.state == "hello" and now > self.deadline:
             self.drop(f"no complete handshake within {self.relay.handshake_timeout_s:.0f} s (slow or silent client)")
         elif self.state in ("waiting", "paired", "rdzv") and not self.paused and now - self.last_rx > self.relay.idle_timeout_s:
+            self.silent = True  # its peer is not told it left: a silent node may still come back within reconnect_s
             self.drop(f"silent for {self.relay.idle_timeout_s:.0f} s, not even heartbeats (--idle-timeout-s)")
 
     def drop(self, why: str | None) -> None:
