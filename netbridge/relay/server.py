@@ -15,6 +15,9 @@ from netbridge.relay.store import Stores
 
 
 class Relay:
+    """The relay: owns the connections and the parts that decide for them; `start` listens, `close` ends
+    every connection and store."""
+
     def __init__(self, secret: bytes, host: str = "0.0.0.0", port: int = 29400, *, max_frame_bytes: int = MAX_FRAME_BYTES,
                  handshake_timeout_s: float = 10.0, idle_timeout_s: float = 30.0, max_connections: int = 1024,
                  max_pending: int = 128, max_pending_per_source: int = MAX_PENDING_PER_SOURCE, emulate_delay_ms: float = 0.0,
