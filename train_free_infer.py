@@ -15,7 +15,7 @@ import sys
 import threading
 
 from launch.build import (build_drafter, build_stage, check_tokenizer, eos_ids, load_tokenizer, prompt_ids,
-                          resolve_split, split_point)
+                          resolve_models, resolve_split, split_point)
 from launch.config import ConfigError, TandemConfig, config_from_argv
 from launch.distributed import (LaunchError, close_channel, open_channel, report, skip_the_final_collections_at_exit,
                                 torchrun_rank)
@@ -71,6 +71,7 @@ def handshake(cfg: TandemConfig, channel, rank: int) -> None:
 def rank0(cfg: TandemConfig, channel, listener=None) -> dict | None:
     """Rank 0's whole life: one answer (returned as the output JSON), or serving until a signal
     (on `listener`, the HTTP port bound at start)."""
+    announce(resolve_models(cfg, 0))
     handshake(cfg, channel, 0)
     stage = build_stage(cfg, 0)
     tokenizer = load_tokenizer(cfg.model.target)
@@ -95,6 +96,11 @@ def rank0(cfg: TandemConfig, channel, listener=None) -> dict | None:
     session.close()
     write_output(cfg, result)
     return result
+
+
+def announce(lines: list[str]) -> None:
+    for line in lines:
+        print(f"[{line}]", file=sys.stderr, flush=True)
 
 
 def answer(cfg: TandemConfig, session: Session, ids: list[int], output: Output, tokenizer) -> dict:
@@ -122,6 +128,7 @@ def write_output(cfg: TandemConfig, result: dict) -> None:
 
 
 def rank1(cfg: TandemConfig, channel) -> None:
+    announce(resolve_models(cfg, 1))
     handshake(cfg, channel, 1)
     stage = build_stage(cfg, 1)
     if threading.current_thread() is threading.main_thread():
