@@ -14,11 +14,11 @@ import signal
 import sys
 import threading
 
-from launch.build import (build_drafter, build_stage, check_tokenizer, describe_rank, eos_ids, load_tokenizer,
+from launch.build import (build_drafter, build_stage, check_vocabularies, describe_rank, eos_ids, load_tokenizer,
                           prompt_ids, rank_costs, resolve_models, settle_split, split_point)
 from launch.config import ConfigError, TandemConfig, config_from_argv
-from launch.distributed import (LaunchError, close_channel, open_channel, report, skip_the_final_collections_at_exit,
-                                torchrun_rank)
+from launch.distributed import (Interrupted, LaunchError, close_channel, open_channel, report,
+                                skip_the_final_collections_at_exit, torchrun_rank)
 from launch.telemetry import Telemetry
 from kvcache.static_cache import CacheOverflowError
 from model_parallel.loader import ModelLoadError, load_config
@@ -32,10 +32,6 @@ from speculative.rounds import NonFiniteLogits, run_rank1
 from speculative.session import Session
 from speculative.stats import broken_drafter_warning, summarize
 
-
-
-class Interrupted(Exception):
-    """SIGINT (Ctrl-C) or SIGTERM (torchrun stopping its workers): one line, never a traceback."""
 
 
 EXPECTED = (ConfigError, LaunchError, ModelLoadError, PeerError, FrameError, CacheOverflowError, NonFiniteLogits,
@@ -86,10 +82,11 @@ def rank0(cfg: TandemConfig, channel, listener=None) -> dict | None:
     (on `listener`, the HTTP port bound at start)."""
     announce(resolve_models(cfg, 0))
     handshake(cfg, channel, 0)
-    stage = build_stage(cfg, 0)
+    target_config = load_config(cfg.model.target)  # what can be checked is, before any weights load
     tokenizer = load_tokenizer(cfg.model.target)
-    check_tokenizer(tokenizer, stage.config, cfg.model.target)
-    ids = prompt_ids(cfg, tokenizer, stage.config.vocab_size) if cfg.serve.port is None else None
+    check_vocabularies(cfg, tokenizer, target_config)
+    ids = prompt_ids(cfg, tokenizer, target_config.vocab_size) if cfg.serve.port is None else None
+    stage = build_stage(cfg, 0)
     drafter = build_drafter(cfg, tokenizer, stage.config)
     session = Session(stage, drafter, channel, cfg.spec.k, cfg.spec.adaptive, cfg.spec.overlap, cfg.model.prefill_chunk,
                       cfg.spec.k_from_costs)
@@ -147,6 +144,11 @@ def rank1(cfg: TandemConfig, channel) -> None:
     if threading.current_thread() is threading.main_thread():
         _stop_after_grace()
     run_rank1(stage, channel)
+    if _signalled:  # rank 0 ended the session because the same signal stopped it
+        raise Interrupted(_signalled[0])
+
+
+_signalled: list[int] = []  # the signals this process received: its true cause when the peer then goes away
 
 
 def _stop_after_grace(grace_s: int = 2) -> None:
@@ -154,6 +156,7 @@ def _stop_after_grace(grace_s: int = 2) -> None:
     (Bye, or its own error), so rank 1 keeps serving the round in flight; only if that does not come
     within `grace_s` does it stop on its own."""
     def on_signal(signum, _frame):
+        _signalled.append(signum)
         signal.signal(signal.SIGALRM, lambda *_: _raise_interrupted(signum))
         signal.alarm(grace_s)
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -161,7 +164,8 @@ def _stop_after_grace(grace_s: int = 2) -> None:
 
 
 def _raise_interrupted(signum, _frame=None):
-    raise Interrupted(f"stopped by {signal.Signals(signum).name}")
+    _signalled.append(signum)
+    raise Interrupted(signum)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -180,14 +184,18 @@ def main(argv: list[str] | None = None) -> None:
         skip_the_final_collections_at_exit()
         listener = None
         if rank == 0 and cfg.serve.port is not None:
-            from launch.server import reserve_port
+            from launch.server import load_api_key, reserve_port
+            load_api_key(cfg)  # an unreadable key file fails now, not after the weights load
             listener = reserve_port(cfg)  # before the process group opens ports of its own
         channel = open_channel(cfg, rank)
         rank0(cfg, channel, listener) if rank == 0 else rank1(cfg, channel)
     except EXPECTED as e:
+        if _signalled and isinstance(e, PeerError):  # the peer left because the same Ctrl-C stopped it
+            e = Interrupted(_signalled[0])
         report(str(e), rank)  # first: torchrun stops this rank as soon as the peer exits
-        _tell_peer(channel, str(e))
-        sys.exit(130 if isinstance(e, Interrupted) else 1)
+        # a signal reaches both ranks: the peer is stopping too, and may never read this
+        _tell_peer(channel, str(e), wait_s=0.5 if isinstance(e, Interrupted) else 5.0)
+        sys.exit(128 + e.signum if isinstance(e, Interrupted) else 1)
     except BaseException as e:
         _tell_peer(channel, _one_line(e))
         if not isinstance(e, SystemExit):  # Python prints the traceback; torchrun's summary ends with this line
@@ -202,12 +210,15 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if not isinstance(e, EXPECTED) else str(e)
 
 
-def _tell_peer(channel, message: str) -> None:
-    """Best effort: let the other rank exit with the cause instead of waiting out its timeout."""
-    if channel is None or isinstance(sys.exc_info()[1], PeerError):
+def _tell_peer(channel, message: str, wait_s: float = 5.0) -> None:
+    """Best effort: let the other rank exit with the cause instead of waiting out its timeout. Not after a
+    PeerError that means the peer is gone; a frame this rank refused (tampered, replayed: a PeerError and a
+    FrameError) leaves the peer there, waiting for the reason."""
+    cause = sys.exc_info()[1]
+    if channel is None or (isinstance(cause, PeerError) and not isinstance(cause, FrameError)):
         return
     try:
-        channel.timeout_s = min(channel.timeout_s, 5.0)
+        channel.timeout_s = min(channel.timeout_s, wait_s)
         protocol.send(channel, protocol.Error(message))
     except Exception:  # noqa: BLE001 - the peer may be gone already; our own error is what matters
         pass
