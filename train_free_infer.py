@@ -5,6 +5,11 @@
 
 Rank 0: embeddings + layers [0, split), the drafter, the tokenizer and the output (or the HTTP API).
 Rank 1: layers [split, L), the final norm and the LM head, and verification.
+
+    torchrun --nproc_per_node=3 train_free_infer.py model.split=[10,19] prompt="..."   # N stages
+
+With N ranks the middle ones run their layers in between and the last one does what rank 1 does with two
+(speculative.rounds): one pipeline stage per rank, the layers cut at model.split (or auto).
 """
 from __future__ import annotations
 
@@ -13,10 +18,10 @@ import signal
 import sys
 import threading
 
-from launch.build import (build_drafter, build_stage, check_tokenizer, eos_ids, load_tokenizer, prompt_ids,
-                          resolve_split, split_point)
+from launch.build import (build_drafter, build_stage, check_tokenizer, eos_ids, layer_cuts, load_tokenizer,
+                          prompt_ids, resolve_split)
 from launch.config import ConfigError, TandemConfig, config_from_argv
-from launch.distributed import (LaunchError, close_channel, open_channel, report, skip_the_final_collections_at_exit,
+from launch.distributed import (LaunchError, close_channel, open_links, report, skip_the_final_collections_at_exit,
                                 torchrun_rank)
 from launch.telemetry import Telemetry
 from kvcache.static_cache import CacheOverflowError
@@ -26,7 +31,7 @@ from netbridge.channel import PeerError
 from netbridge.frames import FrameError
 from netbridge.protocol import Hello, Request
 from speculative.output import Output
-from speculative.rounds import NonFiniteLogits, run_rank1
+from speculative.rounds import NonFiniteLogits, run_middle, run_rank1
 from speculative.session import Session
 from speculative.stats import broken_drafter_warning, summarize
 
@@ -40,44 +45,49 @@ EXPECTED = (ConfigError, LaunchError, ModelLoadError, PeerError, FrameError, Cac
             Interrupted)
 
 
-def handshake(cfg: TandemConfig, channel, rank: int) -> None:
+def handshake(cfg: TandemConfig, channel, rank: int, ranks: int = 2, onward=None) -> None:
     """Before either rank loads anything: both must run the same model and split (two hosts, two
-    command lines). Rank 0's split wins where rank 1's is `auto`: rank 0 measured for it."""
+    command lines). Rank 0's split wins where rank 1's is `auto`: rank 0 measured for it.
+    With N > 2 ranks the Hello goes around the ring: each rank receives the one before it on `channel`,
+    checks it and sends its own on `onward`; rank 0 hears back from the last rank."""
+    onward = onward or channel
     if rank == 0:
-        why = resolve_split(cfg)
+        why = resolve_split(cfg, ranks)
         if why:
             print(f"[{why}]", file=sys.stderr, flush=True)
     if cfg.model.split != "auto":
-        split_point(cfg)  # each rank names its own config's mistake, before waiting for the other
-    theirs = protocol.recv(channel, Hello) if rank == 1 else None
+        layer_cuts(cfg, ranks)  # each rank names its own config's mistake, before waiting for the other
+    theirs = protocol.recv(channel, Hello) if rank > 0 else None
     if theirs is not None and cfg.model.split == "auto":
         cfg.model.split = theirs.split
-    split, num_layers = split_point(cfg)
-    mine = Hello(split, num_layers, cfg.model.dtype, cfg.model.quant)
+    cuts, num_layers = layer_cuts(cfg, ranks)
+    mine = Hello(cuts[0] if ranks == 2 else cuts, num_layers, cfg.model.dtype, cfg.model.quant)
     if rank == 0:
-        protocol.send(channel, mine)
+        protocol.send(onward, mine)
         protocol.recv(channel, Hello)
         return
     diff = {k: (v, getattr(mine, k)) for k, v in vars(theirs).items() if v != getattr(mine, k)}
     if diff:
-        message = "the ranks disagree on " + ", ".join(f"{k} (rank 0: {a}, rank 1: {b})" for k, (a, b) in diff.items()) \
-            + "; give both the same config and Tandem version"
-        protocol.send(channel, protocol.Error(message))
+        message = "the ranks disagree on " + ", ".join(f"{k} (rank {rank - 1}: {a}, rank {rank}: {b})"
+                                                       for k, (a, b) in diff.items()) \
+            + "; give every rank the same config and Tandem version"
+        protocol.send(onward, protocol.Error(message))
         raise ConfigError(message)
-    protocol.send(channel, mine)
+    protocol.send(onward, mine)
 
 
-def rank0(cfg: TandemConfig, channel, listener=None) -> dict | None:
+def rank0(cfg: TandemConfig, channel, listener=None, replies=None, ranks: int = 2) -> dict | None:
     """Rank 0's whole life: one answer (returned as the output JSON), or serving until a signal
-    (on `listener`, the HTTP port bound at start)."""
-    handshake(cfg, channel, 0)
-    stage = build_stage(cfg, 0)
+    (on `listener`, the HTTP port bound at start). With N > 2 ranks `channel` goes to rank 1 and the
+    last rank's `replies` come back on their own link."""
+    handshake(cfg, replies or channel, 0, ranks, onward=channel)
+    stage = build_stage(cfg, 0, ranks)
     tokenizer = load_tokenizer(cfg.model.target)
     check_tokenizer(tokenizer, stage.config, cfg.model.target)
     ids = prompt_ids(cfg, tokenizer, stage.config.vocab_size) if cfg.serve.port is None else None
     drafter = build_drafter(cfg, tokenizer, stage.config)
     session = Session(stage, drafter, channel, cfg.spec.k, cfg.spec.adaptive, cfg.spec.overlap, cfg.model.prefill_chunk,
-                      cfg.spec.k_from_costs)
+                      cfg.spec.k_from_costs, replies)
     if cfg.serve.port is not None:
         from launch.server import serve
         serve(cfg, session, tokenizer, eos_ids(cfg.model.target), stage.config.vocab_size, listener)
@@ -120,16 +130,26 @@ def write_output(cfg: TandemConfig, result: dict) -> None:
             json.dump(result, f, indent=1)
 
 
-def rank1(cfg: TandemConfig, channel) -> None:
-    handshake(cfg, channel, 1)
-    stage = build_stage(cfg, 1)
+def rank1(cfg: TandemConfig, channel, reply_to=None, ranks: int = 2) -> None:
+    """The last rank: from the rank before it on `channel`, replies to rank 0 on `reply_to` (with two, `channel`)."""
+    handshake(cfg, channel, ranks - 1, ranks, onward=reply_to)
+    stage = build_stage(cfg, ranks - 1, ranks)
     if threading.current_thread() is threading.main_thread():
         _stop_after_grace()
-    run_rank1(stage, channel)
+    run_rank1(stage, channel, reply_to)
+
+
+def middle(cfg: TandemConfig, prev, next, rank: int, ranks: int) -> None:
+    """A middle rank (N > 2): its layers between the rank before it (`prev`) and the one after it (`next`)."""
+    handshake(cfg, prev, rank, ranks, onward=next)
+    stage = build_stage(cfg, rank, ranks)
+    if threading.current_thread() is threading.main_thread():
+        _stop_after_grace()
+    run_middle(stage, prev, next)
 
 
 def _stop_after_grace(grace_s: int = 2) -> None:
-    """Rank 1 on a signal: a Ctrl-C reaches both ranks at once, and rank 0 then ends the session itself
+    """Rank 1 (every rank after 0) on a signal: a Ctrl-C reaches every rank at once, and rank 0 then ends the session itself
     (Bye, or its own error), so rank 1 keeps serving the round in flight; only if that does not come
     within `grace_s` does it stop on its own."""
     def on_signal(signum, _frame):
@@ -148,36 +168,43 @@ def main(argv: list[str] | None = None) -> None:
     if threading.current_thread() is threading.main_thread():  # (tests drive main() from threads)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, _raise_interrupted)
-    channel = None
+    links, ranks = None, 2
     try:
-        rank, _ = torchrun_rank()
+        rank, ranks = torchrun_rank()
         skip_the_final_collections_at_exit()
         listener = None
         if rank == 0 and cfg.serve.port is not None:
             from launch.server import reserve_port
             listener = reserve_port(cfg)  # before the process group opens ports of its own
-        channel = open_channel(cfg, rank)
-        rank0(cfg, channel, listener) if rank == 0 else rank1(cfg, channel)
+        links = prev, next = open_links(cfg, rank, ranks)  # one channel both ways with two ranks
+        if rank == 0:
+            rank0(cfg, next, listener, replies=prev, ranks=ranks)
+        elif rank == ranks - 1:
+            rank1(cfg, prev, reply_to=next, ranks=ranks)
+        else:
+            middle(cfg, prev, next, rank, ranks)
     except EXPECTED as e:
         report(str(e))  # first: torchrun stops this rank as soon as the peer exits
-        _tell_peer(channel, str(e))
+        _tell_peer(links, str(e), ranks)
         sys.exit(130 if isinstance(e, Interrupted) else 1)
     except BaseException as e:
-        _tell_peer(channel, _one_line(e))
+        _tell_peer(links, _one_line(e), ranks)
         raise
     finally:
-        if channel is not None:
-            close_channel(channel)
+        if links is not None:
+            close_channel(*links)
 
 
 def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if not isinstance(e, EXPECTED) else str(e)
 
 
-def _tell_peer(channel, message: str) -> None:
-    """Best effort: let the other rank exit with the cause instead of waiting out its timeout."""
-    if channel is None or isinstance(sys.exc_info()[1], PeerError):
+def _tell_peer(links, message: str, ranks: int = 2) -> None:
+    """Best effort: let the other rank exit with the cause instead of waiting out its timeout. With N > 2
+    the rank after this one on the ring, which passes it on: every rank waits on the one before it."""
+    if links is None or (ranks == 2 and isinstance(sys.exc_info()[1], PeerError)):
         return
+    channel = links[1]
     try:
         channel.timeout_s = min(channel.timeout_s, 5.0)
         protocol.send(channel, protocol.Error(message))

@@ -22,12 +22,53 @@ def split_point(cfg: TandemConfig) -> tuple[int, int]:
     return split, num_layers
 
 
-def resolve_split(cfg: TandemConfig) -> str | None:
+def layer_cuts(cfg: TandemConfig, ranks: int = 2) -> tuple[list[int], int]:
+    """(cuts, num_layers): the first layer of ranks 1..N-1, so rank r runs layers [bounds[r], bounds[r+1])
+    of bounds = [0, *cuts, num_layers]. model.split: an int (two ranks), a list of N-1 increasing layer
+    numbers, or None (even)."""
+    split = cfg.model.split
+    if ranks == 2 and not isinstance(split, list):
+        split, num_layers = split_point(cfg)
+        return [split], num_layers
+    num_layers = layers_for(cfg, ranks)
+    name = Path(cfg.model.target).name
+    if split is None:
+        from model_parallel.split import even_cuts
+        return even_cuts(num_layers, ranks), num_layers
+    if not isinstance(split, list) or len(split) != ranks - 1:
+        raise ConfigError(f"model.split={split!r} does not fit {ranks} ranks: give {ranks - 1} increasing layer numbers "
+                          f"(the first layer of ranks 1..{ranks - 1}), e.g. model.split={_example(num_layers, ranks)}, or auto")
+    increasing = all(isinstance(c, int) for c in split) and all(a < b for a, b in zip([0, *split], [*split, num_layers]))
+    if not increasing:
+        raise ConfigError(f"model.split={split} is not increasing within 1..{num_layers - 1}: {name} has {num_layers} "
+                          f"layers and each rank needs at least one, e.g. model.split={_example(num_layers, ranks)}")
+    return list(split), num_layers
+
+
+def layers_for(cfg: TandemConfig, ranks: int) -> int:
+    """The target's number of layers, which must give each of `ranks` ranks at least one."""
+    num_layers = load_config(cfg.model.target).num_hidden_layers
+    if num_layers < ranks:
+        raise ConfigError(f"{Path(cfg.model.target).name} has {num_layers} layers, too few for {ranks} ranks (each "
+                          "needs at least one); start fewer ranks")
+    return num_layers
+
+
+def _example(num_layers: int, ranks: int) -> str:
+    from model_parallel.split import even_cuts
+    return "[" + ",".join(map(str, even_cuts(num_layers, ranks))) + "]"
+
+
+def resolve_split(cfg: TandemConfig, ranks: int = 2) -> str | None:
     """model.split=auto (rank 0, before loading): the split that balances the ranks' busy time per round,
     timed here (model_parallel.split) and written into cfg; returns the line that says which and why
-    (None when the split was given)."""
+    (None when the split was given). Over more than two ranks: the layers shared out evenly."""
     if cfg.model.split != "auto":
         return None
+    if ranks > 2:
+        from model_parallel.split import even_cuts
+        cfg.model.split = even_cuts(layers_for(cfg, ranks), ranks)
+        return f"model.split=auto: {cfg.model.split} over {ranks} ranks (the layers shared out evenly)"
     from model_parallel.loader import DTYPES
     from model_parallel.split import plan_split
     target = load_config(cfg.model.target)
@@ -56,14 +97,16 @@ def quantizer(cfg: TandemConfig, which: str):
     return NF4Settings(compute_dtype=DTYPES[m.quant_compute_dtype], double_quant=m.quant_double, lm_head=m.quant_lm_head)
 
 
-def build_stage(cfg: TandemConfig, rank: int):
+def build_stage(cfg: TandemConfig, rank: int, ranks: int = 2):
     """Rank 0: embeddings + layers [0, split); rank 1: layers [split, L), the final norm and the head.
-    (The entry settles model.split=auto in the handshake first; a script building both stages from one
+    With more than two ranks the middle ones hold only their layers, and the last one the head.
+    (The entry settles model.split=auto in the handshake first; a script building every stage from one
     config settles it here, once.)"""
-    resolve_split(cfg)
-    split, num_layers = split_point(cfg)
-    first, last = (0, split) if rank == 0 else (split, num_layers)
-    return _load_stage(cfg.model.target, first, last, embed=rank == 0, head=rank == 1, dtype=cfg.model.dtype,
+    resolve_split(cfg, ranks)
+    cuts, num_layers = layer_cuts(cfg, ranks)
+    bounds = [0, *cuts, num_layers]
+    first, last = bounds[rank], bounds[rank + 1]
+    return _load_stage(cfg.model.target, first, last, embed=rank == 0, head=rank == ranks - 1, dtype=cfg.model.dtype,
                        device=device_for(cfg), quant=quantizer(cfg, "model"), max_len=cfg.model.max_len,
                        setting="model.max_len", progress=f"rank {rank} layers {first}-{last - 1}")
 

@@ -28,7 +28,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     target: str = f"{MODELS}/qwen2.5-coder-1.5b-instruct"  # a local HF folder (config.json, *.safetensors, tokenizer)
-    split: int | str | None = "auto"  # first layer of rank 1; auto = balance the ranks' busy time (timed); None = half
+    split: int | str | list[int] | None = "auto"  # first layer of rank 1 (N ranks: [first layer of ranks 1..N-1]); auto = balance the ranks' busy time (timed; N > 2: even); None = half
     dtype: str = "bfloat16"  # float32 | bfloat16 | float16
     max_len: int = 4096  # KV-cache capacity of each stage, in tokens (prompt + output + K)
     prefill_chunk: int = 512  # a longer prompt crosses in chunks of this many tokens, pipelined across the ranks

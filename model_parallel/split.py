@@ -86,3 +86,13 @@ def plan_split(target, k: int, device: str, dtype: torch.dtype, draft=None, draf
                    + time_linears([(draft.vocab_size, draft.hidden_size)], 1, draft_device, dtype_d))
         drafting_ms = draft_steps * step_ms
     return balanced_split(target.num_hidden_layers, layer_ms, head_ms, drafting_ms)
+
+
+def even_cuts(num_layers: int, ranks: int) -> list[int]:
+    """model.split=auto over more than two ranks (until a timed placement over N ranks replaces it): the
+    first layer of ranks 1..N-1 when the layers are shared out evenly; a layer left over goes to a middle
+    rank first (rank 0 also drafts, the last rank also runs the head)."""
+    sizes = [num_layers // ranks] * ranks
+    for r in [*range(1, ranks - 1), ranks - 1, 0][:num_layers % ranks]:
+        sizes[r] += 1
+    return [sum(sizes[:r]) for r in range(1, ranks)]

@@ -1,4 +1,4 @@
-"""Every message between the two ranks, in one place.
+"""Every message between the ranks, in one place.
 
     rank 0                                   rank 1
     Hello(split, layers, dtype, quant)  -->  checks it against its own; Hello back, or Error
@@ -10,6 +10,11 @@
     Idle                                -->  nothing to do yet (serving): the link is alive
     Bye                                 -->  the session is over
     Error(error)                        <->  the sender failed; the receiver reports it and exits
+
+With N > 2 ranks the same messages go around a ring 0 -> 1 -> ... -> N-1 -> 0: a middle rank runs its
+layers over a Prefill's or a Round's hidden states and passes the message on with its own (adding its
+clock marks to Round.marks); everything else it passes on as it came. The last rank's Reply (or Hello,
+or Error) closes the ring at rank 0.
 
 A message is a dataclass: its tensor fields travel as tensors, the rest as the frame's JSON `meta`
 (netbridge.frames). `send` and `recv` are the only way the ranks talk; `recv` turns an Error from the
@@ -29,7 +34,7 @@ VERSION = 3  # bumped when a message changes; Hello carries it
 
 @dataclass
 class Hello:
-    split: int
+    split: int | list[int]  # rank 1's first layer; with N > 2 ranks, each later rank's first layer
     num_layers: int
     dtype: str
     quant: str
@@ -59,14 +64,16 @@ class Round:
     drafts: torch.Tensor  # [K]
     q_ids: torch.Tensor | None = None  # [K, m] when sampling: the support of each draft's distribution
     q_probs: torch.Tensor | None = None  # [K, m]
+    marks: list[list[float]] | None = None  # N > 2: each middle rank's clock marks, as in Reply.marks
 
 
 @dataclass
 class Reply:
     accepted: int
     token: int  # the target's next token after the accepted drafts
-    stage1_ms: float
-    marks: list[float] = field(default_factory=list)  # rank 1's clock: wait, start, forward done, send
+    stage1_ms: float  # the last rank's forward and verification
+    marks: list[float] = field(default_factory=list)  # the last rank's clock: wait, start, forward done, send
+    middle_marks: list[list[float]] | None = None  # N > 2: Round.marks as the last rank received them
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Tiny random decoders built offline, saved with save_pretrained and loaded back through the real
-loader; a runner for `torchrun --nproc_per_node=2 train_free_infer.py`; the single-process reference."""
+loader; a runner for `torchrun --nproc_per_node=2 train_free_infer.py`; the single-process reference;
+in-process runners of every rank as threads (run_pair, run_ranks for N)."""
 from __future__ import annotations
 
 import functools
@@ -144,6 +145,38 @@ def run_pair(*overrides: str, timeout_s: float = 60.0, rank1: tuple[str, ...] = 
     return results[0]
 
 
+def run_ranks(ranks: int, *overrides: str, timeout_s: float = 60.0) -> dict:
+    """run_pair for N ranks: every rank of train_free_infer in this process, as N threads on a ring of
+    in-process channels (netbridge.channel.local_ring: 0 -> 1 -> ... -> N-1 -> 0). Returns rank 0's
+    result; the root cause of a failure on any rank is raised here."""
+    import train_free_infer
+    from launch.config import load_config
+    from netbridge.channel import PeerError, local_ring
+
+    cfgs = [load_config(["output.stream=false", "chat=false", *overrides]) for _ in range(ranks)]
+    t = cfgs[0].transport
+    links = local_ring(ranks, timeout_s, emulate_delay_ms=t.emulate_delay_ms, emulate_mbps=t.emulate_mbps)
+    results, errors = {}, {}
+
+    def rank(r: int) -> None:
+        prev, next = links[r]
+        try:
+            if r == 0:
+                results[r] = train_free_infer.rank0(cfgs[r], next, replies=prev, ranks=ranks)
+            elif r == ranks - 1:
+                train_free_infer.rank1(cfgs[r], prev, reply_to=next, ranks=ranks)
+            else:
+                train_free_infer.middle(cfgs[r], prev, next, r, ranks)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            errors[r] = e
+            prev.close()  # the ranks waiting on this one fail at once instead of waiting out their timeout
+            next.close()
+    run_both(rank, timeout_s * 4, ranks)
+    if errors:
+        raise next(iter(e for e in errors.values() if not isinstance(e, PeerError)), errors.get(0) or errors[min(errors)])
+    return results[0]
+
+
 def with_eos(folder: Path, dest: Path, eos: int) -> Path:
     """A copy of a model folder whose generation_config names `eos` as its end-of-sequence token."""
     import shutil
@@ -168,8 +201,8 @@ def run_entry_pair(monkeypatch, *argv: str, timeout_s: float = 30.0) -> dict[int
     channels = local_pair(timeout_s)
     local = threading.local()
     monkeypatch.setattr(train_free_infer, "torchrun_rank", lambda: (local.rank, 2))
-    monkeypatch.setattr(train_free_infer, "open_channel", lambda cfg, rank: channels[rank])
-    monkeypatch.setattr(train_free_infer, "close_channel", lambda channel: channel.close())
+    monkeypatch.setattr(train_free_infer, "open_links", lambda cfg, rank, ranks: (channels[rank], channels[rank]))
+    monkeypatch.setattr(train_free_infer, "close_channel", lambda *links: links[0].close())
     outcome: dict[int, object] = {}
 
     def rank(r: int) -> None:
@@ -185,10 +218,10 @@ def run_entry_pair(monkeypatch, *argv: str, timeout_s: float = 30.0) -> dict[int
     return outcome
 
 
-def run_both(rank, timeout_s: float) -> None:
-    """rank(0) and rank(1) in two threads; both must end within timeout_s."""
+def run_both(rank, timeout_s: float, ranks: int = 2) -> None:
+    """rank(0) and rank(1) (... rank(N-1)) in threads; all must end within timeout_s."""
     import threading
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (0, 1)]
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(ranks)]
     for t in threads:
         t.start()
     for t in threads:
