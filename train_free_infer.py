@@ -119,7 +119,7 @@ def answer(cfg: TandemConfig, session: Session, ids: list[int], output: Output, 
           f"acceptance {stats['acceptance_rate']:.0%}, stop: {stats['stop_reason']}]", file=sys.stderr)
     if telemetry:
         clock = telemetry.finish(gen, stats, output.text())
-        print(f"[log: {telemetry.dir}; rank 1's clock {clock['offset_ms']:+.3f} +/- {clock['uncertainty_ms']:.3f} ms "
+        print(f"[log: {telemetry.dir}; rank {telemetry.last_rank}'s clock {clock['offset_ms']:+.3f} +/- {clock['uncertainty_ms']:.3f} ms "
               f"from rank 0's over {clock['rounds']} round trips]", file=sys.stderr)
     return {"token_ids": output.tokens, "text": output.text(), "stats": stats}
 

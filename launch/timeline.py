@@ -24,6 +24,11 @@ A known least one-way time tightens both bounds by it: the emulated delay (trans
 is a sleep before each message leaves, so no message arrives sooner than that after its send began.
 
 On one host both ranks read the same monotonic clock, so the true offset is 0: a check of the method.
+
+With N > 2 ranks the last rank plays rank 1's part and each middle rank r puts the same four readings
+in the Round it passes on (its verify span is empty: it only forwards); the last rank's Reply carries
+them back. Every later rank receives a round after rank 0 sent it and sends before rank 0 has the
+reply, so the same bounds align each one's clock; the trace has one row per rank.
 Open the trace in https://ui.perfetto.dev or chrome://tracing.
 """
 from __future__ import annotations
@@ -85,36 +90,45 @@ def align_clocks(windows: list[tuple[float, float]], rank1_marks: list[list[floa
     return ClockAlignment(theta * 1000, wire / 2 * 1000, len(pairs), False)
 
 
-def rank1_spans(rank1_marks: list[list[float]], offset_ms: float) -> list[Span]:
-    """Rank 1's spans on rank 0's clock. The last reply's send has no end reading, so it is left out."""
+def rank1_spans(rank1_marks: list[list[float]], offset_ms: float, rank: int = 1, verifies: bool = True) -> list[Span]:
+    """Rank 1's spans on rank 0's clock (or, with N > 2, `rank`'s: a middle one only forwards, no verify).
+    The last reply's send has no end reading, so it is left out."""
     theta = offset_ms / 1000
     spans = []
     for i, m in enumerate(rank1_marks):
         if not m:
             continue
         wait_start, recv_end, forward_end, send_start = (x - theta for x in m)
-        spans += [Span(1, "wait", wait_start, recv_end, i), Span(1, "stage1", recv_end, forward_end, i),
-                  Span(1, "verify", forward_end, send_start, i)]
+        spans += [Span(rank, "wait", wait_start, recv_end, i), Span(rank, f"stage{rank}", recv_end, forward_end, i)]
+        if verifies:
+            spans.append(Span(rank, "verify", forward_end, send_start, i))
         if i + 1 < len(rank1_marks) and rank1_marks[i + 1]:
-            spans.append(Span(1, "send", send_start, rank1_marks[i + 1][0] - theta, i))
+            spans.append(Span(rank, "send", send_start, rank1_marks[i + 1][0] - theta, i))
     return spans
 
 
 def chrome_trace(spans: list[Span], t0_s: float, alignment: ClockAlignment, meta: dict | None = None) -> dict:
     """Chrome-trace JSON ("X" complete events in microseconds since generation start), one process per
-    rank, and a flow arrow per message (round: rank 0 send -> rank 1 stage1; reply: rank 1 send -> rank 0)."""
+    rank, and a flow arrow per message (round: rank 0 send -> rank 1 stage1 (-> rank 2 stage2 ...);
+    reply: the last rank's verify -> rank 0)."""
     us = lambda t: round((t - t0_s) * 1e6, 3)  # noqa: E731
-    events = [{"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}} for r in (0, 1)]
-    events += [{"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}} for r in (0, 1)]
+    ranks = sorted({s.rank for s in spans} | {0, 1})
+    events = [{"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}} for r in ranks]
+    events += [{"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}} for r in ranks]
     for s in spans:
         events.append({"name": s.name, "cat": "round" if s.name == "round" else "span", "ph": "X", "ts": us(s.start_s),
                        "dur": round((s.end_s - s.start_s) * 1e6, 3), "pid": s.rank, "tid": 0, "args": {"round": s.round}})
     by_key = {(s.rank, s.name, s.round): s for s in spans}
+    n, last = len(ranks), ranks[-1]
     for (rank, name, i), s in by_key.items():
-        if rank == 0 and name == "send" and (1, "stage1", i) in by_key:
-            events += _flow(f"round {i}", 2 * i, s.start_s, 0, by_key[(1, "stage1", i)].start_s, 1, us)
-        if rank == 1 and name == "verify" and (0, "wait", i) in by_key:
-            events += _flow(f"reply {i}", 2 * i + 1, s.end_s, 1, by_key[(0, "wait", i)].end_s, 0, us)
+        if rank == 0 and name == "send":  # the block's way down the pipe, one arrow per hop
+            for hop in range(1, n):
+                came_from = s.start_s if hop == 1 else by_key.get((hop - 1, f"stage{hop - 1}", i), s).end_s
+                if (hop, f"stage{hop}", i) in by_key:
+                    events += _flow(f"round {i}", n * i + hop - 1, came_from, hop - 1,
+                                    by_key[(hop, f"stage{hop}", i)].start_s, hop, us)
+        if rank == last and name == "verify" and (0, "wait", i) in by_key:
+            events += _flow(f"reply {i}", n * i + n - 1, s.end_s, last, by_key[(0, "wait", i)].end_s, 0, us)
     other = {"clock_offset_ms": alignment.offset_ms, "clock_uncertainty_ms": alignment.uncertainty_ms,
              "clock_rounds": alignment.rounds, "clock_consistent": alignment.consistent, **(meta or {})}
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
@@ -127,11 +141,21 @@ def _flow(name, flow_id, t_from, pid_from, t_to, pid_to, us):
 
 
 def build_timeline(gen, rank1_marks: list[list[float]], meta: dict | None = None,
-                   min_one_way_s: float = 0.0) -> tuple[dict, ClockAlignment]:
-    """The merged trace of one generation, and the clock alignment it used."""
+                   min_one_way_s: float = 0.0, middle_marks: list[list[list[float]]] | None = None) -> tuple[dict, ClockAlignment]:
+    """The merged trace of one generation, and the clock alignment it used (the last rank's).
+    `middle_marks` (N > 2): per round, each middle rank's readings (Reply.middle_marks)."""
+    middles = max((len(m) for m in middle_marks or []), default=0)
+    last = middles + 1
     alignment = align_clocks(round_windows(gen), rank1_marks, min_one_way_s)
-    offset = alignment.offset_ms if alignment.rounds else 0.0
-    spans = rank0_spans(gen) + rank1_spans(rank1_marks, offset)
+    offsets = {last: alignment.offset_ms if alignment.rounds else 0.0}
+    spans = rank0_spans(gen) + rank1_spans(rank1_marks, offsets[last], rank=last)
+    for r in range(1, last):
+        marks = [m[r - 1] if len(m) >= r else [] for m in middle_marks]
+        a = align_clocks(round_windows(gen), marks, min_one_way_s)
+        offsets[r] = a.offset_ms if a.rounds else 0.0
+        spans += rank1_spans(marks, offsets[r], rank=r, verifies=False)
+    if middles:
+        meta = {**(meta or {}), "clock_offsets_ms": {str(r): offsets[r] for r in sorted(offsets)}}
     return chrome_trace(spans, gen.t0_s, alignment, meta), alignment
 
 

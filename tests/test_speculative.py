@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 import train_free_infer
 from launch.build import build_drafter, build_stage, eos_ids
 from launch.config import load_config
-from netbridge.channel import local_pair
+from netbridge.channel import local_ring
 from netbridge.protocol import Request
 from speculative.drafters import NgramDrafter
 from speculative.output import Output
@@ -159,14 +159,16 @@ def test_chi_square_has_the_power_to_see_the_drafter():
     assert chi2_p(drafts, p[0]) < 1e-6
 
 
-@pytest.mark.parametrize("overlap", [True], ids=["overlap-on"])  # overlap off: the verifier's own chi-square above
-def test_sampled_generation_keeps_the_targets_joint_distribution(overlap, tiny_qwen):
+@pytest.mark.parametrize("overlap,ranks", [(True, 2), (True, 3)], ids=["overlap-on", "overlap-on-3-ranks"])  # overlap off: the verifier's own chi-square above
+def test_sampled_generation_keeps_the_targets_joint_distribution(overlap, ranks, tiny_qwen):
     """The whole loop, sampled: the first two tokens' joint distribution is the target's. The target
     drafts for itself, so drafts are often accepted and, with spec.overlap, round 1 often runs from
-    what was drafted ahead while round 0 was in flight (the guess of token 1 was right)."""
+    what was drafted ahead while round 0 was in flight (the guess of token 1 was right). With three
+    ranks the block crosses a middle rank (model.split=[1,3]) before the last one verifies it."""
     overrides = session_args(tiny_qwen, tiny_qwen, max_new=3) + [f"spec.overlap={str(overlap).lower()}"]
+    overrides += ["model.split=[1,3]"] if ranks == 3 else []
     temperature, top_p, n = 1.0, 0.8, 300
-    gens = serve(overrides, [(PROMPT, Request(temperature, top_p, seed)) for seed in range(n)])
+    gens = serve(overrides, [(PROMPT, Request(temperature, top_p, seed)) for seed in range(n)], ranks)
     observed: dict[tuple[int, int], int] = {}
     for g in gens:
         pair = tuple(g.output.tokens[:2])
@@ -355,27 +357,35 @@ def session_args(target, draft, max_new=MAX_NEW):
             "draft.dtype=float32", "spec.k=4", f"gen.max_new_tokens={max_new}"]
 
 
-def serve(overrides: list[str], requests: list[tuple[list[int], Request]]) -> list[Generation]:
+def serve(overrides: list[str], requests: list[tuple[list[int], Request]], ranks: int = 2) -> list[Generation]:
     """One Session on rank 0 (built as train_free_infer.rank0 builds it) serving `requests` in a row,
-    rank 1 (train_free_infer.rank1) in a thread, over local_pair."""
+    rank 1 (train_free_infer.rank1) in a thread, over local_pair; with `ranks` > 2 the middle ranks
+    (train_free_infer.middle) in threads too, over local_ring."""
     cfg = load_config(["output.stream=false", "chat=false", "prompt_ids=[1]", *overrides])
-    channels = local_pair(30.0)
+    links = local_ring(ranks, 30.0)  # (from the rank before, to the rank after); with two ranks local_pair's
     errors = []
 
-    def rank1():
+    def rank(r: int):
+        prev, next = links[r]
         try:
-            train_free_infer.rank1(cfg, channels[1])
+            if r == ranks - 1:
+                train_free_infer.rank1(cfg, prev, reply_to=next, ranks=ranks)
+            else:
+                train_free_infer.middle(cfg, prev, next, r, ranks)
         except BaseException as e:  # noqa: BLE001 - handed to the test
             errors.append(e)
-            channels[1].close()
-    thread = threading.Thread(target=rank1, daemon=True)
-    thread.start()
+            prev.close()
+            next.close()
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(1, ranks)]
+    for thread in threads:
+        thread.start()
+    replies, channel = links[0]
     try:
-        stage = build_stage(cfg, 0)
+        stage = build_stage(cfg, 0, ranks)
         drafter = build_drafter(cfg, None, stage.config)
-        train_free_infer.handshake(cfg, channels[0], 0)
-        session = Session(stage, drafter, channels[0], cfg.spec.k, cfg.spec.adaptive, cfg.spec.overlap,
-                          cfg.model.prefill_chunk)
+        train_free_infer.handshake(cfg, replies, 0, ranks, onward=channel)
+        session = Session(stage, drafter, channel, cfg.spec.k, cfg.spec.adaptive, cfg.spec.overlap,
+                          cfg.model.prefill_chunk, replies=replies)
         gens = []
         for ids, request in requests:
             output = Output(None, eos_ids(cfg.model.target), cfg.gen.max_new_tokens, [], stream=False)
@@ -383,11 +393,12 @@ def serve(overrides: list[str], requests: list[tuple[list[int], Request]]) -> li
             session.idle()  # between requests, as a server does
         session.close()
     except BaseException:
-        channels[0].close()
+        channel.close()
         raise
     finally:
-        thread.join(60)
-    assert not thread.is_alive(), "rank 1 did not finish"
+        for thread in threads:
+            thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "a rank did not finish"
     if errors:
         raise errors[0]
     return gens
