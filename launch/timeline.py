@@ -75,18 +75,23 @@ def round_windows(gen) -> list[tuple[float, float]]:
 
 
 def align_clocks(windows: list[tuple[float, float]], rank1_marks: list[list[float]],
-                 min_one_way_s: float = 0.0) -> ClockAlignment:
-    """theta (rank 1 minus rank 0) from the round trips; see the module docstring."""
-    pairs = [(w, m) for w, m in zip(windows, rank1_marks) if m]
+                 min_one_way_s: float = 0.0, hops: tuple[int, int] = (1, 1),
+                 held: list[tuple[float, float]] | None = None) -> ClockAlignment:
+    """theta (rank 1 minus rank 0) from the round trips; see the module docstring. N > 2: `hops`, the
+    messages from rank 0 to this rank and from it back to rank 0 (rank r: r in, N - r back), each taking
+    at least `min_one_way_s`; `held`, per round, how long the ranks on the way in and on the way back
+    held the block (durations each measured on its own clock)."""
+    held = held or [(0.0, 0.0)] * len(windows)
+    pairs = [(w, m, h) for w, m, h in zip(windows, rank1_marks, held) if m]
     if not pairs:
         return ClockAlignment(0.0, float("inf"), 0, False)
-    lo = max(m[3] + min_one_way_s - w[1] for w, m in pairs)
-    hi = min(m[1] - min_one_way_s - w[0] for w, m in pairs)
+    lo = max(m[3] + hops[1] * min_one_way_s + h[1] - w[1] for w, m, h in pairs)
+    hi = min(m[1] - hops[0] * min_one_way_s - h[0] - w[0] for w, m, h in pairs)
     if lo <= hi:
         return ClockAlignment((lo + hi) / 2 * 1000, (hi - lo) / 2 * 1000, len(pairs), True)
-    w, m = min(pairs, key=lambda p: (p[0][1] - p[0][0]) - (p[1][3] - p[1][1]))  # least time on the wire
-    theta = ((m[1] - w[0]) + (m[3] - w[1])) / 2
-    wire = (w[1] - w[0]) - (m[3] - m[1]) - 2 * min_one_way_s
+    w, m, h = min(pairs, key=lambda p: (p[0][1] - p[0][0]) - (p[1][3] - p[1][1]) - sum(p[2]))  # least time on the wire
+    theta = ((m[1] - h[0] - w[0]) + (m[3] + h[1] - w[1])) / 2
+    wire = (w[1] - w[0]) - (m[3] - m[1]) - sum(h) - sum(hops) * min_one_way_s
     return ClockAlignment(theta * 1000, wire / 2 * 1000, len(pairs), False)
 
 
@@ -146,16 +151,22 @@ def build_timeline(gen, rank1_marks: list[list[float]], meta: dict | None = None
     `middle_marks` (N > 2): per round, each middle rank's readings (Reply.middle_marks)."""
     middles = max((len(m) for m in middle_marks or []), default=0)
     last = middles + 1
-    alignment = align_clocks(round_windows(gen), rank1_marks, min_one_way_s)
-    offsets = {last: alignment.offset_ms if alignment.rounds else 0.0}
-    spans = rank0_spans(gen) + rank1_spans(rank1_marks, offsets[last], rank=last)
-    for r in range(1, last):
-        marks = [m[r - 1] if len(m) >= r else [] for m in middle_marks]
-        a = align_clocks(round_windows(gen), marks, min_one_way_s)
-        offsets[r] = a.offset_ms if a.rounds else 0.0
-        spans += rank1_spans(marks, offsets[r], rank=r, verifies=False)
+    marks = {r: [m[r - 1] if len(m) >= r else [] for m in middle_marks] for r in range(1, last)}
+    marks[last] = rank1_marks
+    held = {r: [m[3] - m[1] if m else 0.0 for m in marks[r]] for r in marks}  # a rank's own reading: no offset in it
+
+    def held_around(r: int) -> list[tuple[float, float]]:
+        return [(sum(held[q][i] for q in range(1, r)), sum(held[q][i] for q in range(r + 1, last + 1)))
+                for i in range(len(rank1_marks))]
+    alignments = {r: align_clocks(round_windows(gen), marks[r], min_one_way_s, hops=(r, last + 1 - r),
+                                  held=held_around(r)) for r in marks}
+    alignment = alignments[last]
+    spans = rank0_spans(gen)
+    for r in marks:
+        spans += rank1_spans(marks[r], alignments[r].offset_ms if alignments[r].rounds else 0.0, rank=r, verifies=r == last)
     if middles:
-        meta = {**(meta or {}), "clock_offsets_ms": {str(r): offsets[r] for r in sorted(offsets)}}
+        meta = {**(meta or {}), "clock_offsets_ms": {str(r): alignments[r].offset_ms for r in sorted(alignments)},
+                "clock_uncertainties_ms": {str(r): alignments[r].uncertainty_ms for r in sorted(alignments)}}
     return chrome_trace(spans, gen.t0_s, alignment, meta), alignment
 
 

@@ -83,10 +83,10 @@ def free_port() -> int:
     raise RuntimeError("no free port below the ephemeral range")
 
 
-def run_tandem(tmp: Path, *overrides: str, timeout: float = 240, expect_ok: bool = True):
-    """Run the real entry under torchrun; returns (output json or None, completed process)."""
+def run_tandem(tmp: Path, *overrides: str, timeout: float = 240, expect_ok: bool = True, nproc: int = 2):
+    """Run the real entry under torchrun (`nproc` ranks); returns (output json or None, completed process)."""
     out = tmp / f"out-{free_port()}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", str(REPO / "train_free_infer.py"), f"output.json={out}",
            "output.stream=false", "chat=false", *overrides]
     env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")

@@ -1,0 +1,159 @@
+"""N > 2 pipeline stages: the ranks form a ring 0 -> 1 -> ... -> N-1 -> 0 (speculative.rounds.run_middle
+between rank 0 and the last rank). Greedy output token-identical to transformers generate for N = 3
+and 4, explicit and auto splits, K=0, n-gram and model drafters, overlap on and off; each rank holds
+exactly its layers; bad splits are one line; the trace has a row per rank. (Sampling with 3 ranks:
+tests/test_speculative.py's joint-distribution test.) Real processes: one torchrun launch of three
+ranks over gloo, and a middle rank killed mid-generation, which every other rank reports in one line."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launch.build import build_stage
+from launch.config import ConfigError, load_config
+from model_parallel.split import even_cuts
+from tests.test_e2e import assert_one_line_error as assert_one_line_process_error
+from tests.test_e2e import wait_for_output
+from tests.test_launch import assert_one_line_error
+from tests.tiny_models import REPO, free_port, ids_arg, reference_greedy, run_ranks, run_tandem
+
+PROMPT = [11, 42, 7, 250, 3, 99, 180, 5, 42, 7]
+MAX_NEW = 23
+
+
+def args(target, split: str, drafter: str, k: int, draft=None, overlap: bool = True) -> list[str]:
+    base = [f"model.target={target}", "model.dtype=float32", f"model.split={split}", f"spec.k={k}",
+            f"prompt_ids={ids_arg(PROMPT)}", f"gen.max_new_tokens={MAX_NEW}", f"spec.overlap={str(overlap).lower()}"]
+    if drafter == "model":
+        return base + ["draft.kind=model", f"draft.model={draft}", "draft.dtype=float32"]
+    return base + [f"draft.kind={drafter}"]
+
+
+@pytest.mark.parametrize("ranks,split,drafter,k,draft,overlap", [
+    (3, "[1,3]", "model", 4, "self", True),  # every draft accepted: the blocks drafted ahead are used
+    (3, "[2,3]", "model", 4, "unrelated", True),  # mostly rejected: the blocks drafted ahead are dropped
+    (3, "auto", "ngram", 3, None, False),
+    (3, "[1,2]", "none", 0, None, True),  # K=0: one token per trip around the ring
+    (4, "[1,2,3]", "model", 3, "unrelated", False),
+    (4, "auto", "model", 2, "self", True),
+    (4, "auto", "none", 0, None, True),
+])
+def test_n_stages_match_generate(ranks, split, drafter, k, draft, overlap, tiny_qwen, tiny_qwen_draft):
+    draft = {"self": tiny_qwen, "unrelated": tiny_qwen_draft}.get(draft)
+    out = run_ranks(ranks, *args(tiny_qwen, split, drafter, k, draft, overlap))
+    assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, MAX_NEW)
+    stats = out["stats"]
+    assert len(stats["busy_fraction"]) == ranks and len(stats["mean_ms"]["middle"]) == ranks - 2
+    if draft == tiny_qwen:  # a drafter that is always right: whole blocks cross the pipe
+        assert stats["acceptance_rate"] == 1.0 and stats["tokens_per_round"] > k
+        if overlap:
+            assert stats["rounds_from_ahead"] >= stats["decode_rounds"] - 1
+
+
+def test_tied_embeddings_over_three_ranks(tiny_llama):
+    """Rank 0's embeddings and the last rank's head are one tensor in the checkpoint."""
+    out = run_ranks(3, *args(tiny_llama, "[1,2]", "ngram", 3))
+    assert out["token_ids"] == reference_greedy(tiny_llama, PROMPT, MAX_NEW)
+
+
+def test_each_rank_holds_its_layers_only(tiny_qwen):
+    cfg = load_config([f"model.target={tiny_qwen}", "model.split=[1,3]", "prompt_ids=[1]", "draft.kind=none"])
+    stages = [build_stage(cfg, r, 3) for r in range(3)]
+    assert [list(s.layer_ids) for s in stages] == [[0], [1, 2], [3]]
+    assert [s.embed is not None for s in stages] == [True, False, False]
+    assert [s.head is not None for s in stages] == [False, False, True]
+
+
+def test_auto_split_shares_the_layers_out_evenly():
+    assert even_cuts(28, 2) == [14] and even_cuts(28, 4) == [7, 14, 21]
+    assert even_cuts(28, 3) == [9, 19]  # the layer left over goes to the middle rank
+    assert even_cuts(4, 3) == [1, 3] and even_cuts(5, 4) == [1, 3, 4] and even_cuts(6, 4) == [1, 3, 5]
+    assert even_cuts(3, 3) == [1, 2]
+
+
+@pytest.mark.parametrize("split,ranks,needles", [
+    ("[2]", 3, ["model.split=[2] does not fit 3 ranks", "give 2 increasing layer numbers", "model.split=[1,3]"]),
+    ("2", 3, ["model.split=2 does not fit 3 ranks"]),
+    ("[3,2]", 3, ["model.split=[3, 2] is not increasing within 1..3", "has 4 layers"]),
+    ("[1,4]", 3, ["is not increasing within 1..3"]),
+    ("auto", 5, ["has 4 layers, too few for 5 ranks", "start fewer ranks"]),
+])
+def test_a_split_that_does_not_fit_is_one_line(split, ranks, needles, tiny_qwen):
+    with pytest.raises(BaseException) as info:
+        run_ranks(ranks, f"model.target={tiny_qwen}", f"model.split={split}", "prompt_ids=[1,2]", "draft.kind=none",
+                  timeout_s=20)
+    assert_one_line_error(info.value, ConfigError, *needles)
+
+
+def test_the_trace_has_a_row_per_rank(tiny_qwen, tmp_path):
+    delay_ms = 2
+    out = run_ranks(3, *args(tiny_qwen, "[1,3]", "model", 3, tiny_qwen), f"log.dir={tmp_path}",
+                    f"transport.emulate_delay_ms={delay_ms}")
+    run_dir, = tmp_path.iterdir()
+    trace = json.loads((run_dir / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    names = {(e["pid"], e["name"]) for e in spans}
+    assert {(1, "wait"), (1, "stage1"), (1, "send"), (2, "wait"), (2, "stage2"), (2, "verify")} <= names
+    assert (1, "verify") not in names  # a middle rank only forwards
+    rounds = {e["args"]["round"]: e for e in spans if e["pid"] == 0 and e["name"] == "round"}
+    assert len(rounds) == out["stats"]["rounds"]
+    for rank in (1, 2):  # after alignment each later rank works on round i inside rank 0's round i
+        for e in spans:
+            if e["pid"] == rank and e["name"] == f"stage{rank}":
+                r = rounds[e["args"]["round"]]
+                assert r["ts"] <= e["ts"] and e["ts"] + e["dur"] <= r["ts"] + r["dur"], (rank, e, r)
+    # one host, one clock: every rank's true offset, 0, within what the alignment claims, which knows
+    # that rank 2 is two emulated hops from rank 0 and one back (rank 1: one and two)
+    clock = trace["otherData"]
+    assert clock["clock_offsets_ms"]["2"] == clock["clock_offset_ms"]
+    for rank in ("1", "2"):
+        assert abs(clock["clock_offsets_ms"][rank]) <= clock["clock_uncertainties_ms"][rank] + 0.05, clock
+        assert clock["clock_uncertainties_ms"][rank] < delay_ms
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert len(summary["middle_marks"]) == out["stats"]["rounds"] and all(len(m) == 1 for m in summary["middle_marks"])
+
+
+# --- real processes: torchrun with three ranks over gloo; a middle rank killed --------------------
+
+def test_torchrun_three_ranks_match_generate(tiny_qwen, tiny_qwen_draft, tmp_path):
+    out, proc = run_tandem(tmp_path, f"model.target={tiny_qwen}", "model.dtype=float32", "model.split=auto",
+                           "draft.kind=model", f"draft.model={tiny_qwen_draft}", "draft.dtype=float32", "spec.k=4",
+                           f"prompt_ids={ids_arg(PROMPT)}", f"gen.max_new_tokens={MAX_NEW}", nproc=3)
+    assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, MAX_NEW)
+    assert "model.split=auto: [1, 3] over 3 ranks" in proc.stderr
+    assert len(out["stats"]["busy_fraction"]) == 3
+
+
+def test_a_killed_middle_rank_is_reported_by_every_other_rank(tiny_qwen, tmp_path):
+    import shutil
+    from tests.tiny_models import save_tiny_tokenizer
+    folder = tmp_path / "with-tokenizer"
+    shutil.copytree(tiny_qwen, folder)
+    save_tiny_tokenizer(folder)  # rank 0 streams text: the sign that rounds are running
+    port = free_port()
+    argv = [f"model.target={folder}", "output.stream=true", "model.dtype=float32", "draft.kind=none",
+            "prompt_ids=[1,2,3]", "chat=false", "gen.max_new_tokens=900", "model.max_len=1024", "model.split=[1,3]",
+            "transport.emulate_delay_ms=20", "transport.timeout_s=30"]
+    procs = []
+    for rank in range(3):
+        env = dict(os.environ, PYTHONPATH=str(REPO), RANK=str(rank), WORLD_SIZE="3", LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, str(REPO / "train_free_infer.py"), *argv], env=env, cwd=REPO,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        assert wait_for_output(procs[0], 90), procs[0].communicate()[1][-2000:]  # 900 rounds take > 54 s
+        procs[1].send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        errs = {r: procs[r].communicate(timeout=30)[1] for r in (0, 2)}
+        assert time.monotonic() - t0 < 15
+        for r, err in errs.items():
+            lines = assert_one_line_process_error(subprocess.CompletedProcess([], procs[r].returncode, "", err), "rank 1")
+            assert len(lines) == 1 and lines[0].startswith(f"tandem[rank {r}]: "), lines
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
