@@ -3,7 +3,8 @@ between rank 0 and the last rank). Greedy output token-identical to transformers
 and 4, explicit and auto splits, K=0, n-gram and model drafters, overlap on and off; each rank holds
 exactly its layers; bad splits are one line; the trace has a row per rank. (Sampling with 3 ranks:
 tests/test_speculative.py's joint-distribution test.) Real processes: one torchrun launch of three
-ranks over gloo, and a middle rank killed mid-generation, which every other rank reports in one line."""
+ranks over gloo, and (-m slow) a middle rank killed mid-generation, which every other rank reports in
+one line within seconds."""
 import json
 import os
 import signal
@@ -89,6 +90,16 @@ def test_a_split_that_does_not_fit_is_one_line(split, ranks, needles, tiny_qwen)
     assert_one_line_error(info.value, ConfigError, *needles)
 
 
+def test_the_handshake_goes_around_the_ring(tiny_qwen):
+    """Later ranks given model.split=auto take rank 0's split; a rank whose config differs from the one
+    before it stops the ring with one line naming both (here rank 2's dtype)."""
+    out = run_ranks(3, *args(tiny_qwen, "auto", "ngram", 3), only={0: ("model.split=[2,3]",)})
+    assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, MAX_NEW)
+    with pytest.raises(BaseException) as info:
+        run_ranks(3, *args(tiny_qwen, "[1,3]", "none", 0), only={2: ("model.dtype=bfloat16",)}, timeout_s=20)
+    assert_one_line_error(info.value, ConfigError, "the ranks disagree on dtype (rank 1: float32, rank 2: bfloat16)")
+
+
 def test_the_trace_has_a_row_per_rank(tiny_qwen, tmp_path):
     delay_ms = 2
     out = run_ranks(3, *args(tiny_qwen, "[1,3]", "model", 3, tiny_qwen), f"log.dir={tmp_path}",
@@ -128,6 +139,7 @@ def test_torchrun_three_ranks_match_generate(tiny_qwen, tiny_qwen_draft, tmp_pat
     assert len(out["stats"]["busy_fraction"]) == 3
 
 
+@pytest.mark.slow  # three processes starting on two cores: 15-45 s, most of it importing torch
 def test_a_killed_middle_rank_is_reported_by_every_other_rank(tiny_qwen, tmp_path):
     import shutil
     from tests.tiny_models import save_tiny_tokenizer

@@ -145,15 +145,16 @@ def run_pair(*overrides: str, timeout_s: float = 60.0, rank1: tuple[str, ...] = 
     return results[0]
 
 
-def run_ranks(ranks: int, *overrides: str, timeout_s: float = 60.0) -> dict:
+def run_ranks(ranks: int, *overrides: str, timeout_s: float = 60.0, only: dict[int, tuple[str, ...]] | None = None) -> dict:
     """run_pair for N ranks: every rank of train_free_infer in this process, as N threads on a ring of
-    in-process channels (netbridge.channel.local_ring: 0 -> 1 -> ... -> N-1 -> 0). Returns rank 0's
-    result; the root cause of a failure on any rank is raised here."""
+    in-process channels (netbridge.channel.local_ring: 0 -> 1 -> ... -> N-1 -> 0). `only`: overrides
+    for one rank alone ({rank: (...)}). Returns rank 0's result; the root cause of a failure on any
+    rank is raised here."""
     import train_free_infer
     from launch.config import load_config
     from netbridge.channel import PeerError, local_ring
 
-    cfgs = [load_config(["output.stream=false", "chat=false", *overrides]) for _ in range(ranks)]
+    cfgs = [load_config(["output.stream=false", "chat=false", *overrides, *(only or {}).get(r, ())]) for r in range(ranks)]
     t = cfgs[0].transport
     links = local_ring(ranks, timeout_s, emulate_delay_ms=t.emulate_delay_ms, emulate_mbps=t.emulate_mbps)
     results, errors = {}, {}
