@@ -1,6 +1,6 @@
 """Config -> the pieces a rank runs: its stage, (rank 0) the drafter, tokenizer and prompt ids.
 
-Every stage is built here: the target's two slices and the drafter's whole small model go through
+Every stage is built here: the target's slices (one per rank) and the drafter's whole small model go through
 `_load_stage`, with one rule for devices, dtypes and caches; the capacity rule is `check_capacity`."""
 from __future__ import annotations
 

@@ -40,8 +40,8 @@ class RoundRecord:
     committed: int  # tokens kept after stop criteria
     draft_ms: float
     stage0_ms: float
-    round_ms: float  # send -> reply received: network + rank 1's compute
-    stage1_ms: float  # rank 1's forward + verification, as it measured
+    round_ms: float  # send -> reply received: network + rank 1's compute (N > 2: every later rank's)
+    stage1_ms: float  # rank 1's forward + verification, as it measured (N > 2: the last rank's)
     start_s: float = 0.0  # when the round started, seconds since generation started
     send_ms: float = 0.0  # the part of round_ms spent in channel.send (an emulated delay included)
     sent_s: float = 0.0  # when the send began, seconds since generation started (round_ms starts here)
