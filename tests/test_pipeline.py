@@ -128,6 +128,29 @@ def test_the_trace_has_a_row_per_rank(tiny_qwen, tmp_path):
     assert len(summary["middle_marks"]) == out["stats"]["rounds"] and all(len(m) == 1 for m in summary["middle_marks"])
 
 
+def test_clock_alignment_of_a_middle_rank_counts_the_ranks_that_held_the_block():
+    """Synthetic rounds of three ranks, rank 1's clock 0.75 s ahead: rank 1 gets the block one hop after
+    rank 0 sent it and its send reaches rank 0 only after rank 2 held the block and replied (two hops).
+    Knowing the hops and how long rank 2 held it (a duration on rank 2's clock) bounds the offset far
+    tighter than rank 1's own readings alone, and the true offset stays inside."""
+    import random
+    from launch.timeline import align_clocks
+    rng, theta, hop = random.Random(1), 0.75, 0.005
+    windows, marks, held, t = [], [], [], 10.0
+    for _ in range(20):
+        out, work1, work2 = hop + rng.uniform(0, 1e-3), rng.uniform(1e-3, 5e-3), rng.uniform(5e-3, 3e-2)
+        back = 2 * hop + work2 + rng.uniform(0, 1e-3)
+        recv = t + out + theta
+        marks.append([recv - 1e-3, recv, recv + work1, recv + work1])
+        windows.append((t, t + out + work1 + back))
+        held.append((0.0, work2))
+        t += out + work1 + back + rng.uniform(0, 0.02)
+    plain = align_clocks(windows, marks)
+    known = align_clocks(windows, marks, min_one_way_s=hop, hops=(1, 2), held=held)
+    assert plain.consistent and known.consistent
+    assert abs(known.offset_ms - theta * 1000) <= known.uncertainty_ms < 1.0 < plain.uncertainty_ms
+
+
 # --- real processes: torchrun with three ranks over gloo; a middle rank killed --------------------
 
 def test_torchrun_three_ranks_match_generate(tiny_qwen, tiny_qwen_draft, tmp_path):
