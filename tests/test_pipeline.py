@@ -126,6 +126,12 @@ def test_the_trace_has_a_row_per_rank(tiny_qwen, tmp_path):
         assert clock["clock_uncertainties_ms"][rank] < delay_ms
     summary = json.loads((run_dir / "summary.json").read_text())
     assert len(summary["middle_marks"]) == out["stats"]["rounds"] and all(len(m) == 1 for m in summary["middle_marks"])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    middle = [e.value for e in events.Scalars("round/rank1_ms")]  # the middle rank's layers, per round
+    assert len(middle) == out["stats"]["rounds"] and sum(middle[1:]) / (len(middle) - 1) == \
+        pytest.approx(out["stats"]["mean_ms"]["middle"][0], rel=1e-4)
 
 
 def test_clock_alignment_of_a_middle_rank_counts_the_ranks_that_held_the_block():
