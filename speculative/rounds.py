@@ -8,9 +8,12 @@
     a, next <------------------------------------  send("reply", accepted, next)
     rewind stage0, commit d1..da + next            rewind stage1 to the committed length
 
-With N > 2 ranks the block passes through the middle ranks (run_middle: their layers, then on) and the
-last rank (run_rank1) replies straight to rank 0, closing the ring 0 -> 1 -> ... -> N-1 -> 0; every
-stage rewinds to the block's `start`, so the middle ranks need no reply.
+With N > 2 ranks the same round goes around a ring; a middle rank only runs its layers (run_middle):
+
+    rank 0 --Round(h0)--> rank 1 --Round(h1)--> ... --> rank N-1 (run_rank1): verify --Reply--> rank 0
+
+Every stage rewinds to the block's `start` (rank 0 is the authority on the committed length), so the
+middle ranks need no reply; rank 0 drafts ahead (spec.overlap) while the block is anywhere in the pipe.
 
 `pending` is the prompt in the first round (the prefill) and the last committed token after that;
 both caches then hold exactly the committed tokens but the newest, which the next round feeds.
