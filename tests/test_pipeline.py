@@ -20,7 +20,7 @@ from model_parallel.split import even_cuts
 from tests.test_e2e import assert_one_line_error as assert_one_line_process_error
 from tests.test_e2e import wait_for_output
 from tests.test_launch import assert_one_line_error
-from tests.tiny_models import REPO, free_port, ids_arg, reference_greedy, run_ranks, run_tandem
+from tests.tiny_models import REPO, free_port, ids_arg, reference_greedy, run_entry_pair, run_ranks, run_tandem
 
 PROMPT = [11, 42, 7, 250, 3, 99, 180, 5, 42, 7]
 MAX_NEW = 23
@@ -98,6 +98,23 @@ def test_the_handshake_goes_around_the_ring(tiny_qwen):
     with pytest.raises(BaseException) as info:
         run_ranks(3, *args(tiny_qwen, "[1,3]", "none", 0), only={2: ("model.dtype=bfloat16",)}, timeout_s=20)
     assert_one_line_error(info.value, ConfigError, "the ranks disagree on dtype (rank 1: float32, rank 2: bfloat16)")
+
+
+def test_a_failure_on_one_rank_is_one_line_on_every_rank(tiny_qwen, monkeypatch, capsys):
+    """Rank 0 alone finds the prompt too long for its cache (after the handshake): it says so, and the
+    cause travels around the ring, so each other rank exits at once with one line naming it."""
+    import re
+    t0 = time.monotonic()
+    outcome = run_entry_pair(monkeypatch, f"model.target={tiny_qwen}", "model.max_len=16", "draft.kind=none",
+                             "model.split=[1,2]", "gen.max_new_tokens=10", f"prompt_ids={ids_arg(list(range(1, 10)))}",
+                             timeout_s=30, ranks=3)
+    assert time.monotonic() - t0 < 20
+    assert outcome == {0: 1, 1: 1, 2: 1}
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
+    lines = re.findall(r"tandem\[rank [^\]]*\]: [^\r\n]*", err)
+    assert len(lines) == 3 and all("model.max_len=16" in line for line in lines), lines
+    assert sum("failed" not in line for line in lines) == 1  # the cause, once; the others say who failed
 
 
 def test_the_trace_has_a_row_per_rank(tiny_qwen, tmp_path):

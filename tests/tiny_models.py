@@ -188,22 +188,22 @@ def with_eos(folder: Path, dest: Path, eos: int) -> Path:
     return dest
 
 
-def run_entry_pair(monkeypatch, *argv: str, timeout_s: float = 30.0) -> dict[int, object]:
-    """train_free_infer.main(argv) on both ranks in this process, as two threads over local_pair: the
-    entry's own error handling (report, telling the peer, exit status) without torchrun. torchrun's
-    rank lookup and the gloo channel are replaced for the threads (the entry installs signal handlers only
-    on the main thread); everything else is the real path.
+def run_entry_pair(monkeypatch, *argv: str, timeout_s: float = 30.0, ranks: int = 2) -> dict[int, object]:
+    """train_free_infer.main(argv) on both ranks (or `ranks` of them) in this process, as threads over
+    local_pair (local_ring): the entry's own error handling (report, telling the peer, exit status)
+    without torchrun. torchrun's rank lookup and the gloo channels are replaced for the threads (the
+    entry installs signal handlers only on the main thread); everything else is the real path.
     Returns each rank's outcome: SystemExit's code, None for a clean return, or the exception raised."""
     import threading
 
     import train_free_infer
-    from netbridge.channel import local_pair
+    from netbridge.channel import local_ring
 
-    channels = local_pair(timeout_s)
+    links = local_ring(ranks, timeout_s)
     local = threading.local()
-    monkeypatch.setattr(train_free_infer, "torchrun_rank", lambda: (local.rank, 2))
-    monkeypatch.setattr(train_free_infer, "open_links", lambda cfg, rank, ranks: (channels[rank], channels[rank]))
-    monkeypatch.setattr(train_free_infer, "close_channel", lambda *links: links[0].close())
+    monkeypatch.setattr(train_free_infer, "torchrun_rank", lambda: (local.rank, ranks))
+    monkeypatch.setattr(train_free_infer, "open_links", lambda cfg, rank, ranks: links[rank])
+    monkeypatch.setattr(train_free_infer, "close_channel", lambda *links: [link.close() for link in set(links)])
     outcome: dict[int, object] = {}
 
     def rank(r: int) -> None:
@@ -215,7 +215,7 @@ def run_entry_pair(monkeypatch, *argv: str, timeout_s: float = 30.0) -> dict[int
             outcome[r] = e.code
         except BaseException as e:  # noqa: BLE001 - handed to the test
             outcome[r] = e
-    run_both(rank, timeout_s * 2)
+    run_both(rank, timeout_s * 2, ranks)
     return outcome
 
 
