@@ -14,6 +14,7 @@ With N ranks the middle ones run their layers in between and the last one does w
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -164,11 +165,16 @@ def _raise_interrupted(signum, _frame=None):
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = config_from_argv(argv)
+    try:
+        cfg = config_from_argv(argv)  # exits 0 after printing the keys for --help / -h
+    except ConfigError as e:
+        # every rank on this host read the same command line: the first says so, each tells torchrun
+        report(str(e), echo=os.environ.get("LOCAL_RANK", "0") == "0")
+        sys.exit(1)
     if threading.current_thread() is threading.main_thread():  # (tests drive main() from threads)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, _raise_interrupted)
-    links, ranks = None, 2
+    links, ranks, rank = None, 2, None
     try:
         rank, ranks = torchrun_rank()
         skip_the_final_collections_at_exit()
@@ -184,11 +190,13 @@ def main(argv: list[str] | None = None) -> None:
         else:
             middle(cfg, prev, next, rank, ranks)
     except EXPECTED as e:
-        report(str(e))  # first: torchrun stops this rank as soon as the peer exits
+        report(str(e), rank)  # first: torchrun stops this rank as soon as the peer exits
         _tell_peer(links, str(e), ranks)
         sys.exit(130 if isinstance(e, Interrupted) else 1)
     except BaseException as e:
         _tell_peer(links, _one_line(e), ranks)
+        if not isinstance(e, SystemExit):  # Python prints the traceback; torchrun's summary ends with this line
+            report(_one_line(e), rank, echo=False)
         raise
     finally:
         if links is not None:

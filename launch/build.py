@@ -75,7 +75,7 @@ def resolve_split(cfg: TandemConfig, ranks: int = 2) -> str | None:
     drafting = cfg.draft.kind == "model" and cfg.spec.k > 0
     steps = (cfg.spec.k + (1 if cfg.spec.overlap else 0)) if drafting else 0  # overlap also drafts the guess
     plan = plan_split(target, cfg.spec.k, device_for(cfg), DTYPES[_compute_dtype_name(cfg)],
-                      draft=load_config(cfg.draft.model) if drafting else None, draft_device=cfg.draft.device,
+                      draft=load_config(cfg.draft.model) if drafting else None, draft_device=draft_device(cfg),
                       draft_dtype=DTYPES[cfg.draft.dtype], draft_steps=steps)
     cfg.model.split = plan.split
     return plan.describe(target.num_hidden_layers, steps, cfg.spec.k + 1)
@@ -115,7 +115,7 @@ def build_draft_stage(cfg: TandemConfig):
     """The drafter's whole model (embeddings, every layer, head) as one stage on draft.device."""
     d = cfg.draft
     return _load_stage(d.model, 0, load_config(d.model).num_hidden_layers, embed=True, head=True, dtype=d.dtype,
-                       device=d.device, quant=quantizer(cfg, "draft"), max_len=d.max_len, setting="draft.max_len",
+                       device=draft_device(cfg), quant=quantizer(cfg, "draft"), max_len=d.max_len, setting="draft.max_len",
                        progress="drafter")
 
 
@@ -132,6 +132,11 @@ def device_for(cfg: TandemConfig) -> str:
     if torch.cuda.is_available():
         return f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % torch.cuda.device_count()}"
     return "cpu"
+
+
+def draft_device(cfg: TandemConfig) -> str:
+    """draft.device; auto = where this rank's target slice runs (its GPU when it has one)."""
+    return device_for(cfg) if cfg.draft.device == "auto" else cfg.draft.device
 
 
 def compute_dtype(stage):
@@ -238,15 +243,15 @@ def model_drafter(cfg: TandemConfig):
     """draft.model as a ModelDrafter (what build_drafter gives once the vocabularies are checked)."""
     from speculative.drafters import ModelDrafter
     return ModelDrafter(build_draft_stage(cfg), max_k=max(cfg.spec.k, 1), top_k=cfg.draft.top_k,
-                        use_graph=use_graph(cfg.draft))
+                        use_graph=use_graph(cfg.draft, draft_device(cfg)))
 
 
-def use_graph(d) -> bool:
+def use_graph(d, device: str) -> bool:
     """draft.graph: auto = capture on CUDA; on = insist (and say why it cannot be)."""
     import torch
-    on_cuda = d.device.startswith("cuda")
+    on_cuda = device.startswith("cuda")
     if d.graph == "on" and not (on_cuda and torch.cuda.is_available()):
-        raise ConfigError(f"draft.graph=on needs a CUDA draft.device (got {d.device!r}"
+        raise ConfigError(f"draft.graph=on needs a CUDA draft.device (got {device!r}"
                           f"{'' if torch.cuda.is_available() else ', no CUDA here'}); use draft.graph=auto")
     return d.graph == "on" or (d.graph == "auto" and on_cuda)
 

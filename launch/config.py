@@ -9,9 +9,14 @@ that checks values.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import io
+import json
 import os
 import sys
+import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,28 +33,28 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     target: str = f"{MODELS}/qwen2.5-coder-1.5b-instruct"  # a local HF folder (config.json, *.safetensors, tokenizer)
-    split: int | str | list[int] | None = "auto"  # first layer of rank 1 (N ranks: [first layer of ranks 1..N-1]); auto = balance the ranks' busy time (timed; N > 2: even); None = half
+    split: int | str | list[int] | None = "auto"  # first layer of rank 1 (N ranks: [first layer of ranks 1..N-1]); auto = balance the ranks' busy time (timed; N > 2: even); null = half
     dtype: str = "bfloat16"  # float32 | bfloat16 | float16
     max_len: int = 4096  # KV-cache capacity of each stage, in tokens (prompt + output + K)
     prefill_chunk: int = 512  # a longer prompt crosses in chunks of this many tokens, pipelined across the ranks
-    quant: str = "none"  # none | nf4
-    quant_compute_dtype: str = "bfloat16"
+    quant: str = "none"  # none | nf4 (bitsandbytes 4-bit; each rank quantizes its own slice)
+    quant_compute_dtype: str = "bfloat16"  # NF4 matmuls compute in this; norms, embeddings, KV cache stay in model.dtype
     quant_double: bool = True  # NF4 double quantization
-    quant_lm_head: bool = False  # the LM head stays in full precision unless asked
+    quant_lm_head: bool = False  # NF4 the LM head too (target and drafter); it stays in full precision unless asked
 
 
 @dataclass
 class DraftConfig:
     kind: str = "model"  # none (one token per round trip) | model (a small LM) | ngram (prompt lookup)
     model: str | None = f"{MODELS}/qwen2.5-coder-0.5b-instruct"  # a local HF folder sharing the target's tokenizer
-    device: str = "cpu"
-    dtype: str = "bfloat16"
+    device: str = "auto"  # auto = the target's device on rank 0 (its GPU when it has one), or e.g. cpu, cuda:1
+    dtype: str = "bfloat16"  # float32 | bfloat16 | float16
     graph: str = "auto"  # auto | on | off : capture the draft step as a CUDA graph (CUDA only)
     max_len: int = 4096  # drafter KV-cache capacity, in tokens
     top_k: int = 32  # sampled drafts come from the drafter's top-k: their probabilities travel with them
-    quant: str = "none"  # none | nf4
+    quant: str = "none"  # none | nf4 (with model.quant_compute_dtype, quant_double, quant_lm_head)
     ngram_max: int = 3  # n-gram drafter: longest suffix it looks up in the context
-    ngram_min: int = 1
+    ngram_min: int = 1  # n-gram drafter: shortest suffix it looks up
 
 
 @dataclass
@@ -57,25 +62,25 @@ class SpecConfig:
     k: int = 4  # draft tokens per round (0 = one token per round trip); the most with spec.adaptive
     adaptive: bool = True  # K grows by 2 after a fully accepted round, shrinks by 1 after a miss (1..k)
     overlap: bool = True  # while a round is in flight, draft (and run stage 0 on) the next one; output unchanged
-    k_from_costs: bool = False  # K (1..k) maximises expected tokens/s from measured acceptance and costs; output unchanged
+    k_from_costs: bool = False  # K (0..k) maximises expected tokens/s from measured acceptance and costs; output unchanged
 
 
 @dataclass
 class GenConfig:
-    max_new_tokens: int = 256
+    max_new_tokens: int = 256  # output never exceeds this many tokens
     temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    seed: int = 0
+    top_p: float = 1.0  # nucleus sampling: 1.0 = the whole distribution
+    seed: int = 0  # sampling is seeded: the same seed gives the same output
     stop: list[str] = field(default_factory=list)  # stop strings; the token that completes one is kept
 
 
 @dataclass
 class TransportConfig:
     kind: str = "gloo"  # gloo | relay
-    relay: str | None = None  # HOST:PORT of the relay (kind=relay)
-    session: str | None = None  # session id both ranks give the relay
+    relay: str | None = None  # HOST:PORT of the relay (kind=relay); null = torchrun's tandem-relay --rdzv_endpoint
+    session: str | None = None  # session id both ranks give the relay; null = torchrun's --rdzv_id
     secret: str | None = None  # shared secret; prefer secret_file
-    secret_file: str | None = None
+    secret_file: str | None = None  # file holding the shared secret (or set TANDEM_SECRET_FILE)
     timeout_s: float = 120.0  # per-operation timeout: a silent peer fails within this
     reconnect_s: float = 60.0  # kind=relay: after a dropped link, re-dial and resume the session for up to this long
     emulate_delay_ms: float = 0.0  # emulated one-way delay added to every message (tests, benchmarks)
@@ -99,7 +104,7 @@ class LogConfig:
 class ServeConfig:
     port: int | None = None  # serve an OpenAI-compatible HTTP API on rank 0 instead of answering `prompt` once
     host: str = "127.0.0.1"  # 0.0.0.0 to accept other hosts (no authentication: keep it on a trusted network)
-    model_name: str | None = None  # the model id clients send; None = the target folder's name
+    model_name: str | None = None  # the model id clients send; null = the target folder's name
     max_queue: int = 64  # requests waiting beyond this are refused with 429
 
 
@@ -115,7 +120,7 @@ class TandemConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
     prompt: str | None = None  # plain text; the chat template is applied when the model has one
     prompt_ids: list[int] | None = None  # token ids, used as they are (tests)
-    chat: bool = True
+    chat: bool = True  # false: the prompt goes in as plain text, without the chat template
     system: str | None = None  # system message for the chat template
 
 
@@ -206,8 +211,57 @@ def validate(cfg: TandemConfig) -> None:
         raise ConfigError("draft.top_k must be >= 1")
 
 
+USAGE = """usage: torchrun --nproc_per_node=2 train_free_infer.py [config=FILE.yaml] [key=value ...]
+
+Settings are key=value (omegaconf dotlist), over the defaults and an optional YAML file (config=PATH,
+e.g. configs/smollm2.yaml). Every key, with its default and meaning (from launch/config.py):"""
+
+
+def help_text() -> str:
+    """Every key as `key=default` and its meaning: the dataclasses above and their comments, read here
+    so that the one place a key is defined is also the one place it is explained."""
+    defaults = OmegaConf.to_container(OmegaConf.structured(TandemConfig), resolve=True)
+    lines = [USAGE]
+    for key, meaning in key_meanings(TandemConfig):
+        value = defaults
+        for part in key.split("."):
+            value = value[part]
+        setting = f"  {key}={_shown(value)}"
+        lines.append(f"{setting:<34} {meaning}" if len(setting) < 34 else f"{setting}\n{'':<34} {meaning}")
+    return "\n".join(lines)
+
+
+def _shown(value) -> str:
+    """A default as it is typed on the command line."""
+    if isinstance(value, str):
+        return _expand(value) if value else '""'
+    return json.dumps(value)  # null, true, 4, [] ...
+
+
+def key_meanings(node_cls, prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted key, the comment on its line) for every leaf field, sections in order."""
+    comments = _field_comments(node_cls)
+    out = []
+    for f in dataclasses.fields(node_cls):
+        if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory):
+            out += key_meanings(f.default_factory, f"{prefix}{f.name}.")
+        else:
+            out.append((prefix + f.name, comments.get(f.name, "")))
+    return out
+
+
+def _field_comments(node_cls) -> dict[str, str]:
+    source = inspect.getsource(node_cls)
+    lines = {tok.start[0]: tok.string.lstrip("# ") for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+             if tok.type == tokenize.COMMENT}
+    fields = [node for node in ast.parse(source).body[0].body if isinstance(node, ast.AnnAssign)]
+    return {node.target.id: lines[node.end_lineno] for node in fields if node.end_lineno in lines}
+
+
 def config_from_argv(argv: list[str] | None = None) -> TandemConfig:
-    try:
-        return load_config(sys.argv[1:] if argv is None else argv)
-    except ConfigError as e:
-        sys.exit(f"tandem: {e}")
+    """The command line's config (a ConfigError if it is wrong); `--help` / `-h` prints the keys and exits 0."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        sys.exit(0)
+    return load_config(argv)

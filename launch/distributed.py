@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import atexit
 import gc
+import json
 import os
 import sys
+import time
 from datetime import timedelta
 
 from launch.config import TandemConfig
@@ -88,7 +90,29 @@ def close_channel(channel: Channel, *more: Channel) -> None:
         dist.destroy_process_group()
 
 
-def report(message: str) -> None:
-    """One line on stderr: the user sees the cause and the fix, not a traceback."""
-    rank = os.environ.get("RANK", "?")
-    print(f"tandem[rank {rank}]: {message}", file=sys.stderr, flush=True)
+def report(message: str, rank: int | str | None = None, echo: bool = True) -> None:
+    """One line on stderr, tagged with the rank (torchrun's RANK if not given; none when not under
+    torchrun): the user sees the cause and the fix, not a traceback. Under torchrun the line also goes
+    to this worker's error file, so the failure summary torchrun prints last ends with it
+    (`traceback : tandem[rank N]: ...`) instead of "To enable traceback see: ...". `echo=False`: the
+    file only (a line another rank of this host prints already)."""
+    rank = os.environ.get("RANK") if rank is None else rank
+    line = f"tandem[rank {rank}]: {message}" if rank is not None else f"tandem: {message}"
+    if echo:
+        print(line, file=sys.stderr, flush=True)
+    record_for_torchrun(line)
+
+
+def record_for_torchrun(line: str) -> None:
+    """Write `line` where torchrun reads a failed worker's cause: the file named by TORCHELASTIC_ERROR_FILE,
+    in the layout of torch's own ErrorHandler.record_exception, less the traceback (torchrun shows
+    `py_callstack` when there is one, else `message`). torchrun names as root cause the failure with
+    the earliest timestamp (whole seconds; a tie goes to the first it noticed)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+    except OSError:  # the line is on stderr already; torchrun then shows its generic hint
+        pass

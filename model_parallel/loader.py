@@ -52,12 +52,28 @@ def load_config(folder: str | Path):
     folder = Path(folder)
     path = folder / "config.json"
     if not path.is_file():
-        hint = "run `python -m model_parallel.fetch_weights` first" if "tandem" in str(folder) else "pass a local Hugging Face folder"
+        hint = fetch_hint(folder)
         raise ModelLoadError(f"model folder {folder} has no config.json ({'missing folder' if not folder.exists() else 'not a HF model folder'}); {hint}")
     check_config_fields(path, read_json(path))
     config = parse_config(folder, path)
     config._attn_implementation = "sdpa"  # our boolean position mask is an sdpa mask
     return config
+
+
+def fetch_hint(folder: Path) -> str:
+    """What to do about a missing model folder. One that fetch_weights makes (known by its folder name,
+    wherever TANDEM_CACHE or the setting puts it) names the fetch command; anything else is the user's own."""
+    from model_parallel.fetch_weights import DEFAULT_MODELS, MODELS, default_cache_dir, model_dir
+    name = next((n for n, spec in MODELS.items() if spec.folder == folder.name), None)
+    if name is None:
+        return "pass a local Hugging Face folder (config.json, *.safetensors, tokenizer)"
+    command = "python -m model_parallel.fetch_weights" + ("" if name in DEFAULT_MODELS else f" --models {name}")
+    if folder.parent.name != "models":
+        return f"run `{command}` first and point the setting at {model_dir(name)}, where it puts the model"
+    cache = folder.parent.parent
+    if cache.resolve() != default_cache_dir().resolve():
+        command += f" --cache {cache}"
+    return f"run `{command}` first"
 
 
 def read_json(path: Path) -> dict:

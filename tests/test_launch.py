@@ -50,25 +50,26 @@ def pair_error(*overrides: str) -> BaseException:
 
 # --- the config ----------------------------------------------------------------------------------
 
-def config_exit(*argv: str) -> str:
-    """The entry's exit message for a bad command line (it exits before any rank work)."""
+def config_exit(capsys, *argv: str) -> str:
+    """The entry's one line for a bad command line: printed once, tagged, exit status 1, before any rank work."""
     with pytest.raises(SystemExit) as info:
         train_free_infer.main(list(argv))
-    message = info.value.code
-    assert isinstance(message, str) and message.startswith("tandem: "), message  # printed, exit status 1
-    assert "\n" not in message, message
-    return message
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tandem: "), err  # not under torchrun: no rank to name
+    return lines[0]
 
 
-def test_unknown_key_lists_valid_keys():
-    message = config_exit("prompt=hi", "gen.max_tokens=5")
+def test_unknown_key_lists_valid_keys(capsys):
+    message = config_exit(capsys, "prompt=hi", "gen.max_tokens=5")
     assert "gen.max_tokens" in message and "max_new_tokens" in message
     with pytest.raises(ConfigError, match=r"valid keys in model: target, split, dtype"):
         load_config(["prompt=hi", "model.splt=3"])
 
 
-def test_bad_value_type():
-    assert "gen.temperature" in config_exit("prompt=hi", "gen.temperature=hot")
+def test_bad_value_type(capsys):
+    assert "gen.temperature" in config_exit(capsys, "prompt=hi", "gen.temperature=hot")
 
 
 @pytest.mark.parametrize("argv,needles", [
@@ -79,8 +80,8 @@ def test_bad_value_type():
     (["prompt=hi", "config=/nonexistent.yaml"], ["/nonexistent.yaml not found", "config=PATH"]),
     (["prompt=hi", "--k=3"], ["'--k=3'", "key=value"]),
 ])
-def test_bad_values_name_the_key_and_the_fix(argv, needles):
-    message = config_exit(*argv)
+def test_bad_values_name_the_key_and_the_fix(argv, needles, capsys):
+    message = config_exit(capsys, *argv)
     for needle in needles:
         assert needle in message, (needle, message)
 
@@ -118,6 +119,44 @@ def test_missing_model_folder(tmp_path):
     error = pair_error(f"model.target={tmp_path / 'nope'}", "prompt_ids=[1,2]")
     assert_one_line_error(error, ModelLoadError, "no config.json", "missing folder")
     assert "pass a local Hugging Face folder" in str(error) or "model_parallel.fetch_weights" in str(error)
+
+
+@pytest.mark.parametrize("extra,model,command", [
+    ([], "qwen2.5-coder-1.5b-instruct", "`python -m model_parallel.fetch_weights` first"),
+    (["config=configs/smollm2.yaml"], "smollm2-135m-instruct", "`python -m model_parallel.fetch_weights --models smollm2-135m` first"),
+])
+def test_a_missing_embedded_model_names_the_fetch_command_wherever_the_cache_is(extra, model, command, tmp_path, monkeypatch):
+    """The default models live under $TANDEM_CACHE/models (a path with no "tandem" in it here): missing,
+    the error names the command that fetches them there."""
+    cache = tmp_path / "weights-cache"
+    monkeypatch.setenv("TANDEM_CACHE", str(cache))
+    monkeypatch.chdir(REPO)
+    cfg = load_config(["prompt=hi", *extra])
+    assert cfg.model.target == str(cache / "models" / model)
+    error = pair_error("prompt_ids=[1,2]", *extra)
+    assert_one_line_error(error, ModelLoadError, f"{cache / 'models' / model} has no config.json", command)
+    # fetched into another cache than this run's: the command names it
+    other = tmp_path / "elsewhere" / "models" / model
+    error = pair_error("prompt_ids=[1,2]", *extra, f"model.target={other}")
+    assert_one_line_error(error, ModelLoadError, f"--cache {tmp_path / 'elsewhere'}` first")
+
+
+def test_the_drafter_runs_where_the_target_runs_by_default(tiny_qwen, tiny_qwen_draft, monkeypatch):
+    """draft.device=auto (the default): rank 0's target device, its GPU on a GPU host, where the CUDA
+    graph is then captured (draft.graph=auto); a device given explicitly is kept."""
+    import torch
+    from launch.build import build_draft_stage, build_stage, draft_device, use_graph
+    cfg = load_config(["prompt=hi", f"model.target={tiny_qwen}", f"draft.model={tiny_qwen_draft}", "model.split=2"])
+    assert cfg.draft.device == "auto"
+    target, drafter = build_stage(cfg, 0), build_draft_stage(cfg)
+    devices = {p.device for p in target.parameters()} | {p.device for p in drafter.parameters()}
+    assert len(devices) == 1, devices  # here: the CPU, for both
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a host with two GPUs, rank 0 on the second
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert draft_device(cfg) == "cuda:1" and use_graph(cfg.draft, draft_device(cfg))
+    cfg.draft.device = "cpu"
+    assert draft_device(cfg) == "cpu" and not use_graph(cfg.draft, draft_device(cfg))
 
 
 def test_split_out_of_range(tiny_qwen):
