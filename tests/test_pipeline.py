@@ -18,7 +18,6 @@ from launch.build import build_stage
 from launch.config import ConfigError, load_config
 from model_parallel.split import even_cuts
 from tests.test_e2e import assert_one_line_error as assert_one_line_process_error
-from tests.test_e2e import wait_for_output
 from tests.test_launch import assert_one_line_error
 from tests.tiny_models import REPO, free_port, ids_arg, reference_greedy, run_entry_pair, run_ranks, run_tandem
 
@@ -183,6 +182,14 @@ def test_torchrun_three_ranks_match_generate(tiny_qwen, tiny_qwen_draft, tmp_pat
     assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, MAX_NEW)
     assert "model.split=auto: [1, 3] over 3 ranks" in proc.stderr
     assert len(out["stats"]["busy_fraction"]) == 3
+
+
+def wait_for_output(proc, seconds: float) -> bool:
+    """True once the process printed something on stdout (rank 0 streams text as tokens commit)."""
+    import threading
+    got = threading.Event()
+    threading.Thread(target=lambda: (proc.stdout.read(1), got.set()), daemon=True).start()
+    return got.wait(seconds)
 
 
 @pytest.mark.slow  # three processes starting on two cores: 15-45 s, most of it importing torch
