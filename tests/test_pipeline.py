@@ -99,6 +99,14 @@ def test_the_handshake_goes_around_the_ring(tiny_qwen):
     assert_one_line_error(info.value, ConfigError, "the ranks disagree on dtype (rank 1: float32, rank 2: bfloat16)")
 
 
+def test_the_relay_says_it_joins_two_ranks_only():
+    """N ranks over the relay are not built yet: a clear line at start, before anything is dialled."""
+    from launch.distributed import LaunchError, open_links
+    cfg = load_config(["prompt_ids=[1]", "transport.kind=relay", "transport.relay=127.0.0.1:1", "transport.session=s"])
+    with pytest.raises(LaunchError, match="transport.kind=relay joins two ranks, torchrun started 3: use transport.kind=gloo"):
+        open_links(cfg, 1, 3)
+
+
 def test_a_failure_on_one_rank_is_one_line_on_every_rank(tiny_qwen, monkeypatch, capsys):
     """Rank 0 alone finds the prompt too long for its cache (after the handshake): it says so, and the
     cause travels around the ring, so each other rank exits at once with one line naming it."""
