@@ -124,6 +124,61 @@ def test_a_failure_on_one_rank_is_one_line_on_every_rank(tiny_qwen, monkeypatch,
     assert sum("failed" not in line for line in lines) == 1  # the cause, once; the others say who failed
 
 
+def test_serving_over_three_ranks_equals_generate_and_stops_when_a_rank_is_lost(tmp_path):
+    """The OpenAI-compatible server on rank 0 of three (threads over local_ring): an answer equals
+    generate; then the middle rank vanishes mid-stream, the last rank loses it and goes, and the client
+    gets an error naming the lost rank while rank 0's serve() raises the PeerError the entry reports."""
+    import threading
+
+    import openai
+
+    import train_free_infer
+    from netbridge.channel import PeerError, local_ring
+    from tests.test_serve import MAX_LEN, chat_folder, serve_args, wait_healthy
+    target, draft = chat_folder(tmp_path / "target", seed=1), chat_folder(tmp_path / "draft", seed=7, layers=2)
+    port = free_port()
+    cfg = load_config(serve_args(target, draft, port) + ["output.stream=false", "transport.timeout_s=20",
+                                                         "model.split=[1,3]"])
+    links, outcome = local_ring(3, 20), {}
+
+    def run(rank):
+        prev, next = links[rank]
+        try:
+            if rank == 0:
+                train_free_infer.rank0(cfg, next, replies=prev, ranks=3)
+            elif rank == 1:
+                train_free_infer.middle(cfg, prev, next, 1, 3)
+            else:
+                train_free_infer.rank1(cfg, prev, reply_to=next, ranks=3)
+        except BaseException as e:  # noqa: BLE001 - examined below
+            outcome[rank] = e
+            prev.close()
+            next.close()
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(3)]
+    for t in threads:
+        t.start()
+    wait_healthy(f"http://127.0.0.1:{port}", None, 60)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    messages = [{"role": "user", "content": "def reverse(s):"}]
+    answer = client.chat.completions.create(model="target", messages=messages, max_tokens=12)
+    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    assert answer.tandem["token_ids"] == reference_greedy(target, ids, 12)
+
+    stream = client.completions.create(model="target", prompt="print('ok')", max_tokens=MAX_LEN - 64, stream=True)
+    next(iter(stream))
+    links[1][1].close()  # the middle rank's link onward goes away: rank 2's next receive fails
+    links[1][0].inbox.put(None)  # and the middle rank's own thread ends
+    with pytest.raises(openai.APIError, match="lost rank 2"):
+        for _ in stream:
+            pass
+    threads[0].join(30)
+    assert not threads[0].is_alive()
+    assert isinstance(outcome.get(0), PeerError) and "lost rank 2" in str(outcome[0])
+    assert isinstance(outcome.get(2), PeerError) and "lost rank 1" in str(outcome[2])
+
+
 def test_the_trace_has_a_row_per_rank(tiny_qwen, tmp_path):
     delay_ms = 2
     out = run_ranks(3, *args(tiny_qwen, "[1,3]", "model", 3, tiny_qwen), f"log.dir={tmp_path}",
