@@ -20,7 +20,7 @@ import sys
 import threading
 
 from launch.build import (build_drafter, build_stage, check_tokenizer, eos_ids, layer_cuts, load_tokenizer,
-                          prompt_ids, resolve_split)
+                          prompt_ids, resolve_models, resolve_split)
 from launch.config import ConfigError, TandemConfig, config_from_argv
 from launch.distributed import (LaunchError, close_channel, open_links, report, skip_the_final_collections_at_exit,
                                 torchrun_rank)
@@ -81,6 +81,7 @@ def rank0(cfg: TandemConfig, channel, listener=None, replies=None, ranks: int = 
     """Rank 0's whole life: one answer (returned as the output JSON), or serving until a signal
     (on `listener`, the HTTP port bound at start). With N > 2 ranks `channel` goes to rank 1 and the
     last rank's `replies` come back on their own link."""
+    announce(resolve_models(cfg, 0))
     handshake(cfg, replies or channel, 0, ranks, onward=channel)
     stage = build_stage(cfg, 0, ranks)
     tokenizer = load_tokenizer(cfg.model.target)
@@ -105,6 +106,11 @@ def rank0(cfg: TandemConfig, channel, listener=None, replies=None, ranks: int = 
     session.close()
     write_output(cfg, result)
     return result
+
+
+def announce(lines: list[str]) -> None:
+    for line in lines:
+        print(f"[{line}]", file=sys.stderr, flush=True)
 
 
 def answer(cfg: TandemConfig, session: Session, ids: list[int], output: Output, tokenizer) -> dict:
@@ -133,6 +139,7 @@ def write_output(cfg: TandemConfig, result: dict) -> None:
 
 def rank1(cfg: TandemConfig, channel, reply_to=None, ranks: int = 2) -> None:
     """The last rank: from the rank before it on `channel`, replies to rank 0 on `reply_to` (with two, `channel`)."""
+    announce(resolve_models(cfg, ranks - 1))
     handshake(cfg, channel, ranks - 1, ranks, onward=reply_to)
     stage = build_stage(cfg, ranks - 1, ranks)
     if threading.current_thread() is threading.main_thread():
@@ -142,6 +149,7 @@ def rank1(cfg: TandemConfig, channel, reply_to=None, ranks: int = 2) -> None:
 
 def middle(cfg: TandemConfig, prev, next, rank: int, ranks: int) -> None:
     """A middle rank (N > 2): its layers between the rank before it (`prev`) and the one after it (`next`)."""
+    announce(resolve_models(cfg, rank))
     handshake(cfg, prev, rank, ranks, onward=next)
     stage = build_stage(cfg, rank, ranks)
     if threading.current_thread() is threading.main_thread():

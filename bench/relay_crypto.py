@@ -43,9 +43,13 @@ def main() -> None:
     p.add_argument("--round-ms", type=float, default=400.0, help="a round's compute on this machine (default 400)")
     p.add_argument("--repeats", type=int, default=50)
     a = p.parse_args()
-    key = secure.derive_key(b"bench-secret", "bench", secure.new_nonce(), secure.new_nonce())
-    sender, receiver = secure.Sealer(key, 0), secure.Sealer(key, 1)
-    chacha = ChaCha20Poly1305(key)
+    # the two ranks' key agreement, as RelayChannel does it on the first hellos
+    pairing = secure.pairing_keys(b"bench-pairing-secret", "bench")
+    (private0, public0), (private1, public1) = secure.new_ephemeral(), secure.new_ephemeral()
+    keys = secure.traffic_keys(pairing, "bench", private0, 0, public1)
+    assert keys == secure.traffic_keys(pairing, "bench", private1, 1, public0)
+    sender, receiver = secure.Sealer(keys, 0), secure.Sealer(keys, 1)
+    chacha = ChaCha20Poly1305(keys[0])
     print(f"{'frame':<28} {'AES-GCM seal+open':>18} {'per round':>10} {'ChaCha20 seal+open':>19}")
     for label, tokens in (("decode round, 5 tokens", 5), ("prefill, 1,000 tokens", 1000)):
         plaintext = bytes(frame_bytes(tokens))

@@ -40,7 +40,8 @@ sys.path.insert(0, str(REPO))
 
 from netbridge.relay_channel import RelayChannel  # noqa: E402
 
-SECRET = b"flood-bench-" + secrets.token_hex(8).encode()
+SECRET = b"flood-bench-" + secrets.token_hex(8).encode()  # the relay's token
+PAIRING = b"flood-bench-pairing-" + secrets.token_hex(8).encode()  # the nodes' pairing secret
 SCENARIO_SOURCES = {
     "one-source": ["127.0.0.2"],
     "many-sources": [f"127.0.0.{i}" for i in range(2, 66)],
@@ -133,14 +134,14 @@ def timed_pair(addr: str, session: str, within_s: float) -> tuple[float | None, 
 
     def rank1() -> None:
         try:
-            box["c1"] = RelayChannel.connect(addr, session, 1, SECRET, timeout_s=within_s)
+            box["c1"] = RelayChannel.connect(addr, session, 1, SECRET, PAIRING, timeout_s=within_s)
         except Exception as e:  # noqa: BLE001 - reported in the output
             box["e1"] = e
     t0 = time.monotonic()
     t = threading.Thread(target=rank1, daemon=True)
     t.start()
     try:
-        c0 = RelayChannel.connect(addr, session, 0, SECRET, timeout_s=within_s)
+        c0 = RelayChannel.connect(addr, session, 0, SECRET, PAIRING, timeout_s=within_s)
     except Exception as e:  # noqa: BLE001
         t.join(within_s + 1)
         if "c1" in box:

@@ -33,7 +33,8 @@ sys.path.insert(0, str(REPO))
 from netbridge.frames import Message, decode, encode  # noqa: E402
 from netbridge.relay_channel import LinkSocket, RelayChannel  # noqa: E402
 
-SECRET = b"bench-secret"
+SECRET = b"bench-secret"  # the relay's token
+PAIRING = b"bench-pairing-secret"  # the nodes' pairing secret
 BULK = torch.randn(2_621_440)  # 10 MB (10,485,760 bytes) of fp32
 BULK_FRAME = encode(Message("bulk", {}, {"x": BULK}))
 
@@ -43,9 +44,9 @@ def echo(mode: str, addr: str) -> None:
         host, port = addr.rsplit(":", 1)
         sock = socket.create_connection((host, int(port)))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        c = RelayChannel(LinkSocket(sock, addr, 60), 1, "direct", 60)
+        c = RelayChannel(LinkSocket(sock, addr, 60), 1, "direct", 60, secret=PAIRING)
     else:
-        c = RelayChannel.connect(addr, "bench", 1, SECRET, timeout_s=60)
+        c = RelayChannel.connect(addr, "bench", 1, SECRET, PAIRING, timeout_s=60)
     while True:
         frame = c.recv_frame()
         if len(frame) > 1 << 20:  # the bulk frame: acknowledged without decoding
@@ -68,9 +69,9 @@ def measure(mode: str, addr_or_listener, rounds: int, bulk_reps: int) -> dict:
     if mode == "direct":
         sock, _ = listener.accept()
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        c = RelayChannel(LinkSocket(sock, addr, 60), 0, "direct", 60)
+        c = RelayChannel(LinkSocket(sock, addr, 60), 0, "direct", 60, secret=PAIRING)
     else:
-        c = RelayChannel.connect(addr, "bench", 0, SECRET, timeout_s=60)
+        c = RelayChannel.connect(addr, "bench", 0, SECRET, PAIRING, timeout_s=60)
     x = torch.arange(16)
     rtts = []
     for i in range(rounds + 200):

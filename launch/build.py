@@ -4,6 +4,7 @@ Every stage is built here: the target's slices (one per rank) and the drafter's 
 `_load_stage`, with one rule for devices, dtypes and caches; the capacity rule is `check_capacity`."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from launch.config import ConfigError, TandemConfig
@@ -59,6 +60,22 @@ def _example(num_layers: int, ranks: int) -> str:
     return "[" + ",".join(map(str, even_cuts(num_layers, ranks))) + "]"
 
 
+def resolve_models(cfg: TandemConfig, rank: int) -> list[str]:
+    """model.target (and, on rank 0, draft.model) as local folders, before the split is settled: for a Hub
+    id its config, tokenizer and index are fetched now, its weights only when the stage is built, and only
+    the stage's (model_parallel.hub). Returns the lines that say which was used."""
+    from model_parallel.hub import resolve
+    given = cfg.model.target
+    cfg.model.target, line = resolve(given, "model.target", cfg.model.hub_cache, rank)
+    if cfg.model.target != given and cfg.serve.model_name is None:
+        cfg.serve.model_name = given  # clients name the model by its id, not by a cache folder
+    lines = [line]
+    if rank == 0 and cfg.draft.kind == "model" and cfg.spec.k > 0:  # the drafter is rank 0's alone
+        cfg.draft.model, line = resolve(cfg.draft.model, "draft.model", cfg.model.hub_cache, rank)
+        lines.append(line)
+    return lines
+
+
 def resolve_split(cfg: TandemConfig, ranks: int = 2) -> str | None:
     """model.split=auto (rank 0, before loading): the split that balances the ranks' busy time per round,
     timed here (model_parallel.split) and written into cfg; returns the line that says which and why
@@ -108,7 +125,7 @@ def build_stage(cfg: TandemConfig, rank: int, ranks: int = 2):
     first, last = bounds[rank], bounds[rank + 1]
     return _load_stage(cfg.model.target, first, last, embed=rank == 0, head=rank == ranks - 1, dtype=cfg.model.dtype,
                        device=device_for(cfg), quant=quantizer(cfg, "model"), max_len=cfg.model.max_len,
-                       setting="model.max_len", progress=f"rank {rank} layers {first}-{last - 1}")
+                       setting="model.max_len", progress=f"rank {rank} layers {first}-{last - 1}", rank=rank)
 
 
 def build_draft_stage(cfg: TandemConfig):
@@ -116,10 +133,14 @@ def build_draft_stage(cfg: TandemConfig):
     d = cfg.draft
     return _load_stage(d.model, 0, load_config(d.model).num_hidden_layers, embed=True, head=True, dtype=d.dtype,
                        device=draft_device(cfg), quant=quantizer(cfg, "draft"), max_len=d.max_len, setting="draft.max_len",
-                       progress="drafter")
+                       progress="rank 0 drafter", rank=0)
 
 
-def _load_stage(folder, first, last, *, embed, head, dtype, device, quant, max_len, setting, progress):
+def _load_stage(folder, first, last, *, embed, head, dtype, device, quant, max_len, setting, progress, rank):
+    from model_parallel.hub import fetch_stage
+    fetched = fetch_stage(folder, first, last, embed, head, rank, progress=f"{progress}: fetching")  # Hub ids only
+    if fetched is not None:
+        print(f"[{progress}: {fetched.describe()}]", file=sys.stderr, flush=True)
     stage = load_stage(folder, first, last, embed=embed, head=head, dtype=dtype, device=device, progress=progress,
                        quant=quant)
     stage.allocate_cache(max_len, compute_dtype(stage), setting=setting)

@@ -32,7 +32,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    target: str = f"{MODELS}/qwen2.5-coder-1.5b-instruct"  # a local HF folder (config.json, *.safetensors, tokenizer)
+    target: str = f"{MODELS}/qwen2.5-coder-1.5b-instruct"  # a local HF folder (config.json, *.safetensors, tokenizer), or a Hub id org/name[@revision]
     split: int | str | list[int] | None = "auto"  # first layer of rank 1 (N ranks: [first layer of ranks 1..N-1]); auto = balance the ranks' busy time (timed; N > 2: even); null = half
     dtype: str = "bfloat16"  # float32 | bfloat16 | float16
     max_len: int = 4096  # KV-cache capacity of each stage, in tokens (prompt + output + K)
@@ -41,12 +41,13 @@ class ModelConfig:
     quant_compute_dtype: str = "bfloat16"  # NF4 matmuls compute in this; norms, embeddings, KV cache stay in model.dtype
     quant_double: bool = True  # NF4 double quantization
     quant_lm_head: bool = False  # NF4 the LM head too (target and drafter); it stays in full precision unless asked
+    hub_cache: str | None = None  # where Hub ids (target and drafter) are cached; None = huggingface_hub's (HF_HUB_CACHE)
 
 
 @dataclass
 class DraftConfig:
     kind: str = "model"  # none (one token per round trip) | model (a small LM) | ngram (prompt lookup)
-    model: str | None = f"{MODELS}/qwen2.5-coder-0.5b-instruct"  # a local HF folder sharing the target's tokenizer
+    model: str | None = f"{MODELS}/qwen2.5-coder-0.5b-instruct"  # a local HF folder or Hub id sharing the target's tokenizer
     device: str = "auto"  # auto = the target's device on rank 0 (its GPU when it has one), or e.g. cpu, cuda:1
     dtype: str = "bfloat16"  # float32 | bfloat16 | float16
     graph: str = "auto"  # auto | on | off : capture the draft step as a CUDA graph (CUDA only)
@@ -79,8 +80,10 @@ class TransportConfig:
     kind: str = "gloo"  # gloo | relay
     relay: str | None = None  # HOST:PORT of the relay (kind=relay); null = torchrun's tandem-relay --rdzv_endpoint
     session: str | None = None  # session id both ranks give the relay; null = torchrun's --rdzv_id
-    secret: str | None = None  # shared secret; prefer secret_file
-    secret_file: str | None = None  # file holding the shared secret (or set TANDEM_SECRET_FILE)
+    secret: str | None = None  # the two nodes' pairing secret (keys their end-to-end encryption); prefer secret_file
+    secret_file: str | None = None  # file holding the pairing secret (or set TANDEM_SECRET_FILE); never give it to the relay
+    relay_token: str | None = None  # the relay's admission token (its --secret-file); prefer relay_token_file
+    relay_token_file: str | None = None  # file holding the relay token (or set TANDEM_RELAY_TOKEN_FILE)
     timeout_s: float = 120.0  # per-operation timeout: a silent peer fails within this
     reconnect_s: float = 60.0  # kind=relay: after a dropped link, re-dial and resume the session for up to this long
     emulate_delay_ms: float = 0.0  # emulated one-way delay added to every message (tests, benchmarks)
@@ -170,7 +173,9 @@ def load_config(overrides: list[str], config_file: str | Path | None = None) -> 
     for name in ("target",):
         setattr(cfg.model, name, _expand(getattr(cfg.model, name)))
     cfg.draft.model = _expand(cfg.draft.model)
+    cfg.model.hub_cache = _expand(cfg.model.hub_cache)
     cfg.transport.secret_file = _expand(cfg.transport.secret_file)
+    cfg.transport.relay_token_file = _expand(cfg.transport.relay_token_file)
     # YAML 1.1 reads a bare on/off as a boolean, which omegaconf then stores in this str field as True/False
     cfg.draft.graph = {"True": "on", "False": "off"}.get(cfg.draft.graph, cfg.draft.graph)
     validate(cfg)
@@ -196,7 +201,7 @@ def validate(cfg: TandemConfig) -> None:
     if cfg.spec.k < 0:
         raise ConfigError(f"spec.k={cfg.spec.k} must be >= 0")
     if cfg.draft.kind == "model" and not cfg.draft.model:
-        raise ConfigError("draft.kind=model needs draft.model=PATH (a local HF folder sharing the target's tokenizer)")
+        raise ConfigError("draft.kind=model needs draft.model=PATH or a Hub id (a model sharing the target's tokenizer)")
     if cfg.gen.max_new_tokens < 1:
         raise ConfigError("gen.max_new_tokens must be >= 1")
     if cfg.gen.temperature < 0:

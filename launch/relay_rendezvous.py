@@ -12,11 +12,12 @@ rank 1 to reach rank 0's host. Here every connection goes out to the relay, auth
    and the exit barrier; workers get MASTER_ADDR=127.0.0.1 / MASTER_PORT=<proxy port> with
    TORCHELASTIC_USE_AGENT_STORE=True, so even a worker that builds a store reaches the relay's.
 
-The secret comes from `--rdzv_conf secret_file=PATH` or TANDEM_SECRET_FILE; `--rdzv_conf node_rank=0`
+The relay token (the relay's --secret-file) comes from `--rdzv_conf relay_token_file=PATH` or
+TANDEM_RELAY_TOKEN_FILE; the nodes' pairing secret is not needed here (the relay never sees it). `--rdzv_conf node_rank=0`
 pins a node's rank (give it on every node or on none); `--rdzv_conf join_timeout=SECONDS` bounds the wait
 for the other nodes (default 120 s; torchrun passes none of its own). Not elastic: --nnodes=N, not MIN:MAX.
 While an agent waits, the relay tells it when a claim for this run is refused (a node with the wrong
-secret, a node rank given twice): it warns once per distinct notice and names the last in its timeout.
+token, a node rank given twice): it warns once per distinct notice and names the last in its timeout.
 """
 from __future__ import annotations
 
@@ -129,9 +130,9 @@ class RelayRendezvousHandler(RendezvousHandler):
         if self.join_timeout_s <= 0:
             raise RendezvousError(f"--rdzv_conf join_timeout={self.join_timeout_s:g} must be a positive number of seconds")
         try:
-            self.secret = auth.load_secret(None, params.get("secret_file") or os.environ.get("TANDEM_SECRET_FILE"))
+            self.secret = auth.load_secret(None, params.get("relay_token_file") or os.environ.get("TANDEM_RELAY_TOKEN_FILE"))
         except auth.HandshakeError as e:
-            raise RendezvousError(f"{e} (torchrun: --rdzv_conf secret_file=PATH or TANDEM_SECRET_FILE)") from None
+            raise RendezvousError(f"{e} (torchrun: --rdzv_conf relay_token_file=PATH or TANDEM_RELAY_TOKEN_FILE)") from None
         self._proxy: StoreProxy | None = None
         self._closed = False
         os.environ.setdefault("TANDEM_RELAY", self.endpoint)  # workers inherit it: transport.relay's default
@@ -192,7 +193,7 @@ class RelayRendezvousHandler(RendezvousHandler):
                   f"{self.join_timeout_s:g} s (--rdzv_conf join_timeout)"
         if notices.last:  # the relay saw the other node and refused it: that, not its absence, is the cause
             return missing + notices.suffix()
-        return missing + ": start torchrun on the other node(s) with the same --rdzv_endpoint, --rdzv_id, --nnodes and secret"
+        return missing + ": start torchrun on the other node(s) with the same --rdzv_endpoint, --rdzv_id, --nnodes and relay token"
 
     def is_closed(self) -> bool:
         return self._closed

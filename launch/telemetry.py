@@ -175,10 +175,11 @@ def flat_config(cfg) -> dict:
 
 
 def public_config(cfg) -> dict:
-    """The config as a plain dict, with the shared secret blanked: never write a secret into a log."""
+    """The config as a plain dict, with the pairing secret and relay token blanked: never write a secret into a log."""
     tree = OmegaConf.to_container(OmegaConf.structured(cfg))
-    if tree["transport"].get("secret"):
-        tree["transport"]["secret"] = "(set)"
+    for key in ("secret", "relay_token"):
+        if tree["transport"].get(key):
+            tree["transport"][key] = "(set)"
     return tree
 
 

@@ -7,6 +7,7 @@ is dropped. A rank therefore never holds the other rank's weights, not even brie
 """
 from __future__ import annotations
 
+import copy
 import json
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,10 +17,20 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
 from model_parallel.stage import Stage
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "gemma3_text", "phi3", "smollm3")
+# Layer kinds whose state a position cannot rewind. Speculative decoding rewinds every layer to the last
+# accepted token after a miss; attention caches are indexed by position, so that is moving one number. A
+# linear-attention or state-space layer folds each token into one recurrent state, in place: the state
+# before a rejected draft is gone.
+RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "conv", "recurrent", "rwkv", "lstm", "deltanet", "lightning", "ssm")
+RECURRENT_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "mamba", "mamba2",
+                      "falcon_mamba", "falcon_h1", "jamba", "zamba", "zamba2", "bamba", "granitemoehybrid", "lfm2",
+                      "lfm2_moe", "nemotron_h", "minimax", "recurrent_gemma", "rwkv", "xlstm", "olmo_hybrid", "kimi_linear")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -66,7 +77,7 @@ def fetch_hint(folder: Path) -> str:
     from model_parallel.fetch_weights import DEFAULT_MODELS, MODELS, default_cache_dir, model_dir
     name = next((n for n, spec in MODELS.items() if spec.folder == folder.name), None)
     if name is None:
-        return "pass a local Hugging Face folder (config.json, *.safetensors, tokenizer)"
+        return "pass a local Hugging Face folder (config.json, *.safetensors, tokenizer) or a Hub id (org/name[@revision])"
     command = "python -m model_parallel.fetch_weights" + ("" if name in DEFAULT_MODELS else f" --models {name}")
     if folder.parent.name != "models":
         return f"run `{command}` first and point the setting at {model_dir(name)}, where it puts the model"
@@ -100,6 +111,13 @@ def check_config_fields(path: Path, raw: dict) -> None:
                                  f"the file is damaged: {REFETCH}")
     if not isinstance(raw.get("quantization_config", {}), dict):  # transformers would fail on it deep inside to_dict()
         raise ModelLoadError(f"{path}: quantization_config is not an object; the file is damaged: {REFETCH}")
+    kinds = raw.get("layer_types") if isinstance(raw.get("layer_types"), list) else []
+    recurrent = [k for k in kinds if isinstance(k, str) and any(word in k for word in RECURRENT_LAYER_TYPES)]
+    if raw["model_type"] in RECURRENT_FAMILIES or recurrent:
+        kind = f" ({recurrent[0]} layers)" if recurrent else ""
+        raise ModelLoadError(f"{path.parent}: architecture {raw['model_type']!r}{kind} is not supported: its linear-attention / "
+                             f"state-space layers keep a recurrent state updated in place token by token, which cannot be rewound "
+                             f"to a position after a rejected draft; supported families: {', '.join(SUPPORTED_FAMILIES)}")
     if raw["model_type"] not in SUPPORTED_FAMILIES:
         raise ModelLoadError(f"{path.parent}: architecture {raw['model_type']!r} is not supported; supported families: {', '.join(SUPPORTED_FAMILIES)}")
 
@@ -174,22 +192,52 @@ def non_finite_kind(tensor: torch.Tensor) -> str | None:
 
 
 def stage_tensor_names(config, first: int, last: int, embed: bool, head: bool, available) -> dict[str, str]:
-    """Parameter name in the model -> tensor name in the checkpoint, for the stage's share."""
+    """Parameter name in the model -> tensor name in the checkpoint, for the stage's share (a checkpoint
+    whose names are the model's own; `stage_sources` is the general form)."""
+    sources = stage_sources(config, first, last, embed, head, {name: [name] for name in available})
+    return {param: ckpts[0] for param, ckpts in sources.items()}
+
+
+def stage_sources(config, first: int, last: int, embed: bool, head: bool, sources: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The stage's share of `sources` (parameter name -> checkpoint tensors it is made of, see
+    `checkpoint_sources`): layers [first, last), the embeddings and/or the final norm + head."""
     wanted = {}
     prefixes = tuple(f"model.layers.{i}." for i in range(first, last))
-    for name in available:
-        if name.startswith(prefixes):
-            wanted[name] = name
+    for param, ckpts in sources.items():
+        if param.startswith(prefixes):
+            wanted[param] = ckpts
     if embed:
-        wanted["model.embed_tokens.weight"] = "model.embed_tokens.weight"
+        wanted["model.embed_tokens.weight"] = ["model.embed_tokens.weight"]
     if head:
-        wanted["model.norm.weight"] = "model.norm.weight"
-        tied = getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in available
+        wanted["model.norm.weight"] = ["model.norm.weight"]
+        tied = getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in sources
         # With tied embeddings the head *is* the embedding matrix: rank 1 reads it for its head
         # (a stage holding both, a drafter, shares one copy: see load_stage).
         if not (tied and embed):
-            wanted["lm_head.weight"] = "model.embed_tokens.weight" if tied else "lm_head.weight"
+            wanted["lm_head.weight"] = ["model.embed_tokens.weight" if tied else "lm_head.weight"]
     return wanted
+
+
+def checkpoint_sources(shell, available) -> tuple[dict[str, list[str]], dict[str, tuple]]:
+    """Parameter name -> the checkpoint tensors it is made of, by transformers' own loading rules
+    (`get_model_conversion_mapping`, what from_pretrained applies): most parameters are one tensor under
+    their own name; a fused one (qwen3_moe's experts: one 3-D tensor for all experts' gate+up) is many,
+    joined by the library's WeightConverter. Returns (sources, fused: param -> (converter, {ckpt: pattern}))."""
+    mapping = get_model_conversion_mapping(shell)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    params = shell.state_dict()
+    sources: dict[str, list[str]] = {}
+    fused: dict[str, tuple] = {}
+    for ckpt in sorted(available, key=dot_natural_key):  # the order from_pretrained hands tensors to a converter
+        param, pattern = rename_source_key(ckpt, renamings, converters, shell.base_model_prefix, params)
+        if param not in params and ckpt in params:
+            param, pattern = ckpt, None
+        sources.setdefault(param, []).append(ckpt)
+        if pattern is not None:
+            fused.setdefault(param, (by_pattern[pattern], {}))[1][ckpt] = pattern
+    return sources, fused
 
 
 def read_tensors(names: dict[str, str], index: dict[str, Path], dtype, device, bar=None):
@@ -282,18 +330,21 @@ def place(shell, param: str, tensor: torch.Tensor, expected, folder: Path, ckpt:
     setattr(shell.get_submodule(module_name), leaf, torch.nn.Parameter(tensor, requires_grad=False))
 
 
-def load_part(shell, part: list[str], names: dict[str, str], params: dict, index: dict[str, Path], stats: dict,
-              dtype, device, quant, folder: Path, bar) -> None:
+def load_part(shell, part: list[str], names: dict[str, list[str]], fused: dict, params: dict, index: dict[str, Path],
+              stats: dict, dtype, device, quant, folder: Path, bar) -> None:
     """Read one part's tensors into the shell. Tensors stored in 4-bit become Linear4bit modules as
-    they are; the rest are cast to `dtype`. Returns with no reference to what it read but the shell's."""
-    plain = {p: names[p] for p in part if names[p] not in stats}
+    they are; fused parameters go through transformers' converter; the rest are cast to `dtype`.
+    Returns with no reference to what it read but the shell's."""
+    plain = {p: names[p][0] for p in part if p not in fused and names[p][0] not in stats}
     for param, tensor in read_tensors(plain, index, dtype, device, bar):
-        place(shell, param, tensor, params[param].shape, folder, names[param])
-    packed = [p for p in part if names[p] in stats]
+        place(shell, param, tensor, params[param].shape, folder, names[param][0])
+    for param in (p for p in part if p in fused):
+        place_fused(shell, param, names[param], fused[param], params, index, dtype, device, folder, bar)
+    packed = [p for p in part if p not in fused and names[p][0] in stats]
     if packed:
         from model_parallel.quant import prequantized_linear, quantized_shape
     for param in packed:
-        ckpt = names[param]
+        ckpt = names[param][0]
         raw = dict(read_tensors({"weight": ckpt, **stats[ckpt]}, index, None, device, bar))
         module_name = param.rpartition(".")[0]
         like = shell.get_submodule(module_name)
@@ -302,6 +353,20 @@ def load_part(shell, part: list[str], names: dict[str, str], params: dict, index
             raise ModelLoadError(f"{folder}: 4-bit tensor {ckpt} stands for shape {quantized_shape(linear)}, config.json implies "
                                  f"{tuple(like.weight.shape)}; config and weights disagree")
         shell.set_submodule(module_name, linear)
+
+
+def place_fused(shell, param: str, ckpts: list[str], fused: tuple, params: dict, index, dtype, device, folder, bar) -> None:
+    """A parameter transformers builds from several checkpoint tensors: its own converter (a fresh copy,
+    as from_pretrained makes per parameter) joins them, in checkpoint order."""
+    converter, patterns = fused
+    converter = copy.deepcopy(converter)
+    for ckpt, tensor in read_tensors({c: c for c in ckpts}, index, dtype, device, bar):
+        converter.add_tensor(param, ckpt, patterns[ckpt], tensor)
+    for name, tensor in converter.convert(param, model=shell, config=shell.config).items():
+        tensor = tensor[0] if isinstance(tensor, list) else tensor
+        if name not in params:
+            raise ModelLoadError(f"{folder}: transformers' conversion of {ckpts[0]} gave {name!r}, which has no place in the model")
+        place(shell, name, tensor.contiguous(), params[name].shape, folder, ckpts[0])
 
 
 def quantize_part(shell, part: int | str, names: dict[str, str], quant) -> None:
@@ -328,6 +393,55 @@ def own_memory(module: torch.nn.Module) -> None:
             p.data = p.data.clone()
 
 
+def stage_plan(folder: Path, config, shell, first: int, last: int, embed: bool, head: bool, quant=None):
+    """What the stage reads: (names: parameter -> checkpoint tensors, fused, index, stats). Nothing but the
+    index (or a single file's header) is read."""
+    num_layers = config.num_hidden_layers
+    if not 0 <= first < last <= num_layers:
+        raise ModelLoadError(f"layer range [{first}, {last}) is outside the model's {num_layers} layers")
+    index = checkpoint_index(folder)
+    stats = quantized_stats(index)
+    check_quantization(folder, config, stats, quant)
+    stat_names = {name for per_weight in stats.values() for name in per_weight.values()}
+    sources, fused = checkpoint_sources(shell, [n for n in index if n not in stat_names])
+    names = stage_sources(config, first, last, embed, head, sources)
+    params = dict(shell.named_parameters(remove_duplicate=False))
+    unknown = [n for n in names if n not in params]
+    if unknown:
+        raise ModelLoadError(f"{folder}: checkpoint tensor {names[unknown[0]][0]!r} has no place in a {config.model_type} model; "
+                             f"is config.json from the same model?")
+    missing = [ckpt for ckpts in names.values() for ckpt in ckpts if ckpt not in index]
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors this stage needs, e.g. {missing[0]!r}; is the folder complete?")
+    return names, fused, index, stats
+
+
+def stage_checkpoint_tensors(folder: str | Path, first: int, last: int, embed: bool, head: bool) -> set[str]:
+    """The checkpoint tensor names a stage reads (its 4-bit statistics included): what a host must hold
+    of the checkpoint to run it (model_parallel.hub fetches just these)."""
+    folder = Path(folder)
+    config = load_config(folder)
+    names, _, _, stats = stage_plan(folder, config, model_shell(folder, config, torch.float32), first, last, embed, head,
+                                    quant=True)
+    return {n for ckpts in names.values() for ckpt in ckpts for n in (ckpt, *stats.get(ckpt, {}).values())}
+
+
+def materialize_buffers(shell, modules, device) -> None:
+    """Buffers no checkpoint holds (rotary inv_freq, Gemma's embed_scale) are still on the meta device in
+    the shell. As from_pretrained does: a real placeholder, then the model's own _init_weights fills it;
+    the loaded parameters are flagged as initialized, which transformers' init functions respect."""
+    for module in modules:
+        for sub in module.modules():
+            meta = [name for name, buf in sub._buffers.items() if buf is not None and buf.is_meta]
+            if not meta:
+                continue
+            for name in meta:
+                sub._buffers[name] = torch.empty_like(sub._buffers[name], device=device)
+            for p in sub.parameters(recurse=False):
+                p._is_hf_initialized = True
+            shell._init_weights(sub)
+
+
 def load_stage(folder: str | Path, first: int, last: int, embed: bool, head: bool,
                dtype: str = "float32", device: str = "cpu", progress: str | None = None,
                quant=None) -> Stage:
@@ -339,27 +453,14 @@ def load_stage(folder: str | Path, first: int, last: int, embed: bool, head: boo
     checkpoint already saved in NF4 (transformers + BitsAndBytesConfig) is taken as saved."""
     folder = Path(folder)
     config = load_config(folder)
-    num_layers = config.num_hidden_layers
-    if not 0 <= first < last <= num_layers:
-        raise ModelLoadError(f"layer range [{first}, {last}) is outside the model's {num_layers} layers")
     torch_dtype = DTYPES[dtype]
     shell = model_shell(folder, config, torch_dtype)
-    index = checkpoint_index(folder)
-    stats = quantized_stats(index)
-    check_quantization(folder, config, stats, quant)
-    stat_names = {name for per_weight in stats.values() for name in per_weight.values()}
-    names = stage_tensor_names(config, first, last, embed, head, [n for n in index if n not in stat_names])
+    names, fused, index, stats = stage_plan(folder, config, shell, first, last, embed, head, quant)
     params = dict(shell.named_parameters(remove_duplicate=False))
-    unknown = [n for n in names if n not in params]
-    if unknown:
-        raise ModelLoadError(f"{folder}: checkpoint tensor {unknown[0]!r} has no place in a {config.model_type} model; is config.json from the same model?")
-    missing = [ckpt for ckpt in names.values() if ckpt not in index]
-    if missing:
-        raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors this stage needs, e.g. {missing[0]!r}; is the folder complete?")
-    total = len(names) + sum(len(stats.get(ckpt, ())) for ckpt in names.values())
+    total = sum(len(ckpts) for ckpts in names.values()) + sum(len(stats.get(c[0], ())) for c in names.values())
     with tqdm(total=total, desc=progress, unit="tensor", disable=progress is None, leave=False) as bar:
         for part, part_names in stage_parts(names):
-            load_part(shell, part_names, names, params, index, stats, torch_dtype, device, quant, folder, bar)
+            load_part(shell, part_names, names, fused, params, index, stats, torch_dtype, device, quant, folder, bar)
             if quant is not None and not stats:  # a pre-quantized checkpoint is taken as saved
                 quantize_part(shell, part, names, quant)
     if head and embed and "lm_head.weight" not in names:
@@ -370,7 +471,8 @@ def load_stage(folder: str | Path, first: int, last: int, embed: bool, head: boo
                   embed=shell.model.embed_tokens if embed else None,
                   norm=shell.model.norm if head else None,
                   head=shell.lm_head if head else None)
-    still_meta = [n for n, p in stage.named_parameters() if p.is_meta]
+    materialize_buffers(shell, [m for m in (stage.embed, stage.norm, stage.head, *layers) if m is not None], device)
+    still_meta = [n for n, p in stage.named_parameters() if p.is_meta] + [n for n, b in stage.named_buffers() if b.is_meta]
     if still_meta:
         raise ModelLoadError(f"{folder}: no tensor in the checkpoint for {still_meta[0]}")
     return stage.eval()

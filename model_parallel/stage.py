@@ -7,6 +7,8 @@ All of them run the same forward.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -23,6 +25,12 @@ class Stage(nn.Module):
         self.rotary = rotary
         self.embed, self.norm, self.head = embed, norm, head
         self.cache: StaticKVCache | None = None
+        # Families that mix sliding-window and global layers (gemma3_text, qwen3 with a window) name each
+        # layer's kind; each kind has its own mask, and Gemma's its own rotary base.
+        kinds = getattr(config, "layer_types", None)
+        self.layer_kinds = [kinds[i] for i in self.layer_ids] if kinds else None
+        self.rotary_per_kind = "layer_type" in inspect.signature(rotary.forward).parameters
+        self.softcap = getattr(config, "final_logit_softcapping", None)
 
     @property
     def layer_ids(self) -> range:
@@ -32,6 +40,7 @@ class Stage(nn.Module):
         cfg = self.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        window = None if self.layer_kinds else window  # per kind, in forward
         self.cache = StaticKVCache(self.layer_ids, capacity, cfg.num_key_value_heads, head_dim, dtype,
                                    self.device, setting=setting, sliding_window=window)
         return self.cache
@@ -50,11 +59,26 @@ class Stage(nn.Module):
         cache length after this call when the caller knows it (eager), see StaticKVCache.begin."""
         h = self.embed(x) if self.embed is not None else x
         positions, mask = self.cache.begin(h.shape[1], live)
-        cos_sin = self.rotary(h, positions)
-        for layer in self.layers:
-            h = layer(h, attention_mask=mask, position_ids=positions, cache=self.cache,
-                      use_cache=True, position_embeddings=cos_sin)
+        kinds = self.layer_kinds or [None] * len(self.layers)
+        masks, cos_sin = {}, {}
+        for kind in set(kinds):
+            masks[kind] = self.windowed(mask, positions) if kind == "sliding_attention" else mask
+            cos_sin[kind] = self.rotary(h, positions, kind) if self.rotary_per_kind else self.rotary(h, positions)
+        for layer, kind in zip(self.layers, kinds):
+            h = layer(h, attention_mask=masks[kind], position_ids=positions, cache=self.cache,
+                      use_cache=True, position_embeddings=cos_sin[kind])
         self.cache.advance(h.shape[1])
         if self.head is None:
             return h
-        return self.head(self.norm(h[:, -num_logits:])).float()
+        logits = self.head(self.norm(h[:, -num_logits:])).float()
+        if self.softcap:  # Gemma's final logit soft-capping, as its ForCausalLM applies it
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def windowed(self, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A sliding-window layer's mask: the causal mask, minus slots more than the window behind."""
+        window = self.config.sliding_window
+        if not window:
+            return mask
+        slots = torch.arange(mask.shape[-1], device=mask.device)
+        return mask & (slots[None, :] > positions[0][:, None] - window)[None, None]

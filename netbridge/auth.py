@@ -1,4 +1,8 @@
-"""The relay handshake: a challenge-response with HMAC-SHA256 over a shared secret, bound to the session.
+"""The relay handshake: a challenge-response with HMAC-SHA256 over the relay token, bound to the session.
+
+The relay token (the relay's --secret-file; transport.relay_token_file on a node) only admits nodes; it is
+not the nodes' pairing secret, which keys the end-to-end encryption (netbridge.secure) and which the relay
+never holds. Below, "secret" means the relay token.
 
     relay  -> client   HELLO  = b"TNDR" | u8 version | 32-byte relay nonce
     client -> relay    CLAIM  = b"TNDC" | u8 version | u8 role | u8 rank | u8 world | u8 len | session
@@ -54,22 +58,32 @@ class HandshakeError(RuntimeError):
     """The relay could not be reached or did not let us in; the message says what to check."""
 
 
-def load_secret(secret: str | None = None, secret_file: str | None = None) -> bytes:
-    """The shared secret from a file (preferred) or a string; surrounding whitespace is stripped."""
+RELAY_TOKEN = "relay token"  # admits a node at the relay; the relay has it too (its --secret-file)
+PAIRING_SECRET = "pairing secret"  # authenticates the nodes' end-to-end key exchange; never given to the relay
+_HOW_TO_SET = {
+    RELAY_TOKEN: "set transport.relay_token_file=PATH (the file the relay was started with as --secret-file), "
+                 "or the TANDEM_RELAY_TOKEN_FILE environment variable",
+    PAIRING_SECRET: "set transport.secret_file=PATH (a secret only the two nodes hold, never the relay's token), "
+                    "or the TANDEM_SECRET_FILE environment variable",
+}
+_MAKE_ONE = "create one with `python -c 'import secrets; print(secrets.token_hex(32))' > FILE`"
+
+
+def load_secret(secret: str | None = None, secret_file: str | None = None, what: str = RELAY_TOKEN) -> bytes:
+    """A secret (`what`: RELAY_TOKEN or PAIRING_SECRET) from a file (preferred) or a string; surrounding
+    whitespace is stripped."""
     if secret_file:
         try:
             with open(os.path.expanduser(secret_file), "rb") as f:
                 value = f.read(65536).strip()
         except OSError as e:
-            raise HandshakeError(f"cannot read the relay secret file {secret_file} ({e.strerror}); "
-                                 "create one with `python -c 'import secrets; print(secrets.token_hex(32))' > FILE`") from None
+            raise HandshakeError(f"cannot read the {what} file {secret_file} ({e.strerror}); {_MAKE_ONE}") from None
         if not value:
-            raise HandshakeError(f"the relay secret file {secret_file} is empty")
+            raise HandshakeError(f"the {what} file {secret_file} is empty")
         return value
     if secret:
         return secret.encode()
-    raise HandshakeError("no relay secret: set transport.secret_file=PATH (the file the relay was started with, "
-                         "or the TANDEM_SECRET_FILE environment variable)")
+    raise HandshakeError(f"no {what}: {_HOW_TO_SET[what]}")
 
 
 def check_session(session: str) -> bytes:
@@ -209,7 +223,7 @@ def _dial_once(host: str, port: int, secret: bytes, raw_session: bytes, role: in
         if status == bytes([OK]):
             proof = _recv_exact(sock, MAC_BYTES)
             if not hmac.compare_digest(proof, relay_mac(secret, relay_nonce, client_nonce, role, rank, world, raw_session)):
-                raise HandshakeError(f"the server at {host}:{port} does not know our secret: it is not our relay, "
+                raise HandshakeError(f"the server at {host}:{port} does not know our relay token: it is not our relay, "
                                      "or it was started with another --secret-file")
             return sock, None
         sock.close()
@@ -235,8 +249,8 @@ def _refusal(status: int | None, host: str, port: int, who: str, session: str) -
     return {
         None: f"{at} closed the connection during the handshake of {who} without an answer; check its log (it drops "
               "handshakes that take longer than its --handshake-timeout-s)",
-        REFUSED: f"{at} refused {who}: the secret does not match. transport.secret_file (or TANDEM_SECRET_FILE) must hold "
-                 "the same secret as the relay's --secret-file",
+        REFUSED: f"{at} refused {who}: the relay token does not match. transport.relay_token_file (or "
+                 "TANDEM_RELAY_TOKEN_FILE) must hold the same token as the relay's --secret-file",
         TAKEN: f"{at} already has {who} connected: another job uses the same session id (transport.session / "
                "torchrun --rdzv_id) or an earlier run of this rank is still alive",
         FULL: f"{at} is full: it already serves its --max-connections authenticated connections, so it cannot admit "

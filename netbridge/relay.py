@@ -1,6 +1,9 @@
 """tandem-relay: the one public address both ranks dial out to, for torchrun's rendezvous and for data.
 
-    python -m netbridge.relay --host 0.0.0.0 --port 29400 --secret-file ~/.tandem/secret
+    python -m netbridge.relay --host 0.0.0.0 --port 29400 --secret-file ~/.tandem/relay.token
+
+The --secret-file is the relay token (admission, netbridge.auth); the nodes' pairing secret, which keys
+their end-to-end encryption, never comes here (netbridge.secure), so the relay forwards what it cannot read.
 
 Every connection starts with the HMAC handshake of netbridge.auth and then is one of:
   data   the two ranks of a session; the relay forwards their link frames verbatim, cut-through
@@ -543,8 +546,8 @@ class _Conn(asyncio.Protocol):
         session = claimed_session(raw_claim)
         if session is not None:
             self.relay.refused_claim(session, f"a connection from {self.host} claiming session {session!r} was refused "
-                                               "at the relay for a wrong secret: check TANDEM_SECRET_FILE (or "
-                                               "transport.secret_file) on that node; it must hold the relay's secret")
+                                               "at the relay for a wrong token: check TANDEM_RELAY_TOKEN_FILE (or "
+                                               "transport.relay_token_file) on that node; it must hold the relay's token")
 
     def _refusal_notice(self, status: int) -> str:
         """The notice for an authenticated claim the relay refused: which node, and what it must change."""
@@ -814,8 +817,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="tandem-relay", description="Relay both Tandem ranks dial out to (rendezvous + data).")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=29400, help="the one port both nodes dial (default 29400; 0 = any free)")
-    p.add_argument("--secret-file", default=os.environ.get("TANDEM_SECRET_FILE"),
-                   help="file holding the shared secret (default: $TANDEM_SECRET_FILE); there is no --secret on purpose")
+    p.add_argument("--secret-file", default=os.environ.get("TANDEM_RELAY_TOKEN_FILE"),
+                   help="file holding the relay token that admits nodes (default: $TANDEM_RELAY_TOKEN_FILE); never the "
+                        "nodes' pairing secret, which the relay must not have; there is no --secret on purpose")
     p.add_argument("--max-frame-bytes", type=int, default=MAX_FRAME_BYTES, help="bound of one frame")
     p.add_argument("--handshake-timeout-s", type=float, default=10.0,
                    help="a client must finish the handshake within this; the outer bound on an unfinished handshake "
@@ -840,7 +844,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s tandem-relay %(levelname)s %(message)s", stream=sys.stderr)
     if not a.secret_file:
-        p.error("--secret-file is required (or set TANDEM_SECRET_FILE)")
+        p.error("--secret-file is required (or set TANDEM_RELAY_TOKEN_FILE)")
     try:
         secret = auth.load_secret(secret_file=a.secret_file)
     except auth.HandshakeError as e:

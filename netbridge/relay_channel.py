@@ -1,9 +1,11 @@
 """The relay Channel: the two ranks exchange frames through netbridge.relay, both only dialing out.
 
-    transport.kind=relay transport.relay=HOST:PORT transport.session=ID transport.secret_file=PATH
+    transport.kind=relay transport.relay=HOST:PORT transport.session=ID
+    transport.relay_token_file=PATH (the relay's --secret-file: admission) transport.secret_file=PATH (pairing)
 
-End to end: every message is sealed with a per-session key (netbridge.secure), so the relay forwards
-ciphertext; a frame that was altered, replayed or reordered on the way is refused (PeerError).
+End to end: every message is sealed with per-direction keys from an X25519 exchange authenticated by
+the pairing secret, which the relay never holds (netbridge.secure), so the relay forwards ciphertext it
+cannot read; a frame that was altered, replayed, reordered or reflected on the way is refused (PeerError).
 
 Resume: messages carry per-direction sequence numbers, and each side keeps the frames the other has
 not acknowledged yet (in the request/response protocol one or two). When the link drops (relay
@@ -57,7 +59,8 @@ class RelayChannel(Channel):
     """Channel over an authenticated relay connection (or, for benchmarks, any connected LinkSocket).
 
     `redial(seconds)` returns a fresh paired LinkSocket (RelayChannel.connect passes one); without it
-    a lost link is final. `secret` keys the end-to-end encryption; both ends must use the same one.
+    a lost link is final. `secret` is the pairing secret that authenticates the end-to-end key exchange;
+    both ends must use the same one, and the relay must not have it.
     """
 
     def __init__(self, link: LinkSocket, rank: int, session: str, timeout_s: float, heartbeat_s: float | None = None, *,
@@ -67,9 +70,11 @@ class RelayChannel(Channel):
         self.relay = link.name
         self.heartbeat_s = heartbeat_s or default_heartbeat(timeout_s)
         self.dead_after_s = 3 * self.heartbeat_s
-        self.secret, self.redial, self.reconnect_s = secret, redial, reconnect_s
+        self.redial, self.reconnect_s = redial, reconnect_s
         # end-to-end state; it survives reconnects
-        self.nonce, self.peer_nonce = secure.new_nonce(), secure.NO_NONCE
+        self.pairing = secure.pairing_keys(secret, session)
+        self._private, self.public = secure.new_ephemeral()  # the private key is dropped once the keys are derived
+        self.peer_public = secure.NO_KEY
         self.sealer: secure.Sealer | None = None
         self.tx_seq = 0  # the last seq this side sent
         self.rx_seq = 0  # the last seq this side received
@@ -82,19 +87,24 @@ class RelayChannel(Channel):
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
-    def connect(cls, relay: str, session: str, rank: int, secret: bytes, timeout_s: float = 120.0,
+    def connect(cls, relay: str, session: str, rank: int, token: bytes, secret: bytes, timeout_s: float = 120.0,
                 heartbeat_s: float | None = None, join_timeout_s: float | None = None,
                 reconnect_s: float = DEFAULT_RECONNECT_S, **emulation) -> RelayChannel:
-        """Dial the relay, authenticate as `rank` of `session`, and wait (up to join_timeout_s) for the other rank."""
+        """Dial the relay with its `token`, as `rank` of `session`, and wait (up to join_timeout_s) for the other rank;
+        the end-to-end keys are agreed with the pairing `secret`, which must not be the token (the relay holds that)."""
         if rank not in (0, 1):
             raise PeerError(f"relay sessions have ranks 0 and 1, not {rank}")
+        if secret == token:
+            raise PeerError("the pairing secret (transport.secret_file) is the relay's token (transport.relay_token_file): "
+                            "the relay could then decrypt everything; make a second secret for the two nodes only, with "
+                            "`python -c 'import secrets; print(secrets.token_hex(32))' > FILE`")
         heartbeat_s = heartbeat_s or default_heartbeat(timeout_s)
         join_timeout_s = timeout_s if join_timeout_s is None else join_timeout_s
 
         def dial_and_pair(wait_s: float, dial_s: float = 5.0) -> LinkSocket:
             # a short dial timeout while reconnecting: a SYN lost on a link that was down is retried by the next dial
             try:
-                sock = auth.dial(relay, secret, session, auth.ROLE_DATA, rank, 2, max(0.5, min(wait_s, dial_s)))
+                sock = auth.dial(relay, token, session, auth.ROLE_DATA, rank, 2, max(0.5, min(wait_s, dial_s)))
             except auth.HandshakeError as e:
                 raise PeerError(str(e)) from None
             link = LinkSocket(sock, relay, send_timeout_s=timeout_s)
@@ -110,8 +120,9 @@ class RelayChannel(Channel):
 
     @classmethod
     def from_config(cls, cfg, rank: int, **emulation) -> RelayChannel:
-        """transport.relay / session / secret(_file) / reconnect_s; under torchrun --rdzv_backend=tandem-relay the relay
-        address and session default to the rendezvous endpoint and --rdzv_id, the secret file to TANDEM_SECRET_FILE."""
+        """transport.relay / session / relay_token(_file) / secret(_file) / reconnect_s; under torchrun
+        --rdzv_backend=tandem-relay the relay address and session default to the rendezvous endpoint and --rdzv_id;
+        the token file defaults to TANDEM_RELAY_TOKEN_FILE, the pairing secret's to TANDEM_SECRET_FILE."""
         t = cfg.transport
         relay = t.relay or os.environ.get("TANDEM_RELAY")
         if not relay:
@@ -120,11 +131,13 @@ class RelayChannel(Channel):
         if not session:
             raise PeerError("transport.kind=relay needs transport.session=ID, the same on both ranks (or torchrun --rdzv_id)")
         try:
-            secret = auth.load_secret(t.secret, t.secret_file or os.environ.get("TANDEM_SECRET_FILE"))
+            token = auth.load_secret(t.relay_token, t.relay_token_file or os.environ.get("TANDEM_RELAY_TOKEN_FILE"),
+                                     what=auth.RELAY_TOKEN)
+            secret = auth.load_secret(t.secret, t.secret_file or os.environ.get("TANDEM_SECRET_FILE"), what=auth.PAIRING_SECRET)
         except auth.HandshakeError as e:
             raise PeerError(str(e)) from None
         reconnect_s = getattr(t, "reconnect_s", DEFAULT_RECONNECT_S)
-        return cls.connect(relay, session, rank, secret, timeout_s=t.timeout_s, reconnect_s=reconnect_s, **emulation)
+        return cls.connect(relay, session, rank, token, secret, timeout_s=t.timeout_s, reconnect_s=reconnect_s, **emulation)
 
     # ---- Channel -------------------------------------------------------------------------------
     def send_frame(self, frame: bytes) -> None:
@@ -204,17 +217,21 @@ class RelayChannel(Channel):
         kind = secure.envelope_type(body)
         try:
             if kind == secure.HELLO:
-                self._on_hello(secure.open_hello(self.secret, self.session, body))
+                self._on_hello(secure.open_hello(self.pairing, body))
                 return None
             if kind not in (secure.SEALED, secure.CLOSE):
                 raise secure.SecureError(f"not a sealed Tandem frame (envelope type {kind})")
             if self.sealer is None:
                 raise secure.SecureError("sealed before the session key was agreed (no hello yet)")
             kind, seq, ack, plaintext = self.sealer.open(body, self.rx_seq + 1)
+        except secure.WrongPairingSecret:
+            raise PeerError(f"rank {self.peer}'s hello through the relay {self.relay} is not signed with this node's pairing "
+                            "secret: transport.secret_file (or TANDEM_SECRET_FILE) must hold the same pairing secret on both "
+                            "nodes (not the relay's token), or something on the path altered the hello") from None
         except secure.SecureError as e:
             raise RefusedFrame(f"refused a frame from rank {self.peer} through the relay {self.relay}: {e.what}; someone on "
-                               "the path altered or replayed it, or the other end is not this session's rank "
-                               "(check the network path and who has the secret)") from None
+                               "the path altered, replayed, reordered or reflected it, or the other end is not this session's "
+                               "rank (check the network path and who has the pairing secret)") from None
         self.rx_seq = seq
         self._forget_acked(ack)
         if kind == secure.CLOSE:
@@ -235,8 +252,8 @@ class RelayChannel(Channel):
     def _start_link(self, link: LinkSocket) -> None:
         """A freshly paired link: say who we are and what we received; the peer's hello is awaited before sending."""
         self.link, self._hello_pending = link, True
-        hello = secure.Hello(self.rank, self.nonce, self.peer_nonce, self.rx_seq)
-        self._send_data(secure.pack_hello(self.secret, self.session, hello))
+        hello = secure.Hello(self.rank, self.public, self.peer_public, self.rx_seq)
+        self._send_data(secure.pack_hello(self.pairing, hello))
 
     def _await_hello(self, deadline: float) -> None:
         """Before sending on a new link: the peer's hello tells what it lacks, which goes out first."""
@@ -256,15 +273,17 @@ class RelayChannel(Channel):
     def _on_hello(self, hello: secure.Hello) -> None:
         if hello.rank != self.peer:
             raise secure.SecureError(f"a hello from rank {hello.rank}, not from rank {self.peer}")
-        restarted = self.peer_nonce not in (secure.NO_NONCE, hello.nonce) or hello.peer_nonce not in (secure.NO_NONCE, self.nonce)
+        # the public keys name the processes: a resumed link must join the same two
+        restarted = self.peer_public not in (secure.NO_KEY, hello.public) or hello.peer_public not in (secure.NO_KEY, self.public)
         if restarted:
             raise NotResumable(f"rank {self.peer} of session {self.session!r} at the relay {self.relay} is not the process this "
                             "session started with (it restarted, or another job uses the same transport.session); "
                             "restart both ranks, each job with its own session id")
         if self.sealer is None:
-            self.peer_nonce = hello.nonce
-            nonces = (self.nonce, hello.nonce) if self.rank == 0 else (hello.nonce, self.nonce)
-            self.sealer = secure.Sealer(secure.derive_key(self.secret, self.session, *nonces), self.rank)
+            self.peer_public = hello.public
+            keys = secure.traffic_keys(self.pairing, self.session, self._private, self.rank, hello.public)
+            self.sealer = secure.Sealer(keys, self.rank)
+            self._private = None  # forward secrecy: nothing left here re-derives the keys from recorded hellos
         self._hello_pending = False
         self._resend_after(hello.last_rx)
 
@@ -359,7 +378,7 @@ def _wait_for_peer(link: LinkSocket, session: str, rank: int, join_timeout_s: fl
             raise PeerError(f"rank {1 - rank} did not join session {session!r} at the relay {relay} within "
                             f"{join_timeout_s:g} s{notices.suffix()}") from None
         raise PeerError(f"rank {1 - rank} did not join session {session!r} at the relay {relay} within {join_timeout_s:g} s; "
-                        "is it running, with the same transport.session and the same secret? (a wrong secret is "
+                        "is it running, with the same transport.session and the relay's token? (a wrong token is "
                         "refused at the relay: check the relay's log)") from None
     except LinkClosed as e:
         raise PeerError(f"the relay at {relay} closed the connection while rank {rank} waited for rank {1 - rank} "

@@ -18,6 +18,7 @@ import torch
 from bitsandbytes.nn import Linear4bit
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Qwen2Config
 
 from launch.build import build_stage
@@ -135,15 +136,65 @@ def test_seeded_sampling_is_reproducible(tiny_qwen):
     assert first["token_ids"] != reference_greedy(tiny_qwen, PROMPT, 20)
 
 
+class HeldStorages(TorchDispatchMode):
+    """Every storage a torch op returns off the meta device while the mode is on, by address: what a process
+    allocates (or touches) in real memory, counted once however many views it has."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                storage = t.untyped_storage()
+                self.nbytes[storage.data_ptr()] = storage.nbytes()
+        return out
+
+
+def share_of(folder, rank: int, split: int, num_layers: int) -> set[str]:
+    """The checkpoint tensors a rank needs, from the definition: rank 0 the embeddings and layers [0, split),
+    rank 1 layers [split, L), the final norm and the head (the embedding matrix when the head is tied to it)."""
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        stored = set(f.keys())
+    layers = range(0, split) if rank == 0 else range(split, num_layers)
+    share = {n for n in stored if n.startswith("model.layers.") and int(n.split(".")[2]) in layers}
+    if rank == 0:
+        return share | {"model.embed_tokens.weight"}
+    return share | {"model.norm.weight", "lm_head.weight" if "lm_head.weight" in stored else "model.embed_tokens.weight"}
+
+
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_rank_materializes_only_its_share(family, tiny_qwen, tiny_llama):
+def test_rank_materializes_only_its_share_not_even_briefly(family, tiny_qwen, tiny_llama, monkeypatch):
+    """While a rank's stage loads: the checkpoint tensors it reads are exactly its share, and the memory torch ops
+    give it (the model shell, casts, checks) stays within that share's size: the other rank's weights are never
+    read, and the whole model is never built in real memory, not even for a moment."""
+    import launch.build
+    import model_parallel.loader as loader
     folder = tiny_qwen if family == "qwen2" else tiny_llama
     whole = sum(p.numel() * p.element_size() for p in load_reference(folder).parameters())
     cfg = load_tandem_config([f"model.target={folder}", "model.dtype=float32", "prompt_ids=[1]", "model.split=null"])
+    num_layers = load_config(folder).num_hidden_layers
+    read = []
+    read_tensor = loader.read_tensor
+    monkeypatch.setattr(loader, "read_tensor", lambda f, file, ckpt: read.append(ckpt) or read_tensor(f, file, ckpt))
+    held = HeldStorages()
+
+    def watched_load_stage(*args, **kwargs):  # the loading only: the KV cache build_stage allocates next is not weights
+        with held:
+            return loader.load_stage(*args, **kwargs)
+    monkeypatch.setattr(launch.build, "load_stage", watched_load_stage)
     for rank in (0, 1):  # half the layers each
+        read.clear()
+        held.nbytes.clear()
         stage = build_stage(cfg, rank)
         mine = sum(p.numel() * p.element_size() for p in stage.parameters())
-        print(f"{family} rank {rank}: {mine} of {whole} parameter bytes ({mine / whole:.0%})")
+        allocated = sum(held.nbytes.values())
+        print(f"{family} rank {rank}: {mine} of {whole} parameter bytes ({mine / whole:.0%}); torch ops held "
+              f"{allocated} bytes while loading; read {len(read)} checkpoint tensors")
+        assert sorted(read) == sorted(share_of(folder, rank, num_layers // 2, num_layers))
+        assert allocated <= mine * 1.05 + 64 * 1024, (allocated, mine)  # + the rotary tables and small scalars
         assert mine <= 0.6 * whole
         assert not any(p.is_meta for p in stage.parameters())
 

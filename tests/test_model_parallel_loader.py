@@ -131,10 +131,18 @@ def shard(folder: Path) -> list[str]:
     return list(files)
 
 
-def test_sharded_copy_loads(tiny_qwen, tmp_path):
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sharded_copy_loads_the_same_tensors(tiny_qwen, tmp_path, rank):
+    """Each rank's share is spread over both shards (they alternate by name); loaded through the index it is the
+    same tensors, name for name and bit for bit, as loaded from the single file."""
     folder = copy_of(tiny_qwen, tmp_path)
     shard(folder)
-    load_stage(folder, 0, 2, embed=True, head=False)
+    first, last = (0, 2) if rank == 0 else (2, 4)
+    sharded = dict(load_stage(folder, first, last, embed=rank == 0, head=rank == 1).named_parameters())
+    single = dict(load_stage(tiny_qwen, first, last, embed=rank == 0, head=rank == 1).named_parameters())
+    assert sorted(sharded) == sorted(single) and len(single) > 10
+    for name, tensor in single.items():
+        assert torch.equal(sharded[name], tensor), name
 
 
 def test_file_listed_in_the_index_is_missing(tiny_qwen, tmp_path):

@@ -17,10 +17,11 @@ import secrets
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.test_relay import REPO, SECRET, relay_process
+from tests.test_relay import PAIRING, REPO, TOKEN, relay_process
 from tests.tiny_models import ids_arg, reference_greedy
 
 PROMPT = [11, 42, 7, 250, 3, 99, 180, 5]
@@ -83,7 +84,7 @@ def can_connect(ns: str, host: str, port: int) -> tuple[bool, str]:
     return out.startswith(("connected", "refused")), out.strip()
 
 
-def torchrun_node(names: dict, node: str, rank: int, endpoint: str, model, out, secret_file, tokens: int, extra=(),
+def torchrun_node(names: dict, node: str, rank: int, endpoint: str, model, out, secrets_dir, tokens: int, extra=(),
                   session: str = "netns-faults") -> subprocess.Popen:
     """One node's torchrun in its namespace, meeting the other at the relay (rendezvous and data)."""
     cmd = ["ip", "netns", "exec", names[node], sys.executable, "-m", "torch.distributed.run",
@@ -92,17 +93,26 @@ def torchrun_node(names: dict, node: str, rank: int, endpoint: str, model, out, 
            str(REPO / "train_free_infer.py"), f"model.target={model}", "model.dtype=float32", "draft.kind=none",
            f"prompt_ids={ids_arg(PROMPT)}", "chat=false", f"gen.max_new_tokens={tokens}", f"output.json={out}",
            "output.stream=false", "transport.kind=relay", f"transport.relay={endpoint}", f"transport.session={session}",
-           f"transport.secret_file={secret_file}", *extra]
-    env = dict(os.environ, PYTHONPATH=str(REPO), TANDEM_SECRET_FILE=str(secret_file), TOKENIZERS_PARALLELISM="false")
+           f"transport.secret_file={secrets_dir / 'pairing'}", *extra]
+    # the relay token reaches the rendezvous and the channel through the environment; the pairing secret only the channel
+    env = dict(os.environ, PYTHONPATH=str(REPO), TANDEM_RELAY_TOKEN_FILE=str(secrets_dir / "token"), TOKENIZERS_PARALLELISM="false")
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+
+
+def node_secrets(tmp_path: Path) -> Path:
+    """The nodes' files: the relay's token (admission) and their pairing secret, which the relay never gets."""
+    folder = tmp_path / "node-secrets"
+    folder.mkdir()
+    for name, value in (("token", TOKEN), ("pairing", PAIRING)):
+        (folder / name).write_bytes(value)
+        (folder / name).chmod(0o600)
+    return folder
 
 
 def test_two_namespaces_reach_only_the_relay_and_match_generate(namespaces, tiny_qwen, tmp_path):
     names, public, net = namespaces
     expected = reference_greedy(tiny_qwen, PROMPT, NEW_TOKENS)
-    secret_file = tmp_path / "secret"
-    secret_file.write_bytes(SECRET)
-    secret_file.chmod(0o600)
+    secrets_dir = node_secrets(tmp_path)
     with relay_process(tmp_path, "--emulate-delay-ms", "5", host="0.0.0.0", netns=names["relay"]) as relay:
         # the topology: each node reaches the relay and nothing else
         assert can_connect(names["n0"], public, relay.port)[0] and can_connect(names["n1"], public, relay.port)[0]
@@ -110,7 +120,7 @@ def test_two_namespaces_reach_only_the_relay_and_match_generate(namespaces, tiny
         assert not reached, f"node0 can reach node1 ({why}): the test would not prove anything"
         out = tmp_path / "out.json"
         endpoint = f"{public}:{relay.port}"
-        procs = [torchrun_node(names, node, rank, endpoint, tiny_qwen, out, secret_file, NEW_TOKENS,
+        procs = [torchrun_node(names, node, rank, endpoint, tiny_qwen, out, secrets_dir, NEW_TOKENS,
                                ["transport.timeout_s=60"], session="netns-e2e") for rank, node in enumerate(("n0", "n1"))]
         try:
             results = [p.communicate(timeout=240) for p in procs]
@@ -145,9 +155,7 @@ def test_generation_survives_relay_restarts_and_link_cuts(namespaces, tiny_qwen,
     names, public, net = namespaces
     sfx = names["relay"].rsplit("-", 1)[1]
     expected = reference_greedy(tiny_qwen, PROMPT, FAULT_TOKENS)
-    secret_file = tmp_path / "secret"
-    secret_file.write_bytes(SECRET)
-    secret_file.chmod(0o600)
+    secrets_dir = node_secrets(tmp_path)
     relay_args = ("--port", str(FAULT_PORT))  # after relay_process's --port 0: the later one wins
     relays = [relay_process(tmp_path, *relay_args, host="0.0.0.0", netns=names["relay"])]
     first = relays[0].__enter__()
@@ -155,7 +163,7 @@ def test_generation_survives_relay_restarts_and_link_cuts(namespaces, tiny_qwen,
     out = tmp_path / "out.json"
     # timeout_s=6: heartbeats every 1 s, a dead link is noticed after 3 s; 30 ms emulated per message stretches the run
     extra = ("transport.timeout_s=6", "transport.reconnect_s=60", "transport.emulate_delay_ms=30")
-    procs = [torchrun_node(names, node, rank, endpoint, tiny_qwen, out, secret_file, FAULT_TOKENS, extra)
+    procs = [torchrun_node(names, node, rank, endpoint, tiny_qwen, out, secrets_dir, FAULT_TOKENS, extra)
              for rank, node in enumerate(("n0", "n1"))]
     counts = {"relay restarts": 0, "link cuts": 0}
     rng = random.Random(int(sfx, 16))

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import pytest
 
 from netbridge import auth
-from tests.test_relay import SECRET, _exact, closed_by_peer, loops, pair, relay_process
+from tests.test_relay import TOKEN, _exact, closed_by_peer, loops, pair, relay_process
 
 HONEST_TRIES, PAIR_WITHIN_S = 10, 5.0
 
@@ -115,14 +115,14 @@ def test_one_source_is_bounded_and_another_source_still_gets_in(tmp_path):
             assert time.monotonic() - t0 < 1.0, "turned away at once, not after a timeout"
 
             with pytest.raises(auth.HandshakeError) as refused:  # retried for its whole timeout, then explained
-                auth.dial(relay.addr, SECRET, "crowded", auth.ROLE_DATA, 0, 2, 0.4)  # (the held ones are not stale yet)
+                auth.dial(relay.addr, TOKEN, "crowded", auth.ROLE_DATA, 0, 2, 0.4)  # (the held ones are not stale yet)
             assert "--max-pending-per-source" in str(refused.value) and "did not greet" not in str(refused.value)
 
-            other_host = auth.dial(relay.addr, SECRET, "elsewhere", auth.ROLE_DATA, 0, 2, 3.0, source_address="127.0.0.2")
+            other_host = auth.dial(relay.addr, TOKEN, "elsewhere", auth.ROLE_DATA, 0, 2, 3.0, source_address="127.0.0.2")
             other_host.close()
 
             # a neighbour of the flooder (same NAT address) gets in once the flood's handshakes are stale (> 1 s)
-            neighbour = auth.dial(relay.addr, SECRET, "neighbour", auth.ROLE_DATA, 0, 2, 3.0)
+            neighbour = auth.dial(relay.addr, TOKEN, "neighbour", auth.ROLE_DATA, 0, 2, 3.0)
             neighbour.close()
             assert read_to_end(held[0]) == bytes([auth.SHED])  # it took the slot of that address's oldest
         finally:
@@ -158,11 +158,11 @@ def test_a_relay_full_of_authenticated_connections_answers_full(tmp_path):
         try:
             t0 = time.monotonic()
             with pytest.raises(auth.HandshakeError) as full:
-                auth.dial(relay.addr, SECRET, "latecomer", auth.ROLE_DATA, 0, 2, 3.0)
+                auth.dial(relay.addr, TOKEN, "latecomer", auth.ROLE_DATA, 0, 2, 3.0)
             message = str(full.value)
             assert "is full" in message and "--max-connections" in message and "did not greet" not in message, message
             assert time.monotonic() - t0 < 1.0, "FULL is an answer, not something to retry until the timeout"
-            with pytest.raises(auth.HandshakeError, match="secret does not match"):  # a stranger still learns nothing
+            with pytest.raises(auth.HandshakeError, match="token does not match"):  # a stranger still learns nothing
                 auth.dial(relay.addr, b"not-the-secret", "latecomer", auth.ROLE_DATA, 0, 2, 3.0)
         finally:
             c0.close()
@@ -170,7 +170,7 @@ def test_a_relay_full_of_authenticated_connections_answers_full(tmp_path):
         deadline = time.monotonic() + 5
         while True:  # the relay notices the pair left within moments; then there is room again
             try:
-                auth.dial(relay.addr, SECRET, "latecomer", auth.ROLE_DATA, 0, 2, 3.0).close()
+                auth.dial(relay.addr, TOKEN, "latecomer", auth.ROLE_DATA, 0, 2, 3.0).close()
                 break
             except auth.HandshakeError:
                 assert time.monotonic() < deadline, "no room after the occupants left"

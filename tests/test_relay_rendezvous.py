@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_relay import REPO, SECRET, relay_process
+from tests.test_relay import PAIRING, REPO, TOKEN, relay_process
 
 WORKER = textwrap.dedent("""
     import json, os, sys, torch
@@ -42,7 +42,9 @@ def torchrun(relay_addr: str, run_id: str, out: Path, script: Path, secret_file:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=tandem-relay",
            f"--rdzv_endpoint={relay_addr}", f"--rdzv_id={run_id}", "--rdzv_conf", ",".join(["join_timeout=20", *conf]),
            "--max_restarts=0", str(script), str(out), *extra]
-    env = dict(os.environ, PYTHONPATH=str(REPO), TANDEM_SECRET_FILE=str(secret_file))
+    pairing = secret_file.parent / "pairing"  # the nodes' pairing secret, for the channel; the relay never gets it
+    pairing.write_bytes(PAIRING)
+    env = dict(os.environ, PYTHONPATH=str(REPO), TANDEM_RELAY_TOKEN_FILE=str(secret_file), TANDEM_SECRET_FILE=str(pairing))
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
 
 
@@ -51,7 +53,7 @@ def setup(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     secret_file = tmp_path / "secret"
-    secret_file.write_bytes(SECRET)
+    secret_file.write_bytes(TOKEN)
     with relay_process(tmp_path) as relay:
         yield relay, script, secret_file, tmp_path
 
@@ -85,8 +87,8 @@ def test_wrong_secret_and_missing_node_fail_fast_and_say_why(setup):
     _, bad_err = bad.communicate(timeout=60)
     good.wait(timeout=60)
     good_err = "".join(line for _, line in good_lines)
-    assert bad.returncode != 0 and "secret does not match" in bad_err, bad_err[-2000:]
-    refusal = "a connection from 127.0.0.1 claiming session 'job-b' was refused at the relay for a wrong secret"
+    assert bad.returncode != 0 and "token does not match" in bad_err, bad_err[-2000:]
+    refusal = "a connection from 127.0.0.1 claiming session 'job-b' was refused at the relay for a wrong token"
     warnings = [(t, line) for t, line in good_lines if "still waits for its other node(s)" in line and refusal in line]
     assert len(warnings) == 1, good_err[-3000:]
     # told within seconds of the refusal, or of its own arrival if the refused node came first
@@ -95,7 +97,7 @@ def test_wrong_secret_and_missing_node_fail_fast_and_say_why(setup):
     assert told_after < 3.0, (told_after, relay.log()[-2000:])
     assert good.returncode != 0, good_err[-2000:]
     assert re.search(r"not all 2 nodes of run 'job-b' joined at the relay \S+ within 9 s \(--rdzv_conf join_timeout\); "
-                     + re.escape(refusal) + r".*check TANDEM_SECRET_FILE", good_err), good_err[-3000:]
+                     + re.escape(refusal) + r".*check TANDEM_RELAY_TOKEN_FILE", good_err), good_err[-3000:]
 
 
 def test_a_missing_node_is_named_with_what_to_check(setup):
@@ -131,10 +133,10 @@ def test_join_timeout_defaults_well_below_torchruns_600_s(tmp_path):
 
     from launch.relay_rendezvous import DEFAULT_JOIN_TIMEOUT_S, RelayRendezvousHandler
     secret_file = tmp_path / "secret"
-    secret_file.write_bytes(SECRET)
+    secret_file.write_bytes(TOKEN)
 
     def handler(**conf):
-        params = RendezvousParameters("tandem-relay", "127.0.0.1:1", "job-d", 2, 2, secret_file=str(secret_file), **conf)
+        params = RendezvousParameters("tandem-relay", "127.0.0.1:1", "job-d", 2, 2, relay_token_file=str(secret_file), **conf)
         return RelayRendezvousHandler(params)
     assert handler().join_timeout_s == DEFAULT_JOIN_TIMEOUT_S == 120
     assert handler(join_timeout="7").join_timeout_s == 7

@@ -10,16 +10,22 @@ from __future__ import annotations
 
 import signal
 import socket
+import struct
 import threading
 import time
 
 import pytest
 import torch
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from netbridge import secure
 from netbridge.channel import PeerError
 from netbridge.link import DATA, HEADER, LinkSocket
 from netbridge.relay_channel import RelayChannel
-from tests.test_relay import SECRET, _exact, pair, relay_process
+from tests.test_relay import PAIRING, TOKEN, _exact, pair, relay_process
 from tests.tiny_models import free_port
 
 MESSAGES = 120
@@ -123,7 +129,7 @@ def test_past_reconnect_s_the_error_is_one_line_naming_the_relay(tmp_path):
 class StandIn:
     """Two channels joined through two socketpairs and a forwarding thread per direction that parses link frames,
     records every byte that crosses, and hands each DATA body to `mutate(direction, index, body)`, which returns
-    the bodies to forward instead (a list: [] drops, [b, b] replays)."""
+    the bodies to forward instead (a list: [] drops, [b, b] replays; an item ("back", b) goes back to the sender)."""
 
     def __init__(self, mutate=None):
         self.mutate = mutate or (lambda direction, index, body: [body])
@@ -135,9 +141,9 @@ class StandIn:
         for direction, (src, dst) in enumerate(((r0, r1), (r1, r0))):
             threading.Thread(target=self._forward, args=(direction, src, dst), daemon=True).start()
         box: dict = {}
-        t = threading.Thread(target=lambda: box.setdefault("c1", RelayChannel(LinkSocket(a1, "stand-in", 5), 1, "e2e", 5, secret=SECRET)))
+        t = threading.Thread(target=lambda: box.setdefault("c1", RelayChannel(LinkSocket(a1, "stand-in", 5), 1, "e2e", 5, secret=PAIRING)))
         t.start()
-        self.c0 = RelayChannel(LinkSocket(a0, "stand-in", 5), 0, "e2e", 5, secret=SECRET)
+        self.c0 = RelayChannel(LinkSocket(a0, "stand-in", 5), 0, "e2e", 5, secret=PAIRING)
         t.join(5)
         self.c1 = box["c1"]
 
@@ -157,7 +163,8 @@ class StandIn:
                     bodies = self.mutate(direction, index, body)
                     index += 1
                 for b in bodies:
-                    dst.sendall(HEADER.pack(kind, len(b)) + b)
+                    to, b = (src, b[1]) if isinstance(b, tuple) else (dst, b)
+                    to.sendall(HEADER.pack(kind, len(b)) + b)
         except OSError:
             return
 
@@ -212,6 +219,47 @@ def test_a_replayed_frame_is_refused():
     assert "\n" not in text and "relay stand-in" in text and "replayed (seq 1 again, expected 2)" in text, text
 
 
+def test_a_reordered_frame_is_refused_before_anything_is_delivered():
+    """The stand-in holds rank 0's first message back and forwards it after the second: rank 1's first receive
+    must fail, not deliver message 1 first."""
+    held = []
+
+    def swap(direction, index, body):
+        if direction == 0 and index == 1:  # (0 is the hello)
+            held.append(body)
+            return []
+        if direction == 0 and index == 2:
+            return [body, held.pop()]
+        return [body]
+    s = StandIn(swap)
+    try:
+        s.c0.send("ping", {"i": 0}, x=torch.arange(16))
+        s.c0.send("ping", {"i": 1}, x=torch.arange(16))
+        with pytest.raises(PeerError) as caught:
+            s.c1.recv("ping")
+    finally:
+        s.close()
+    text = str(caught.value)
+    assert "\n" not in text and "relay stand-in" in text and "out of order (seq 2, expected 1)" in text, text
+
+
+def test_a_frame_reflected_to_its_sender_is_refused():
+    """The stand-in forwards rank 0's message and also sends a copy back to rank 0, which must not take its own
+    frame for one of rank 1's (it is sealed under the other direction's key)."""
+    def reflect(direction, index, body):
+        return [body, ("back", body)] if direction == 0 and index == 1 else [body]
+    s = StandIn(reflect)
+    try:
+        s.c0.send("ping", {"i": 0}, x=torch.arange(16))
+        assert s.c1.recv("ping").meta["i"] == 0
+        with pytest.raises(PeerError) as caught:
+            s.c0.recv()
+    finally:
+        s.close()
+    text = str(caught.value)
+    assert "\n" not in text and "refused a frame from rank 1 through the relay stand-in: tampered with" in text, text
+
+
 def test_the_relay_cannot_read_the_plaintext():
     s = StandIn()
     marker = torch.tensor([0x5EC12E7] * 64, dtype=torch.int32)  # 256 known bytes
@@ -229,3 +277,156 @@ def test_the_relay_cannot_read_the_plaintext():
                   b"confidential", b"TDM1"):
         assert known not in seen, f"{known!r} crossed the relay in the clear"
     assert len(seen) > 2 * 256  # the messages did cross, sealed
+
+
+# ---- from the attacker's seat: what the relay holds does not open the traffic ---------------------
+def recorded_envelopes(seen: bytes) -> list[bytes]:
+    """The DATA bodies in a recording of link frames (both directions interleaved, as the stand-in saw them)."""
+    out, i = [], 0
+    while i + HEADER.size <= len(seen):
+        kind, n = HEADER.unpack_from(seen, i)
+        if kind == DATA:
+            out.append(seen[i + HEADER.size:i + HEADER.size + n])
+        i += HEADER.size + n
+    return out
+
+
+def opens(key: bytes, envelope: bytes) -> bool:
+    """True when `key` opens a recorded SEALED envelope (from either rank: both nonce prefixes are tried)."""
+    header = envelope[:secure.SEALED_HEADER.size]
+    _, seq, _ = secure.SEALED_HEADER.unpack(header)
+    for sender in (0, 1):
+        try:
+            AESGCM(key).decrypt(struct.pack("!IQ", sender, seq), envelope[secure.SEALED_HEADER.size:], header)
+            return True
+        except InvalidTag:
+            pass
+    return False
+
+
+def keys_a_relay_can_derive(held: list[bytes], session: str, hellos: list[bytes]) -> list[bytes]:
+    """Every key the relay can compute from what it holds: the secrets it has, the session id, and the recorded hellos
+    (both public keys, MACs, sequence numbers). It has no ephemeral private key of a rank; the best it can do is use
+    one of its own in the real derivation."""
+    publics = [public for _, public in sorted((hello_fields(h).rank, hello_fields(h).public) for h in hellos)]
+    candidates = []
+    for secret in held:
+        pairing = secure.pairing_keys(secret, session)
+        # HKDF over anything derivable from the secret, salted and labelled every way the two derivations do (the one
+        # before issue 21, HKDF(secret, salt = the values sent in the clear), opened every frame)
+        infos = (b"tandem-e2e-v1|" + session.encode(), b"tandem-e2e-v2 keys|" + session.encode() + b"|" + b"".join(publics))
+        for ikm in (secret, pairing.hello_mac, pairing.kdf_salt, b"".join(publics)):
+            for salt in (None, b"".join(publics), pairing.kdf_salt):
+                for info in infos:
+                    okm = HKDF(algorithm=hashes.SHA256(), length=64, salt=salt, info=info).derive(ikm)
+                    candidates += [okm[:32], okm[32:]]
+        candidates += [pairing.hello_mac, pairing.kdf_salt]
+        own_private, _ = secure.new_ephemeral()  # the real derivation, with the only private key the relay has: its own
+        for rank in (0, 1):
+            for peer_public in publics:
+                candidates += secure.traffic_keys(pairing, session, own_private, rank, peer_public)
+    return candidates
+
+
+def test_a_relay_with_its_token_and_a_recording_cannot_decrypt():
+    """The relay's seat: it holds its token, the session id and every byte of the handshake and the frames; no key
+    it can derive opens a frame. Even the pairing secret, leaked after the session (forward secrecy), does not."""
+    s = StandIn()
+    marker = torch.tensor([0x5EC12E7] * 64, dtype=torch.int32)
+    try:
+        for i in range(3):
+            s.c0.send("confidential", {"i": i}, x=marker)
+            assert torch.equal(s.c1.recv("confidential").tensors["x"], marker)
+            s.c1.send("answer", y=marker + i)
+            s.c0.recv("answer")
+    finally:
+        s.close()
+    with s.lock:
+        envelopes = recorded_envelopes(bytes(s.seen))
+    hellos = [e for e in envelopes if secure.envelope_type(e) == secure.HELLO]
+    sealed = [e for e in envelopes if secure.envelope_type(e) == secure.SEALED]
+    assert len(hellos) == 2 and len(sealed) >= 6
+    # the recording is complete and its frames are decryptable, by the rank holding the keys
+    kind, _, _, plaintext = s.c1.sealer.open(bytearray(sealed[0]), 1)
+    assert kind == secure.SEALED and b"confidential" in plaintext
+    for held in ([TOKEN], [TOKEN, PAIRING]):
+        for key in keys_a_relay_can_derive(held, "e2e", hellos):
+            assert not any(opens(key, e) for e in sealed), f"a key derived from {len(held)} secret(s) opened a frame"
+
+
+def hello_fields(body: bytes) -> secure.Hello:
+    """A recorded hello read as the relay can: its fields are in the clear (only the MAC needs the pairing secret)."""
+    return secure.Hello(*struct.unpack("!BB32s32sQ", body[:secure.HELLO_BYTES - 32])[1:])
+
+
+def forged_hello(original: bytes, secret: bytes, public: bytes) -> bytes:
+    """Rank 1's hello with the attacker's public key in it, MACed with `secret` as if it were the pairing secret."""
+    return secure.pack_hello(secure.pairing_keys(secret, "e2e"), hello_fields(original)._replace(public=public))
+
+
+@pytest.mark.parametrize("held", ["token", "pairing secret"])
+def test_a_relay_putting_its_own_key_in_the_middle_needs_the_pairing_secret(held):
+    """Active attack: the relay swaps rank 1's ephemeral key for its own in the hello rank 0 receives. With only its
+    token it cannot MAC that hello, and rank 0 refuses it in one line; with the pairing secret (the control that
+    shows the attack is real) rank 0 accepts it and the relay reads rank 0's next frame."""
+    secret = TOKEN if held == "token" else PAIRING
+    private, public = secure.new_ephemeral()
+    seen = {}
+
+    def middle(direction, index, body):
+        if index == 0:  # each rank's hello
+            seen[direction] = body
+            if direction == 1:
+                return [forged_hello(body, secret, public)]
+        elif direction == 0 and index == 1:
+            seen["frame"] = body
+        return [body]
+    s = StandIn(middle)
+    marker = torch.tensor([0x5EC12E7] * 64, dtype=torch.int32)
+    try:
+        if held == "token":
+            with pytest.raises(PeerError) as caught:
+                s.c0.send("confidential", x=marker)
+            text = str(caught.value)
+            assert "\n" not in text and "rank 1's hello through the relay stand-in is not signed with this node's pairing " \
+                   "secret" in text, text
+            assert "frame" not in seen
+            return
+        s.c0.send("confidential", x=marker)
+    finally:
+        s.close()
+    rank0_public = hello_fields(seen[0]).public
+    keys = secure.traffic_keys(secure.pairing_keys(secret, "e2e"), "e2e", private, 1, rank0_public)
+    _, _, _, plaintext = secure.Sealer(keys, 1).open(bytearray(seen["frame"]), 1)
+    assert marker.numpy().tobytes() in plaintext
+
+
+def test_a_wrong_pairing_secret_on_one_node_is_one_clear_line(tmp_path):
+    """Both nodes get past the relay (right token); the one with the wrong pairing secret and its peer each fail
+    with one line naming the pairing secret, not a tampering or a hang."""
+    with relay_process(tmp_path, "--no-store") as relay:
+        box: dict = {}
+        t = threading.Thread(target=lambda: box.setdefault("c1", RelayChannel.connect(
+            relay.addr, "mispaired", 1, TOKEN, b"another-pairing-secret", timeout_s=5)))
+        t.start()
+        c0 = RelayChannel.connect(relay.addr, "mispaired", 0, TOKEN, PAIRING, timeout_s=5)
+        t.join(10)
+        c1 = box["c1"]
+        errors = []
+        t1 = threading.Thread(target=lambda: errors.append(_error_of(c1.recv)))
+        t1.start()
+        errors.append(_error_of(lambda: c0.send("ping", x=torch.ones(1))))
+        t1.join(10)
+        c0.close()
+        c1.close()
+    assert len(errors) == 2
+    for text in errors:
+        assert text and "\n" not in text and "is not signed with this node's pairing secret: transport.secret_file" in text, text
+
+
+def _error_of(fn) -> str | None:
+    try:
+        fn()
+    except PeerError as e:
+        return str(e)
+    return None

@@ -1,5 +1,5 @@
 """speculative/: the lossless round (greedy output == transformers generate for every K and drafter;
-sampled output distributed as the target's), adaptive K, the drafters, verification, the stats, the
+sampled output: tests/test_sampling.py), adaptive K, the drafters, verification, the stats, the
 serving Session (per-request sampling, prefix reuse) and rank 0's Output.
 
 End to end here means both ranks of train_free_infer as two threads over an in-process channel
@@ -11,7 +11,6 @@ import threading
 
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers import AutoTokenizer
 
 import train_free_infer
@@ -24,8 +23,8 @@ from speculative.output import Output
 from speculative.rounds import Generation, NonFiniteLogits, RoundRecord, next_k
 from speculative.session import Session, common_prefix
 from speculative.stats import broken_drafter_warning, summarize
-from speculative.verify import target_probs, verify_greedy, verify_sampled
-from tests.tiny_models import ids_arg, load_reference, reference_greedy, run_pair, save_tiny_tokenizer, with_eos
+from speculative.verify import verify_greedy
+from tests.tiny_models import ids_arg, reference_greedy, run_pair, save_tiny_tokenizer, with_eos
 
 PROMPT = [11, 42, 7, 250, 3, 99, 180, 5, 42, 7]
 MAX_NEW = 23  # not a multiple of K+1 for any K tested
@@ -99,99 +98,7 @@ def test_seeded_speculative_sampling_is_reproducible(tiny_qwen, tiny_qwen_draft)
     assert other["token_ids"] != first["token_ids"]  # the seed is really used (23 draws at T=1)
 
 
-# --- the distribution: rejection sampling keeps the target's distribution ----------------------
-
-VOCAB = 8
-TRIALS = 20_000
-
-
-def distributions():
-    g = torch.Generator().manual_seed(0)
-    target_logits = torch.randn(4, VOCAB, generator=g) * 1.5  # positions 0..3 (K = 3)
-    draft_logits = torch.randn(3, VOCAB, generator=g) * 1.5  # a drafter that disagrees
-    return target_probs(target_logits, 1.0, 1.0), torch.softmax(draft_logits, -1)
-
-
-def run_trials(p, q, deterministic=False):
-    g = torch.Generator().manual_seed(123)
-    first, second_after_accept = [], []
-    all_ids = torch.arange(VOCAB).expand(3, VOCAB)
-    for _ in range(TRIALS):
-        if deterministic:  # e.g. the n-gram drafter: a fixed proposal is a one-hot q
-            drafts = torch.tensor([2, 5, 1])
-            q_ids, q_probs = drafts[:, None], torch.ones(3, 1)
-        else:
-            drafts = torch.multinomial(q, 1, generator=g)[:, 0]
-            q_ids, q_probs = all_ids, q
-        accepted, token = verify_sampled(p, drafts, q_ids, q_probs, g)
-        emitted = drafts[:accepted].tolist() + [token]
-        first.append(emitted[0])
-        if accepted >= 1:
-            second_after_accept.append(emitted[1])
-    return first, second_after_accept
-
-
-def counts(tokens):
-    return torch.bincount(torch.tensor(tokens), minlength=VOCAB).double()
-
-
-def chi2_p(tokens, probs):
-    observed = counts(tokens)
-    probs = probs.double() / probs.double().sum()  # fp32 softmax sums to 1 only up to rounding
-    return chisquare(observed, probs * observed.sum()).pvalue
-
-
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_rejection_sampling_preserves_target_distribution(deterministic):
-    p, q = distributions()
-    first, second = run_trials(p, q, deterministic)
-    p_first, p_second = chi2_p(first, p[0]), chi2_p(second, p[1])
-    print(f"chi-square p-values: first token {p_first:.3f}, second token {p_second:.3f} ({len(second)} trials)")
-    assert p_first > 0.01 and p_second > 0.01
-    assert len(second) > 1000
-
-
-def test_chi_square_has_the_power_to_see_the_drafter():
-    """The same test on the drafter's own samples rejects them: the check above could fail."""
-    p, q = distributions()
-    g = torch.Generator().manual_seed(9)
-    drafts = torch.multinomial(q[0], TRIALS, replacement=True, generator=g).tolist()
-    assert chi2_p(drafts, p[0]) < 1e-6
-
-
-@pytest.mark.parametrize("overlap,ranks", [(True, 2), (True, 3)], ids=["overlap-on", "overlap-on-3-ranks"])  # overlap off: the verifier's own chi-square above
-def test_sampled_generation_keeps_the_targets_joint_distribution(overlap, ranks, tiny_qwen):
-    """The whole loop, sampled: the first two tokens' joint distribution is the target's. The target
-    drafts for itself, so drafts are often accepted and, with spec.overlap, round 1 often runs from
-    what was drafted ahead while round 0 was in flight (the guess of token 1 was right). With three
-    ranks the block crosses a middle rank (model.split=[1,3]) before the last one verifies it."""
-    overrides = session_args(tiny_qwen, tiny_qwen, max_new=3) + [f"spec.overlap={str(overlap).lower()}"]
-    overrides += ["model.split=[1,3]"] if ranks == 3 else []
-    temperature, top_p, n = 1.0, 0.8, 300
-    gens = serve(overrides, [(PROMPT, Request(temperature, top_p, seed)) for seed in range(n)], ranks)
-    observed: dict[tuple[int, int], int] = {}
-    for g in gens:
-        pair = tuple(g.output.tokens[:2])
-        observed[pair] = observed.get(pair, 0) + 1
-    reference = load_reference(tiny_qwen)
-    with torch.no_grad():
-        p1 = target_probs(reference(torch.tensor([PROMPT])).logits[0, -1:], temperature, top_p)[0].double()
-        expected = {}
-        for t1 in p1.nonzero()[:, 0].tolist():
-            logits = reference(torch.tensor([PROMPT + [t1]])).logits[0, -1:]
-            p2 = target_probs(logits, temperature, top_p)[0].double()
-            expected.update({(t1, t2): float(p1[t1] * p2[t2]) for t2 in p2.nonzero()[:, 0].tolist()})
-    assert set(observed) <= set(expected), "a pair the target's distribution cannot produce"
-    cells = sorted(expected, key=expected.get, reverse=True)
-    big = [c for c in cells if expected[c] * n >= 5]  # chi-square wants >= 5 expected per cell: pool the rest
-    obs = [observed.get(c, 0) for c in big] + [n - sum(observed.get(c, 0) for c in big)]
-    exp = [expected[c] * n for c in big] + [n - sum(expected[c] * n for c in big)]
-    pvalue = chisquare(obs, exp).pvalue
-    print(f"overlap={overlap}: {len(expected)} pairs, {len(big)} cells, p={pvalue:.3f}, "
-          f"rounds from ahead {sum(r.from_ahead for g in gens for r in g.rounds)}")
-    assert len(big) >= 3 and pvalue > 0.001
-    if overlap:
-        assert sum(g.rounds[1].from_ahead for g in gens) > n / 5
+# --- the distribution: tests/test_sampling.py (against a reference written there) -----------------
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5, 8])

@@ -45,8 +45,8 @@ def save_tiny(folder: Path, family: str, seed: int = 0, eos: int | None = None, 
 
 
 def load_reference(folder: Path):
-    cls = LlamaForCausalLM if json.loads((folder / "config.json").read_text())["model_type"] == "llama" else Qwen2ForCausalLM
-    return cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
 def reference_greedy(folder: Path, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
@@ -83,13 +83,15 @@ def free_port() -> int:
     raise RuntimeError("no free port below the ephemeral range")
 
 
-def run_tandem(tmp: Path, *overrides: str, timeout: float = 240, expect_ok: bool = True, nproc: int = 2):
-    """Run the real entry under torchrun (`nproc` ranks); returns (output json or None, completed process)."""
+def run_tandem(tmp: Path, *overrides: str, timeout: float = 240, expect_ok: bool = True, env: dict | None = None,
+               nproc: int = 2):
+    """Run the real entry under torchrun (`nproc` ranks; `env`: extra environment); returns (output json or
+    None, completed process)."""
     out = tmp / f"out-{free_port()}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", str(REPO / "train_free_infer.py"), f"output.json={out}",
            "output.stream=false", "chat=false", *overrides]
-    env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false", **(env or {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     if expect_ok:
         assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
