@@ -19,14 +19,14 @@ import signal
 import sys
 import threading
 
-from launch.build import (build_drafter, build_stage, check_tokenizer, eos_ids, layer_cuts, load_tokenizer,
+from launch.build import (build_drafter, build_stage, check_vocabularies, eos_ids, layer_cuts, load_tokenizer,
                           prompt_ids, resolve_models, resolve_split)
 from launch.config import ConfigError, TandemConfig, config_from_argv
-from launch.distributed import (LaunchError, close_channel, open_links, report, skip_the_final_collections_at_exit,
-                                torchrun_rank)
+from launch.distributed import (Interrupted, LaunchError, close_channel, open_links, report,
+                                skip_the_final_collections_at_exit, torchrun_rank)
 from launch.telemetry import Telemetry
 from kvcache.static_cache import CacheOverflowError
-from model_parallel.loader import ModelLoadError
+from model_parallel.loader import ModelLoadError, load_config
 from netbridge import protocol
 from netbridge.channel import PeerError
 from netbridge.frames import FrameError
@@ -36,10 +36,6 @@ from speculative.rounds import NonFiniteLogits, run_middle, run_rank1
 from speculative.session import Session
 from speculative.stats import broken_drafter_warning, summarize
 
-
-
-class Interrupted(Exception):
-    """SIGINT (Ctrl-C) or SIGTERM (torchrun stopping its workers): one line, never a traceback."""
 
 
 EXPECTED = (ConfigError, LaunchError, ModelLoadError, PeerError, FrameError, CacheOverflowError, NonFiniteLogits,
@@ -83,10 +79,11 @@ def rank0(cfg: TandemConfig, channel, listener=None, replies=None, ranks: int = 
     last rank's `replies` come back on their own link."""
     announce(resolve_models(cfg, 0))
     handshake(cfg, replies or channel, 0, ranks, onward=channel)
-    stage = build_stage(cfg, 0, ranks)
+    target_config = load_config(cfg.model.target)  # what can be checked is, before any weights load
     tokenizer = load_tokenizer(cfg.model.target)
-    check_tokenizer(tokenizer, stage.config, cfg.model.target)
-    ids = prompt_ids(cfg, tokenizer, stage.config.vocab_size) if cfg.serve.port is None else None
+    check_vocabularies(cfg, tokenizer, target_config)
+    ids = prompt_ids(cfg, tokenizer, target_config.vocab_size) if cfg.serve.port is None else None
+    stage = build_stage(cfg, 0, ranks)
     drafter = build_drafter(cfg, tokenizer, stage.config)
     session = Session(stage, drafter, channel, cfg.spec.k, cfg.spec.adaptive, cfg.spec.overlap, cfg.model.prefill_chunk,
                       cfg.spec.k_from_costs, replies)
@@ -145,6 +142,8 @@ def rank1(cfg: TandemConfig, channel, reply_to=None, ranks: int = 2) -> None:
     if threading.current_thread() is threading.main_thread():
         _stop_after_grace()
     run_rank1(stage, channel, reply_to)
+    if _signalled:  # rank 0 ended the session because the same signal stopped it
+        raise Interrupted(_signalled[0])
 
 
 def middle(cfg: TandemConfig, prev, next, rank: int, ranks: int) -> None:
@@ -155,6 +154,11 @@ def middle(cfg: TandemConfig, prev, next, rank: int, ranks: int) -> None:
     if threading.current_thread() is threading.main_thread():
         _stop_after_grace()
     run_middle(stage, prev, next)
+    if _signalled:
+        raise Interrupted(_signalled[0])
+
+
+_signalled: list[int] = []  # the signals this process received: its true cause when the peer then goes away
 
 
 def _stop_after_grace(grace_s: int = 2) -> None:
@@ -162,6 +166,7 @@ def _stop_after_grace(grace_s: int = 2) -> None:
     (Bye, or its own error), so rank 1 keeps serving the round in flight; only if that does not come
     within `grace_s` does it stop on its own."""
     def on_signal(signum, _frame):
+        _signalled.append(signum)
         signal.signal(signal.SIGALRM, lambda *_: _raise_interrupted(signum))
         signal.alarm(grace_s)
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -169,7 +174,8 @@ def _stop_after_grace(grace_s: int = 2) -> None:
 
 
 def _raise_interrupted(signum, _frame=None):
-    raise Interrupted(f"stopped by {signal.Signals(signum).name}")
+    _signalled.append(signum)
+    raise Interrupted(signum)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -188,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
         skip_the_final_collections_at_exit()
         listener = None
         if rank == 0 and cfg.serve.port is not None:
-            from launch.server import reserve_port
+            from launch.server import load_api_key, reserve_port
+            load_api_key(cfg)  # an unreadable key file fails now, not after the weights load
             listener = reserve_port(cfg)  # before the process group opens ports of its own
         links = prev, next = open_links(cfg, rank, ranks)  # one channel both ways with two ranks
         if rank == 0:
@@ -198,9 +205,12 @@ def main(argv: list[str] | None = None) -> None:
         else:
             middle(cfg, prev, next, rank, ranks)
     except EXPECTED as e:
+        if _signalled and isinstance(e, PeerError):  # the peer left because the same Ctrl-C stopped it
+            e = Interrupted(_signalled[0])
         report(str(e), rank)  # first: torchrun stops this rank as soon as the peer exits
-        _tell_peer(links, str(e), ranks)
-        sys.exit(130 if isinstance(e, Interrupted) else 1)
+        # a signal reaches every rank: the peer is stopping too, and may never read this
+        _tell_peer(links, str(e), ranks, wait_s=0.5 if isinstance(e, Interrupted) else 5.0)
+        sys.exit(128 + e.signum if isinstance(e, Interrupted) else 1)
     except BaseException as e:
         _tell_peer(links, _one_line(e), ranks)
         if not isinstance(e, SystemExit):  # Python prints the traceback; torchrun's summary ends with this line
@@ -215,14 +225,17 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if not isinstance(e, EXPECTED) else str(e)
 
 
-def _tell_peer(links, message: str, ranks: int = 2) -> None:
-    """Best effort: let the other rank exit with the cause instead of waiting out its timeout. With N > 2
-    the rank after this one on the ring, which passes it on: every rank waits on the one before it."""
-    if links is None or (ranks == 2 and isinstance(sys.exc_info()[1], PeerError)):
+def _tell_peer(links, message: str, ranks: int = 2, wait_s: float = 5.0) -> None:
+    """Best effort: let the other rank exit with the cause instead of waiting out its timeout. Not after a
+    PeerError that means the peer is gone; a frame this rank refused (tampered, replayed: a PeerError and a
+    FrameError) leaves the peer there, waiting for the reason. With N > 2 the rank after this one on the
+    ring, which passes it on (every rank waits on the one before it), whatever the cause."""
+    cause = sys.exc_info()[1]
+    if links is None or (ranks == 2 and isinstance(cause, PeerError) and not isinstance(cause, FrameError)):
         return
     channel = links[1]
     try:
-        channel.timeout_s = min(channel.timeout_s, 5.0)
+        channel.timeout_s = min(channel.timeout_s, wait_s)
         protocol.send(channel, protocol.Error(message))
     except Exception:  # noqa: BLE001 - the peer may be gone already; our own error is what matters
         pass

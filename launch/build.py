@@ -256,8 +256,7 @@ def build_drafter(cfg: TandemConfig, target_tokenizer, target_config):
         return NoDrafter()
     if d.kind == "ngram":
         return NgramDrafter(d.ngram_max, d.ngram_min)
-    check_same_vocabulary(cfg.model.target, d.model, target_tokenizer, target_config)
-    return model_drafter(cfg)
+    return model_drafter(cfg)  # its vocabulary was checked before any weights loaded (check_vocabularies)
 
 
 def model_drafter(cfg: TandemConfig):
@@ -277,9 +276,38 @@ def use_graph(d, device: str) -> bool:
     return d.graph == "on" or (d.graph == "auto" and on_cuda)
 
 
-def check_same_vocabulary(target: str, draft: str, target_tokenizer, target_config) -> None:
-    """A drafter with another vocabulary proposes ids that mean other words: refuse it at start."""
-    draft_config = load_config(draft)
+def check_vocabularies(cfg: TandemConfig, target_tokenizer, target_config) -> None:
+    """Rank 0, from config.json, the tokenizers and the checkpoints' headers, before any weights load:
+    the target's embedding and head rows match its vocab_size, and a model drafter shares its vocabulary."""
+    check_tokenizer(target_tokenizer, target_config, cfg.model.target)
+    check_vocabulary_rows(cfg.model.target, target_config)
+    if cfg.draft.kind == "model" and cfg.spec.k > 0:
+        draft_config = load_config(cfg.draft.model)
+        check_vocabulary_rows(cfg.draft.model, draft_config)
+        check_same_vocabulary(cfg.model.target, cfg.draft.model, target_tokenizer, target_config, draft_config)
+
+
+def check_vocabulary_rows(folder: str, config) -> None:
+    """The embedding's and the head's rows, as the safetensors headers give them (nothing is read), must be
+    config.json's vocab_size: otherwise an id the tokenizer gives indexes past the embedding, or the head
+    scores a vocabulary the tokenizer does not have. Quantized (packed) matrices are left to the loader."""
+    from model_parallel.loader import checkpoint_index, open_checkpoint
+    index = checkpoint_index(Path(folder))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        file = index.get(name)
+        if file is None or not file.is_file():  # tied head, or a shard this host does not hold
+            continue
+        with open_checkpoint(file) as f:
+            shape = f.get_slice(name).get_shape()
+        if len(shape) == 2 and shape[1] == config.hidden_size and shape[0] != config.vocab_size:
+            raise ModelLoadError(f"{folder}: {name} has {shape[0]} rows but config.json's vocab_size is {config.vocab_size}; "
+                                 "config and weights are from different checkpoints")
+
+
+def check_same_vocabulary(target: str, draft: str, target_tokenizer, target_config, draft_config) -> None:
+    """A drafter with another vocabulary proposes ids that mean other words, or ids past the target's
+    embedding: refuse it at start. Its vocab_size may be smaller than the target's (padding rows differ
+    within a family) but must cover the tokenizer."""
     draft_tokenizer = load_tokenizer(draft)
     fix = "draft.model must share the target's tokenizer (e.g. a smaller model of the same family)"
     if (target_tokenizer is None) != (draft_tokenizer is None):
@@ -287,5 +315,9 @@ def check_same_vocabulary(target: str, draft: str, target_tokenizer, target_conf
     if target_tokenizer is not None:
         if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
             raise ConfigError(f"the drafter's tokenizer ({draft}) differs from the target's ({target}); {fix}")
+        if not len(target_tokenizer) <= draft_config.vocab_size <= target_config.vocab_size:
+            raise ConfigError(f"draft vocab_size {draft_config.vocab_size} does not fit the target's: it must cover the "
+                              f"tokenizer's {len(target_tokenizer)} tokens and not exceed the target's vocab_size "
+                              f"{target_config.vocab_size}; {fix}")
     elif draft_config.vocab_size != target_config.vocab_size:
         raise ConfigError(f"draft vocab_size {draft_config.vocab_size} != target vocab_size {target_config.vocab_size}; {fix}")

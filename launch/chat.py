@@ -1,6 +1,8 @@
 """tandem-chat: a multi-turn chat in the terminal, on top of a served Tandem (serve.port=PORT).
 
-    tandem-chat --url http://127.0.0.1:8000/v1 [--system "..."] [--max-tokens 512] [--temperature 0.7]
+    tandem-chat --url http://127.0.0.1:8000/v1 [--api-key KEY] [--system "..."] [--max-tokens 512] [--temperature 0.7]
+
+The key (the server's serve.api_key_file) may come from the environment instead: OPENAI_API_KEY.
 
 Each turn sends the whole conversation; the server finds it in its caches and prefills only the new
 message. Type /reset to start over, /exit or Ctrl-D to leave. Standard library only.
@@ -9,15 +11,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import urllib.error
 import urllib.request
 
 
-def stream_chat(url: str, body: dict, timeout_s: float = 600.0):
+def stream_chat(url: str, body: dict, timeout_s: float = 600.0, api_key: str | None = None):
     """Yield the answer's text pieces from a streamed /chat/completions; the last item is the final chunk."""
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
     req = urllib.request.Request(f"{url.rstrip('/')}/chat/completions", data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers=headers)
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         for raw in resp:
             line = raw.decode("utf-8").strip()
@@ -36,13 +42,22 @@ def stream_chat(url: str, body: dict, timeout_s: float = 600.0):
                 yield chunk
 
 
+def error_message(e: "urllib.error.HTTPError") -> str:
+    try:
+        return json.load(e)["error"]["message"]
+    except (ValueError, KeyError, TypeError, OSError):
+        return str(e.reason)
+
+
 def turn(url: str, messages: list[dict], args, out=sys.stdout) -> tuple[str, dict | None]:
     """Send the conversation, print the answer as it streams; returns (answer, the final chunk)."""
-    body = {"messages": messages, "max_tokens": args.max_tokens}
+    body = {"messages": messages}
+    if args.max_tokens is not None:
+        body["max_tokens"] = args.max_tokens
     if args.temperature is not None:
         body["temperature"] = args.temperature
     answer, final = "", None
-    for piece in stream_chat(url, body):
+    for piece in stream_chat(url, body, api_key=getattr(args, "api_key", None)):
         if isinstance(piece, dict):
             final = piece
             continue
@@ -53,14 +68,21 @@ def turn(url: str, messages: list[dict], args, out=sys.stdout) -> tuple[str, dic
     return answer, final
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's /v1 address")
+    ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                    help="the server's key (serve.api_key_file); default: $OPENAI_API_KEY")
     ap.add_argument("--system", default=None, help="a system message for the whole conversation")
-    ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="default: as many as fit, up to the server's gen.max_new_tokens (more is refused)")
     ap.add_argument("--temperature", type=float, default=None, help="default: the server's gen.temperature")
     ap.add_argument("--stats", action="store_true", help="after each answer, print tokens/s and reused prompt tokens")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print(f"tandem-chat: {args.url} (/reset starts over, /exit or Ctrl-D leaves)", file=sys.stderr)
     while True:
@@ -81,6 +103,10 @@ def main(argv: list[str] | None = None) -> None:
             answer, final = turn(args.url, messages, args)
         except KeyboardInterrupt:  # stop this answer (closing the stream cancels it on the server), keep chatting
             print("\n[interrupted]", file=sys.stderr)
+            messages.pop()
+            continue
+        except urllib.error.HTTPError as e:  # the server answered: its error JSON says why
+            print(f"tandem-chat: {e.code} {error_message(e)}", file=sys.stderr)
             messages.pop()
             continue
         except (urllib.error.URLError, RuntimeError, OSError) as e:

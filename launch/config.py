@@ -106,9 +106,12 @@ class LogConfig:
 @dataclass
 class ServeConfig:
     port: int | None = None  # serve an OpenAI-compatible HTTP API on rank 0 instead of answering `prompt` once
-    host: str = "127.0.0.1"  # 0.0.0.0 to accept other hosts (no authentication: keep it on a trusted network)
+    host: str = "127.0.0.1"  # 0.0.0.0 to accept other hosts (then set api_key_file)
+    api_key_file: str | None = None  # a file holding the key clients must send (Authorization: Bearer KEY)
+    api_key: str | None = None  # the key itself; prefer api_key_file (a command line shows in `ps`)
     model_name: str | None = None  # the model id clients send; null = the target folder's name
     max_queue: int = 64  # requests waiting beyond this are refused with 429
+    max_body_bytes: int = 1048576  # a request body beyond this is refused with 413 before it is read
 
 
 @dataclass
@@ -175,6 +178,7 @@ def load_config(overrides: list[str], config_file: str | Path | None = None) -> 
     cfg.draft.model = _expand(cfg.draft.model)
     cfg.model.hub_cache = _expand(cfg.model.hub_cache)
     cfg.transport.secret_file = _expand(cfg.transport.secret_file)
+    cfg.serve.api_key_file = _expand(cfg.serve.api_key_file)
     cfg.transport.relay_token_file = _expand(cfg.transport.relay_token_file)
     # YAML 1.1 reads a bare on/off as a boolean, which omegaconf then stores in this str field as True/False
     cfg.draft.graph = {"True": "on", "False": "off"}.get(cfg.draft.graph, cfg.draft.graph)
@@ -204,14 +208,20 @@ def validate(cfg: TandemConfig) -> None:
         raise ConfigError("draft.kind=model needs draft.model=PATH or a Hub id (a model sharing the target's tokenizer)")
     if cfg.gen.max_new_tokens < 1:
         raise ConfigError("gen.max_new_tokens must be >= 1")
-    if cfg.gen.temperature < 0:
-        raise ConfigError("gen.temperature must be >= 0 (0 = greedy)")
+    if not cfg.gen.temperature >= 0 or cfg.gen.temperature == float("inf"):  # NaN fails every comparison
+        raise ConfigError("gen.temperature must be a finite number >= 0 (0 = greedy)")
     if not 0 < cfg.gen.top_p <= 1:
         raise ConfigError("gen.top_p must be in (0, 1]")
+    if not -2**63 <= cfg.gen.seed < 2**63 - 1:  # torch.Generator takes 64 bits; the drafter's seed is gen.seed + 1
+        raise ConfigError(f"gen.seed={cfg.gen.seed} does not fit in 64 bits")
     if cfg.prompt is None and cfg.prompt_ids is None and cfg.serve.port is None:
         raise ConfigError('give a prompt: prompt="..." (or prompt_ids=[1,2,3]), or serve.port=PORT to serve an API')
     if cfg.serve.port is not None and not 0 <= cfg.serve.port <= 65535:
         raise ConfigError(f"serve.port={cfg.serve.port} is not a TCP port (0..65535)")
+    if cfg.serve.api_key is not None and cfg.serve.api_key_file is not None:
+        raise ConfigError("give serve.api_key_file or serve.api_key, not both")
+    if cfg.serve.max_body_bytes < 1:
+        raise ConfigError("serve.max_body_bytes must be >= 1")
     if cfg.draft.top_k < 1:
         raise ConfigError("draft.top_k must be >= 1")
 

@@ -20,6 +20,15 @@ class LaunchError(RuntimeError):
     """Started the wrong way; the message says how to start."""
 
 
+class Interrupted(Exception):
+    """SIGINT (Ctrl-C) or SIGTERM (torchrun stopping its workers): one line, never a traceback."""
+
+    def __init__(self, signum: int, detail: str = ""):
+        import signal
+        super().__init__(f"stopped by {signal.Signals(signum).name}{detail}")
+        self.signum = signum
+
+
 def torchrun_rank() -> tuple[int, int]:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise LaunchError("not started by torchrun: run `torchrun --nproc_per_node=2 train_free_infer.py ...` "
@@ -76,6 +85,8 @@ def _init_gloo(cfg: TandemConfig, rank: int) -> None:
     endpoint = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     try:
         dist.init_process_group("gloo", timeout=timedelta(seconds=t.timeout_s))
+    except Interrupted:  # Ctrl-C while waiting for the other rank: that is the cause, not the group
+        raise
     except Exception as e:  # noqa: BLE001 - torch raises several types here; all mean the same to a user
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise LaunchError(f"rank {rank} could not form the gloo group via {endpoint} within {t.timeout_s:.0f} s ({first}); "

@@ -216,7 +216,30 @@ class RelayRendezvousHandler(RendezvousHandler):
 
 
 def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
+    quiet_exit_barrier()
     return RelayRendezvousHandler(params)
+
+
+class _ExitBarrierLine(logging.Filter):
+    """The run's TCPStore lives in the relay: after a relay restart it is gone, so torchrun's exit barrier
+    (after the workers finished, whatever their outcome) fails with a DistNetworkError whose text carries
+    a page of C++ frames. The agent logs it with logger.exception; this makes it one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and str(record.msg).startswith("Error waiting on exit barrier"):
+            error = record.exc_info[1]
+            record.msg = ("tandem-relay: torchrun's exit barrier was skipped: the run's store is gone (%s; the relay "
+                          "restarted?); the workers' own exit status stands")
+            record.args = (type(error).__name__,)
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_exit_barrier() -> None:
+    """Install _ExitBarrierLine on torchrun's agent logger (once; the agent's process only)."""
+    agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    if not any(isinstance(f, _ExitBarrierLine) for f in agent_log.filters):
+        agent_log.addFilter(_ExitBarrierLine())
 
 
 def torchrun_handler():

@@ -4,7 +4,8 @@
     GET  /v1/models             GET  /health
 
 The HTTP side (FastAPI on uvicorn, in the main thread so it owns SIGINT/SIGTERM) only parses and
-queues. One engine thread owns the channel and the caches: it takes requests one at a time in arrival
+queues: a body over serve.max_body_bytes is refused (413) before it is read, and parsing and
+tokenizing run in worker threads, so /health and other clients never wait on one request. One engine thread owns the channel and the caches: it takes requests one at a time in arrival
 order and runs each through the Session, which reuses the longest prefix the caches already hold.
 Text goes back to the request's event loop as it commits; a client that goes away sets a flag the
 round loop reads between rounds. When rank 1 is lost, the request in flight gets a 503 naming the
@@ -13,6 +14,8 @@ cause and the server stops; `serve` then raises, and the entry reports one line 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import queue
 import signal
@@ -40,11 +43,15 @@ class Job:
     """One queued request and the way back to its HTTP handler."""
     prompt: Prompt
     loop: asyncio.AbstractEventLoop
+    arrived: float = 0.0  # time.perf_counter() when the request arrived: ttft_ms counts from here
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def emit(self, kind: str, value) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is closed: the server stopped and nobody is listening
+            pass
 
 
 class Engine:
@@ -57,13 +64,14 @@ class Engine:
         self.fatal: BaseException | None = None  # rank 1 lost: the server stops and the entry reports it
         self.on_fatal = lambda: None
         self.current: Job | None = None
+        self.stopping: str | None = None  # a signal's cause: every request ends now with it
         self.served = 0
         self.cancelled = 0  # requests whose client went away before the end
         self.thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
 
     def submit(self, job: Job) -> None:
-        if self.fatal is not None:
-            raise ApiError(503, f"the server is stopping: {self.fatal}", "server_error")
+        if self.fatal is not None or self.stopping is not None:
+            raise ApiError(503, f"the server is stopping: {self.fatal or self.stopping}", "server_error")
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
@@ -77,6 +85,16 @@ class Engine:
         self._fail_waiting(RuntimeError("the server is shutting down"))
         self.jobs.put(None)
         self.thread.join()
+
+    def interrupt(self, cause: str) -> None:
+        """A signal: the request in flight ends at once with an error (a stream gets an error event, then
+        [DONE]) and stops at its next round; the waiting ones get the error too."""
+        self.stopping = cause
+        job = self.current
+        if job is not None:
+            job.cancelled.set()
+            job.emit("error", ApiError(503, f"the server is stopping: {cause}", "server_error"))
+        self._fail_waiting(RuntimeError(cause))
 
     def _run(self) -> None:
         idle_s = max(0.5, self.cfg.transport.timeout_s / 4)  # rank 1's receive times out after timeout_s
@@ -101,6 +119,7 @@ class Engine:
 
     def _serve(self, job: Job) -> None:
         p = job.prompt
+        started = time.perf_counter()
         output = Output(self.tokenizer, self.eos_ids, p.max_tokens, p.stop)
         sent = ""
 
@@ -120,6 +139,8 @@ class Engine:
         stats = summarize(gen, self.cfg.spec.k, self.cfg.draft.kind if self.cfg.spec.k else "none")
         stats["prompt_tokens_reused"] = gen.reused
         stats["prefilled_tokens"] = len(p.ids) - gen.reused
+        stats["queue_s"] = started - job.arrived  # parsing, tokenizing and waiting behind other requests
+        stats["ttft_s"] += stats["queue_s"]  # as the client sees it: from the request's arrival
         if self.telemetry is not None:
             self.telemetry.on_request(stats, self.served)
         self.served += 1
@@ -137,12 +158,24 @@ class Engine:
                 job.emit("error", ApiError(503, f"the server is stopping: {cause}", "server_error"))
 
 
-def build_app(cfg: TandemConfig, engine: Engine, tokenizer, vocab_size: int, model_name: str):
+def build_app(cfg: TandemConfig, engine: Engine, tokenizer, vocab_size: int, model_name: str, api_key: str | None = None):
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)
     async def api_error(_, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    if api_key is not None:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def authenticate(http: HttpRequest, call_next):  # before the body is read
+            given = http.headers.get("authorization", "").encode("latin-1", "replace")
+            if http.url.path == "/health" or hmac.compare_digest(given, expected):
+                return await call_next(http)
+            e = ApiError(401, "a valid API key is required: send Authorization: Bearer KEY (the key in the server's "
+                              "serve.api_key_file)", code="invalid_api_key")
+            return JSONResponse(e.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
     @app.get("/health")
     async def health():
@@ -154,14 +187,20 @@ def build_app(cfg: TandemConfig, engine: Engine, tokenizer, vocab_size: int, mod
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "tandem"}]}
 
-    async def handle(http: HttpRequest, parse, kind: str):
+    def parse_and_check(raw: bytes, parse) -> Prompt:  # in a worker thread: tokenizing may take a while
         try:
-            body = json.loads(await http.body())
-        except ValueError:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
             raise ApiError(400, "the request body is not valid JSON") from None
         prompt = parse(body, tokenizer, cfg, model_name)
         check_prompt(cfg, prompt, vocab_size)
-        job = Job(prompt, asyncio.get_running_loop())
+        return prompt
+
+    async def handle(http: HttpRequest, parse, kind: str):
+        arrived = time.perf_counter()
+        raw = await read_body(http, cfg.serve.max_body_bytes)
+        prompt = await asyncio.to_thread(parse_and_check, raw, parse)
+        job = Job(prompt, asyncio.get_running_loop(), arrived)
         engine.submit(job)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if prompt.stream:
@@ -177,6 +216,25 @@ def build_app(cfg: TandemConfig, engine: Engine, tokenizer, vocab_size: int, mod
         return await handle(http, parse_completion, "text")
 
     return app
+
+
+async def read_body(http: HttpRequest, limit: int) -> bytes:
+    """The body, refused with a 413 as soon as it is known to exceed `limit` (its Content-Length, or
+    the bytes received so far when it comes chunked)."""
+    too_big = ApiError(413, f"the request body exceeds serve.max_body_bytes={limit}", param=None,
+                       code="request_too_large")
+    declared = http.headers.get("content-length", "0")
+    if not declared.isdigit():
+        raise ApiError(400, "Content-Length is not a number")
+    if int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def check_prompt(cfg: TandemConfig, prompt: Prompt, vocab_size: int) -> None:
@@ -254,7 +312,7 @@ def tandem_fields(done: dict) -> dict:
     """Beyond OpenAI's fields: what Tandem measured for this request."""
     s = done["stats"]
     return {"token_ids": done["token_ids"], "prompt_tokens_reused": s["prompt_tokens_reused"],
-            "prefilled_tokens": s["prefilled_tokens"], "ttft_ms": s["ttft_s"] * 1000, "tokens_per_s": s["tokens_per_s"],
+            "prefilled_tokens": s["prefilled_tokens"], "ttft_ms": s["ttft_s"] * 1000, "queue_ms": s["queue_s"] * 1000, "tokens_per_s": s["tokens_per_s"],
             "tokens_per_round": s["tokens_per_round"], "acceptance_rate": s["acceptance_rate"]}
 
 
@@ -272,9 +330,41 @@ def reserve_port(cfg: TandemConfig) -> socket.socket:
     return listener
 
 
+def load_api_key(cfg: TandemConfig) -> str | None:
+    """serve.api_key_file's first line (or serve.api_key); None when neither is set."""
+    from launch.config import ConfigError
+    path = cfg.serve.api_key_file
+    if path is None:
+        key = cfg.serve.api_key
+    else:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read serve.api_key_file={path} ({getattr(e, 'strerror', None) or e}); "
+                              "create it, e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))' > FILE") from None
+    if key is not None and (not key or not key.isprintable() or not key.isascii()):
+        raise ConfigError(f"the API key in {'serve.api_key_file=' + path if path else 'serve.api_key'} is empty or not printable ASCII")
+    return key
+
+
+def open_host_warning(host: str, api_key: str | None) -> str | None:
+    """The line printed when anyone on the network could use the GPUs."""
+    if api_key is not None or host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        pass
+    return (f"[warning: serving on {host} without an API key: anyone who can reach this port can use it; "
+            "set serve.api_key_file=FILE]")
+
+
 def serve(cfg: TandemConfig, session, tokenizer, eos_ids: set[int], vocab_size: int,
           listener: socket.socket | None = None) -> None:
-    """Serve until SIGINT/SIGTERM (returns) or until rank 1 is lost (raises its PeerError)."""
+    """Serve until SIGINT/SIGTERM (raises Interrupted, once rank 1 has had its Bye), until the server is
+    told to exit (returns), or until rank 1 is lost (raises its PeerError)."""
     import uvicorn
     listener = listener or reserve_port(cfg)
     host, port = listener.getsockname()[:2]
@@ -284,10 +374,22 @@ def serve(cfg: TandemConfig, session, tokenizer, eos_ids: set[int], vocab_size: 
     if cfg.log.dir:
         from launch.telemetry import Telemetry
         telemetry = Telemetry(cfg, None)
+    api_key = load_api_key(cfg)
+    warning = open_host_warning(cfg.serve.host, api_key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     engine = Engine(cfg, session, tokenizer, eos_ids, telemetry)
-    app = build_app(cfg, engine, tokenizer, vocab_size, model_name)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.serve.host, port=cfg.serve.port, log_level="warning",
-                                           lifespan="off", timeout_graceful_shutdown=2))
+    app = build_app(cfg, engine, tokenizer, vocab_size, model_name, api_key)
+    signals: list[int] = []
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:  # SIGINT/SIGTERM (uvicorn's handler while it runs)
+            if not signals:
+                signals.append(sig)
+                engine.interrupt(f"stopped by {signal.Signals(sig).name}")
+            super().handle_exit(sig, frame)
+    server = Server(uvicorn.Config(app, host=cfg.serve.host, port=cfg.serve.port, log_level="warning",
+                                   lifespan="off", timeout_graceful_shutdown=2))
     engine.on_fatal = lambda: setattr(server, "should_exit", True)
     if threading.current_thread() is threading.main_thread():
         # uvicorn restores the handlers it found and re-raises the signal it caught once it has shut
@@ -304,5 +406,8 @@ def serve(cfg: TandemConfig, session, tokenizer, eos_ids: set[int], vocab_size: 
         telemetry.close()
     if engine.fatal is not None:
         raise engine.fatal
+    if signals:
+        from launch.distributed import Interrupted
+        raise Interrupted(signals[0], f" after {engine.served} requests")
     print(f"[stopped after {engine.served} requests]", file=sys.stderr, flush=True)
 

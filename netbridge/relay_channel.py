@@ -47,8 +47,16 @@ class RefusedFrame(PeerError, FrameError):
     frame that is not a valid Tandem message, a FrameError. The channel's state is unchanged by it."""
 
 
+PEER_CLOSED_GRACE_S = 3.0  # the relay saw the peer's connection close: a live peer re-dials within this
+
+
 class _LinkLost(Exception):
-    """The link to the relay is gone (the text says how); a resumable session re-dials."""
+    """The link to the relay is gone (the text says how); a resumable session re-dials for up to window_s
+    (None: transport.reconnect_s)."""
+
+    def __init__(self, why: str, window_s: float | None = None):
+        super().__init__(why)
+        self.window_s = window_s
 
 
 class NotResumable(PeerError):
@@ -149,7 +157,7 @@ class RelayChannel(Channel):
             try:
                 frame = self._accept(self._next_data(deadline))  # a hello may resend, so _accept can lose the link too
             except _LinkLost as lost:
-                self._resume(str(lost))
+                self._resume(str(lost), lost.window_s)
                 deadline = time.monotonic() + self.timeout_s  # the reconnect does not count against the peer
                 continue
             if frame is not None:
@@ -171,7 +179,7 @@ class RelayChannel(Channel):
         try:
             self._send_data(envelope)
         except _LinkLost as lost:
-            self._resume(str(lost))  # resends this frame too
+            self._resume(str(lost), lost.window_s)  # resends this frame too
 
     def _send_data(self, body: bytes) -> None:
         if self.link.sock.gettimeout() != self.timeout_s:  # callers may shorten timeout_s (a last "error" message)
@@ -197,9 +205,9 @@ class RelayChannel(Channel):
                     return body
                 if kind == HEARTBEAT:
                     continue
-                if kind == PEER_LEFT:
+                if kind == PEER_LEFT:  # its connection closed (a silent one is dropped without this): gone, unless it re-dials now
                     raise self._lost_or_fatal(f"rank {self.peer} left session {self.session!r} at the relay {self.relay} "
-                                              "(its process ended or its connection dropped)")
+                                              "(its process ended or its connection dropped)", PEER_CLOSED_GRACE_S)
                 raise PeerError(f"the relay at {self.relay} sent frame type {kind} mid-session; is it the same Tandem version?")
         except LinkTimeout:
             raise PeerError(f"rank {self.peer} is connected (its heartbeats arrive through the relay {self.relay}) but sent "
@@ -261,7 +269,7 @@ class RelayChannel(Channel):
             try:
                 self._read_hello(deadline)
             except _LinkLost as lost:
-                self._resume(str(lost))
+                self._resume(str(lost), lost.window_s)
 
     def _read_hello(self, deadline: float) -> None:
         """Read the peer's hello of the current link: the first thing it sends after pairing."""
@@ -297,21 +305,26 @@ class RelayChannel(Channel):
         for _, envelope in self.unacked:
             self._send_data(envelope)
 
-    def _lost_or_fatal(self, why: str) -> Exception:
+    def _lost_or_fatal(self, why: str, window_s: float | None = None) -> Exception:
         """What a broken link becomes: a reason to reconnect in an established session, else the error itself."""
         if self.established and self.redial is not None and self.reconnect_s > 0 and not self._closed.is_set():
-            return _LinkLost(why)
+            return _LinkLost(why, window_s)
         return PeerError(why)
 
-    def _resume(self, why: str) -> None:
-        """Re-dial the relay with backoff until re-paired and resynchronized, or PeerError past reconnect_s."""
+    def _resume(self, why: str, window_s: float | None = None) -> None:
+        """Re-dial the relay with backoff until re-paired and resynchronized, or PeerError past the window
+        (transport.reconnect_s, or less when the peer's connection closed)."""
         started = time.monotonic()
-        deadline = started + self.reconnect_s
+        peer_closed = window_s is not None
+        window_s = self.reconnect_s if window_s is None else min(window_s, self.reconnect_s)
+        deadline = started + window_s
         pause, last = _BACKOFF_S[0], "no attempt"
         self.link.close()
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
+                if peer_closed:
+                    raise PeerError(f"{why} and did not re-dial within {window_s:g} s")
                 raise PeerError(f"{why}; could not resume within {self.reconnect_s:g} s (transport.reconnect_s; last try: "
                                 f"{last}): is the relay at {self.relay} running and reachable from here, and is rank "
                                 f"{self.peer} still running?")

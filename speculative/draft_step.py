@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from speculative.verify import MIN_TEMPERATURE
+
 
 class DraftStep:
     def __init__(self, stage, max_k: int, top_k: int, use_graph: bool, static_shapes: bool | None = None):
@@ -37,7 +39,7 @@ class DraftStep:
         """A new request: greedy (temperature 0) or sampled at `temperature`, noise seeded by `seed`."""
         self.sampling = temperature > 0
         if self.sampling:
-            self.temperature.fill_(temperature)
+            self.temperature.fill_(max(temperature, MIN_TEMPERATURE))
             self.generator.manual_seed(seed)
 
     @torch.inference_mode()
@@ -47,7 +49,7 @@ class DraftStep:
             # sample from the drafter's top-k at the given temperature with the Gumbel-max trick, so
             # the randomness is a buffer filled before the round (a graph cannot call the host RNG)
             values, ids = logits.topk(self.top_k)
-            scores = values / self.temperature
+            scores = (values - values[:1]) / self.temperature  # the top score 0: a tiny T cannot overflow to inf
             gumbel = -torch.log(-torch.log(self.noise.index_select(0, self.step_idx)[0]))
             choice = (scores + gumbel).argmax(-1, keepdim=True)
             token = ids.gather(0, choice)

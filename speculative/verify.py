@@ -13,9 +13,15 @@ from __future__ import annotations
 import torch
 
 
+MIN_TEMPERATURE = 1e-6  # a smaller T (1e-300 is a valid request) is 0 in float32: scores become NaN. Below
+# this every float32 logit gap beyond ~1e-5 is one-hot already, so nothing a float32 sampler can show is lost.
+
+
 def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """The distribution the target samples from: softmax(logits / T), restricted to the top-p nucleus."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    logits = logits.float()
+    # the max subtracted first, so a small T cannot overflow the scores to inf (softmax of inf is NaN)
+    probs = torch.softmax((logits - logits.amax(-1, keepdim=True)) / max(temperature, MIN_TEMPERATURE), dim=-1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         # keep a token while the mass before it is < top_p (the most likely token is always kept)

@@ -393,8 +393,12 @@ def test_a_relay_putting_its_own_key_in_the_middle_needs_the_pairing_secret(held
             assert "frame" not in seen
             return
         s.c0.send("confidential", x=marker)
+        deadline = time.monotonic() + 10  # send returns once the bytes are in the socket, before the stand-in has read them
+        while "frame" not in seen and time.monotonic() < deadline:
+            time.sleep(0.01)
     finally:
         s.close()
+    assert "frame" in seen, "the stand-in relay never saw rank 0's frame"
     rank0_public = hello_fields(seen[0]).public
     keys = secure.traffic_keys(secure.pairing_keys(secret, "e2e"), "e2e", private, 1, rank0_public)
     _, _, _, plaintext = secure.Sealer(keys, 1).open(bytearray(seen["frame"]), 1)

@@ -40,7 +40,7 @@ def models(tmp_path_factory):
 def serve_args(target, draft, port):
     return [f"model.target={target}", "model.dtype=float32", f"model.max_len={MAX_LEN}", "draft.kind=model",
             f"draft.model={draft}", "draft.dtype=float32", f"draft.max_len={MAX_LEN}", f"serve.port={port}",
-            "gen.max_new_tokens=16"]
+            f"gen.max_new_tokens={MAX_LEN - 64}"]  # the disconnect tests ask for that much
 
 
 def wait_healthy(url: str, proc, timeout_s: float = 180) -> None:
@@ -197,7 +197,7 @@ def post(server, path: str, body: bytes) -> tuple[int, dict]:
     ("/v1/chat/completions", b"{not json", 400, None),
     ("/v1/chat/completions", b'{"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}', 404, "model"),
     ("/v1/completions", json.dumps({"prompt": "x" * 3000}).encode(), 400, None),
-    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 100000}', 400, None),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 100000}', 400, "max_tokens"),  # > gen.max_new_tokens
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, "n"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}', 400, "tools"),
     ("/v1/chat/completions", b'{"messages": "hi"}', 400, "messages"),
@@ -216,17 +216,26 @@ def test_openai_client_raises_its_own_error_types(client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="model.max_len"):
-        client.completions.create(model="target", prompt="hi", max_tokens=100000)
+        client.completions.create(model="target", prompt=[5] * (MAX_LEN - 10), max_tokens=16)
 
 
-def test_sigint_stops_both_ranks_cleanly(server):
-    """Last in this file: Ctrl-C (SIGINT to the whole process group, as a terminal sends it)."""
+def test_sigterm_mid_stream_ends_the_stream_and_both_ranks_with_the_cause(server):
+    """Last in this file: SIGTERM to the whole process group (as `kill -TERM -PGID` or a terminal's Ctrl-C,
+    SIGINT, would) while a stream is in flight: the stream ends with an error event and [DONE], each rank
+    prints one line naming the signal, no traceback from either. (torchrun itself, signalled too, exits 1
+    with its own SignalException: its exit status is not the workers'.)"""
     proc = server["proc"]
-    os.killpg(proc.pid, signal.SIGINT)
+    client = openai.OpenAI(base_url=f"{server['url']}/v1", api_key="unused", max_retries=0, timeout=60)
+    stream = iter(client.completions.create(model="target", prompt="print('ok')", max_tokens=MAX_LEN - 64, stream=True))
+    next(stream)
+    os.killpg(proc.pid, signal.SIGTERM)
+    with pytest.raises(openai.APIError, match="stopped by SIGTERM"):
+        for _ in stream:
+            pass
     _, stderr = proc.communicate(timeout=30)
-    assert "stopped after" in stderr
+    assert "tandem[rank 0]: stopped by SIGTERM" in stderr and "tandem[rank 1]: stopped by SIGTERM" in stderr, stderr[-3000:]
     assert "[rank0]: Traceback" not in stderr and "[rank1]: Traceback" not in stderr, stderr[-3000:]
-    assert "tandem[rank" not in stderr, stderr[-3000:]  # no error line from either rank
+    assert stderr.count("tandem[rank") == 2, stderr[-3000:]
 
 
 def test_losing_rank1_fails_the_request_in_flight_and_stops_the_server(models):
