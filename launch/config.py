@@ -101,7 +101,7 @@ class OutputConfig:
 @dataclass
 class LogConfig:
     dir: str | None = None  # TensorBoard root; a run folder named by time and config goes under it
-    trace: bool = True  # with dir: a merged two-rank Chrome trace
+    trace: bool = True  # with dir: a merged Chrome trace, one row per rank
     profile: bool = False  # with dir: torch.profiler traces for a few rounds
 
 

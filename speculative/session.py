@@ -3,8 +3,9 @@
 Every cache (both stages, the drafter) is indexed by position, so the tokens of the last request are
 still there when the next one arrives. A new prompt that begins with them (the next turn of a
 conversation, the same document with another question) rewinds every cache to the longest common
-prefix and prefills only the rest: the output is what a fresh run gives, since a rewound cache holds
-exactly what a fresh prefill of that prefix would have written.
+prefix and prefills only the rest. In fp32 the output is what a fresh run gives (tested), since a
+rewound cache holds what a fresh prefill of that prefix would have written; in bf16 the prefix was
+computed in other blocks than a fresh prefill would use, so a near-tie can fall the other way.
 """
 from __future__ import annotations
 

@@ -3,6 +3,8 @@ replayed frame it refused) sends the reason (protocol.Error) before it leaves, s
 output.json's `error` name the real cause, not "lost rank 1". In process: the real entry on two threads."""
 import json
 
+import pytest
+
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -25,20 +27,35 @@ def one_shot(folder, out):
             f"prompt_ids={ids_arg([5, 6, 7])}", "gen.max_new_tokens=8", f"output.json={out}"]
 
 
-def rank_lines(capsys) -> list[str]:
-    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("tandem[rank")]
+def rank_lines(reports) -> list[str]:
+    """The one-line reports the entry made, as (rank, line): recorded at the call, since two threads'
+    lines in one captured stderr can run together."""
+    return [line for _, line in sorted(reports)]
 
 
-def test_non_finite_logits_on_rank1_reach_rank0s_line_and_output_json(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def reports(monkeypatch):
+    import train_free_infer
+    made, real = [], train_free_infer.report
+
+    def recording(message, rank=None, echo=True):
+        if echo:
+            made.append((rank, f"tandem[rank {rank}]: {message}"))
+        return real(message, rank, echo)
+    monkeypatch.setattr(train_free_infer, "report", recording)
+    return made
+
+
+def test_non_finite_logits_on_rank1_reach_rank0s_line_and_output_json(tmp_path, monkeypatch, reports):
     folder = overflowing_head(save_tiny(tmp_path / "target", "qwen2", seed=1))
     outcome = run_entry_pair(monkeypatch, *one_shot(folder, tmp_path / "out.json"))
     assert outcome == {0: 1, 1: 1}
-    lines = rank_lines(capsys)
+    lines = rank_lines(reports)
     assert len(lines) == 2 and all("not finite" in line for line in lines), lines
     assert "not finite" in json.loads((tmp_path / "out.json").read_text())["error"]
 
 
-def test_a_refused_frame_on_rank1_reaches_rank0(tmp_path, monkeypatch, capsys):
+def test_a_refused_frame_on_rank1_reaches_rank0(tmp_path, monkeypatch, reports):
     """The relay channel refuses a tampered frame with a RefusedFrame (a PeerError, though the peer is
     fine): the refusing rank must still tell the other why it stops."""
     from netbridge.channel import LocalChannel
@@ -60,7 +77,7 @@ def test_a_refused_frame_on_rank1_reaches_rank0(tmp_path, monkeypatch, capsys):
     folder = save_tiny(tmp_path / "target", "qwen2", seed=1)
     outcome = run_entry_pair(monkeypatch, *one_shot(folder, tmp_path / "out.json"))
     assert outcome == {0: 1, 1: 1}
-    lines = rank_lines(capsys)
+    lines = rank_lines(reports)
     assert len(lines) == 2 and all("altered or replayed" in line for line in lines), lines
     assert "altered or replayed" in json.loads((tmp_path / "out.json").read_text())["error"]
     assert issubclass(RefusedFrame, PeerError)
