@@ -1,0 +1,4 @@
+"""python -m netbridge.relay: the same as the tandem-relay command."""
+from netbridge.relay.cli import main
+
+main()
