@@ -14,14 +14,15 @@ import signal
 import sys
 import threading
 
-from launch.build import (build_drafter, build_stage, check_vocabularies, eos_ids, load_tokenizer, prompt_ids,
-                          resolve_models, resolve_split, split_point)
+from launch.build import (build_drafter, build_stage, check_vocabularies, describe_rank, eos_ids, load_tokenizer,
+                          prompt_ids, rank_costs, resolve_models, settle_split, split_point)
 from launch.config import ConfigError, TandemConfig, config_from_argv
 from launch.distributed import (Interrupted, LaunchError, close_channel, open_channel, report,
                                 skip_the_final_collections_at_exit, torchrun_rank)
 from launch.telemetry import Telemetry
 from kvcache.static_cache import CacheOverflowError
 from model_parallel.loader import ModelLoadError, load_config
+from model_parallel.split import RankCosts
 from netbridge import protocol
 from netbridge.channel import PeerError
 from netbridge.frames import FrameError
@@ -38,30 +39,42 @@ EXPECTED = (ConfigError, LaunchError, ModelLoadError, PeerError, FrameError, Cac
 
 
 def handshake(cfg: TandemConfig, channel, rank: int) -> None:
-    """Before either rank loads anything: both must run the same model and split (two hosts, two
-    command lines). Rank 0's split wins where rank 1's is `auto`: rank 0 measured for it."""
-    if rank == 0:
-        why = resolve_split(cfg)
-        if why:
-            print(f"[{why}]", file=sys.stderr, flush=True)
+    """Before either rank loads anything. Each rank works out what it may hold (model.max_memory) and,
+    for model.split=auto, how fast it runs its share, on its own device; the Hellos carry both. Both
+    ranks must run the same model; both settle the same split from the two Hellos (a given split wins
+    over auto; two given ones must agree), and a split that breaks a budget stops both here."""
     if cfg.model.split != "auto":
         split_point(cfg)  # each rank names its own config's mistake, before waiting for the other
-    theirs = protocol.recv(channel, Hello) if rank == 1 else None
-    if theirs is not None and cfg.model.split == "auto":
-        cfg.model.split = theirs.split
-    split, num_layers = split_point(cfg)
-    mine = Hello(split, num_layers, cfg.model.dtype, cfg.model.quant)
+    costs, source = rank_costs(cfg, rank)
+    given = None if cfg.model.split == "auto" else split_point(cfg)[0]
+    mine = Hello(load_config(cfg.model.target).num_hidden_layers, cfg.model.dtype, cfg.model.quant, given, costs.budget,
+                 costs.fixed_bytes, costs.layer_bytes, costs.layer_ms, costs.fixed_ms)
     if rank == 0:
         protocol.send(channel, mine)
-        protocol.recv(channel, Hello)
-        return
-    diff = {k: (v, getattr(mine, k)) for k, v in vars(theirs).items() if v != getattr(mine, k)}
-    if diff:
-        message = "the ranks disagree on " + ", ".join(f"{k} (rank 0: {a}, rank 1: {b})" for k, (a, b) in diff.items()) \
-            + "; give both the same config and Tandem version"
-        protocol.send(channel, protocol.Error(message))
-        raise ConfigError(message)
-    protocol.send(channel, mine)
+        hellos = [mine, protocol.recv(channel, Hello)]
+    else:
+        theirs = protocol.recv(channel, Hello)
+        message = disagreement(theirs, mine)
+        if message:
+            protocol.send(channel, protocol.Error(message))
+            raise ConfigError(message)
+        protocol.send(channel, mine)
+        hellos = [theirs, mine]
+    every = [RankCosts(h.budget, h.fixed_bytes, h.layer_bytes, h.layer_ms, h.fixed_ms) for h in hellos]
+    splits = [h.split for h in hellos if h.split is not None]
+    settle_split(cfg, every, splits[0] if splits else "auto")
+    sys.stderr.write(f"[{describe_rank(cfg, rank, every, source)}]\n")  # one write: the ranks share a terminal
+    sys.stderr.flush()
+
+
+def disagreement(rank0: Hello, rank1: Hello) -> str | None:
+    """The line both ranks stop with when their Hellos name different models (or two different splits)."""
+    fields = ["num_layers", "dtype", "quant", "version"] + (["split"] if None not in (rank0.split, rank1.split) else [])
+    diff = [(k, getattr(rank0, k), getattr(rank1, k)) for k in fields if getattr(rank0, k) != getattr(rank1, k)]
+    if not diff:
+        return None
+    return ("the ranks disagree on " + ", ".join(f"{k} (rank 0: {a}, rank 1: {b})" for k, a, b in diff)
+            + "; give both the same config and Tandem version")
 
 
 def rank0(cfg: TandemConfig, channel, listener=None) -> dict | None:

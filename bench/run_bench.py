@@ -2,12 +2,14 @@
 
     python bench/run_bench.py            # the default sweep (under 15 minutes on 2 CPU cores)
     python bench/run_bench.py --full     # every delay x K x drafter
+    python bench/run_bench.py --split    # model.split=auto vs the even split vs a memory-forced one, overlap on/off
 
 Tandem runs as the real entry under torchrun (two ranks on this host), once per configuration and
 prompt, with an EMULATED one-way delay (transport.emulate_delay_ms: the sender sleeps before each
 message; this kernel has no netem). The baselines run in this process on the same prompts and token
 budget: transformers `generate` (greedy, the whole model in one process) and transformers assisted
-generation with the same drafter. The prefill and first token are TTFT; tok/s is what follows.
+generation with the same drafter, with every core (`--hf-threads`; Tandem's ranks: `--threads` each).
+The prefill and first token are TTFT; tok/s is what follows.
 
 Per Tandem row, over the decode rounds of all prompts pooled:
     tok/s       (tokens - 1) / (total - TTFT): decode only, as in Tandem's own stats
@@ -25,6 +27,11 @@ Per Tandem row, over the decode rounds of all prompts pooled:
     x HF greedy e2e tok/s over transformers greedy's (end to end: assisted generation's first
                 emission already holds drafting work, which a decode-only figure would hide)
     = greedy    tokens identical to transformers greedy (common prefix / tokens; bf16 near-ties can differ)
+    split       rank 1's first layer, as the ranks settled it (model.split=auto: by memory, then speed)
+    est ms 0/1  each rank's own estimate of its work per round (its start-up line, timed in the handshake)
+    block ms 0/1  measured: rank 0's work per prepared round as its estimate counts it (with overlap the
+                mean ahead_ms: K+1 drafter steps + its slice; without, drafting in line + its slice), rank 1's
+                layers + head + verification per round
 Writes <out>/results.json (every run's stats and round records), <out>/table.md, and TensorBoard
 logs with a two-rank trace per run under <out>/tb. `--from <out>/results.json` prints the table again.
 """
@@ -69,7 +76,23 @@ class Row:
         return f"{self.drafter}-k{self.k}-d{self.delay_ms:g}{'-' + self.note.replace(' ', '-') if self.note else ''}"
 
 
-def sweep(full: bool, overlap: bool = False) -> list[Row]:
+# rank 1 may hold 1.5 GiB: the head (445 MiB) and 12 of the 1.5B's 28 layers (91 MiB each with a 1024-token cache): split 16
+FORCED_MEMORY = "model.max_memory=[16GiB,1.5GiB]"
+
+
+def split_sweep() -> list[Row]:
+    """model.split=auto, the even split and a memory-forced split, overlap on and off, beside K=0, at 0 and 40 ms."""
+    splits = {"auto-split": ["model.split=auto"], "even-split": ["model.split=null"],
+              "forced-split": ["model.split=auto", FORCED_MEMORY]}
+    return [row for d in (0, 40) for row in
+            [Row("none", 0, d), *(Row("model", 4, d, [f"spec.overlap={str(on).lower()}", *extra],
+                                      note=f"{'overlap' if on else 'no overlap'} {name}")
+                                  for on in (True, False) for name, extra in splits.items())]]
+
+
+def sweep(full: bool, overlap: bool = False, split: bool = False) -> list[Row]:
+    if split:
+        return split_sweep()
     if overlap:  # spec.overlap on/off beside K=0 at 0, 40 and 80 ms
         return [row for d in (0, 40, 80) for row in
                 (Row("none", 0, d), Row("model", 4, d, ["spec.overlap=false"], note="no overlap"),
@@ -92,12 +115,12 @@ def sweep(full: bool, overlap: bool = False) -> list[Row]:
     return rows
 
 
-def machine(threads: int) -> dict:
+def machine(threads: int, hf_threads: int) -> dict:
     import torch
     import transformers
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
     mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(mem_gb, 1), "threads_per_process": threads,
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(mem_gb, 1), "threads_per_rank": threads, "hf_threads": hf_threads,
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(), "host": platform.node()}
 
@@ -130,7 +153,19 @@ def run_tandem(row: Row, prompt_index: int, ids: list[int], args, out: Path) -> 
         return {"error": " | ".join(tail)[-400:] or f"exit {proc.returncode}", "wall_s": wall}
     summary = json.loads(next(log_root.glob("*/summary.json")).read_text())
     return {**json.loads(result.read_text()), "rounds": summary["rounds"], "clock": summary["clock"],
-            "run_dir": str(next(log_root.iterdir())), "wall_s": wall, "load_avg_1min": load}
+            "run_dir": str(next(log_root.iterdir())), "wall_s": wall, "load_avg_1min": load,
+            "placement": placement(proc.stderr)}
+
+
+def placement(stderr: str) -> dict:
+    """Each rank's start-up line: its layers and, under model.split=auto, its estimated ms per round."""
+    import re
+    ranks = {}
+    for m in re.finditer(r"\[rank (\d): layers (\d+)-(\d+) .*?(?:timed here\)|\(model\.split was given\))\]", stderr):
+        est = re.search(r"estimated (\d+) ms per round", m.group(0))
+        ranks[m.group(1)] = {"first": int(m.group(2)), "last": int(m.group(3)), "line": m.group(0)[1:-1],
+                             "estimated_ms": float(est.group(1)) if est else None}
+    return ranks
 
 
 def pool(runs: list[dict], delay_ms: float) -> dict:
@@ -152,6 +187,11 @@ def pool(runs: list[dict], delay_ms: float) -> dict:
     # each rank's busy fraction of the decode wall time (rank 0: drafting, its slice, drafting ahead)
     busy0 = sum(r["draft_ms"] + r["stage0_ms"] + r.get("ahead_ms", 0.0) for r in decode) / 1000 / decode_s if decode_s else 0.0
     busy1 = sum(r["stage1_ms"] for r in decode) / 1000 / decode_s if decode_s else 0.0
+    # rank 0's work per prepared round, as its estimate counts it: drafting ahead (K+1 steps + its slice)
+    # with overlap, else drafting in line (K steps + its slice)
+    blocks = [r["ahead_ms"] for r in decode if r.get("ahead_ms")] or \
+        [r["draft_ms"] + r["stage0_ms"] for r in decode if r["drafted"] and not r.get("from_ahead")]
+    block_ms = [sum(blocks) / len(blocks) if blocks else mean(lambda r: r["stage0_ms"]), ms["stage1"]]
     per_round = sum(r["committed"] for r in decode) / n if n else 0.0
     compute_s = (2 * delay_ms + ms["draft"] + ms["stage0"] + ms["stage1"]) / 1000
     bound = per_round / compute_s if compute_s else 0.0
@@ -164,7 +204,8 @@ def pool(runs: list[dict], delay_ms: float) -> dict:
     return {"tokens_per_s": tok_s, "e2e_tokens_per_s": e2e, "tokens_per_round": per_round, "decode_rounds": n,
             "acceptance": sum(r["accepted"] for r in decode) / drafted if drafted else None, "ms": ms,
             "round_ms": sum(ms.values()), "bound_tokens_per_s": bound, "bound_overlap_tokens_per_s": bound_overlap, "efficiency": tok_s / bound if bound else 0.0,
-            "ttft_s": sum(run["stats"]["ttft_s"] for run in runs) / len(runs), "busy": [busy0, busy1]}
+            "ttft_s": sum(run["stats"]["ttft_s"] for run in runs) / len(runs), "busy": [busy0, busy1],
+            "block_ms": block_ms, "rank0_ms_per_round": rank0_ms}
 
 
 # ---------------------------------------------------------------- transformers baselines, in process
@@ -205,7 +246,7 @@ def hf_generate(model, ids: list[int], max_new_tokens: int, eos: list[int], **kw
 def hf_baselines(args, prompts: list[list[int]]) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.hf_threads)
     dtype = getattr(torch, args.dtype)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
     draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=getattr(torch, args.draft_dtype)).eval()  # Tandem's drafter
@@ -246,7 +287,8 @@ def agreement(token_lists: list[list[int]], reference: list[list[int]]) -> tuple
 
 def table(rows: list[dict], hf: dict | None) -> str:
     cols = ["run", "delay (ms, emulated)", "tok/s", "e2e tok/s", "tok/round", "accept", "draft", "stage0", "network", "stage1", "other",
-            "bound tok/s", "eff", "bound overlapped", "busy 0/1", "x K=0", "x HF greedy (e2e)", "= greedy"]
+            "bound tok/s", "eff", "bound overlapped", "busy 0/1", "split", "est ms 0/1", "block ms 0/1", "x K=0",
+            "x HF greedy (e2e)", "= greedy"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     ref = [r["token_ids"] for r in hf["greedy"]["runs"]] if hf else None
     hf_e2e = pool_hf(hf["greedy"]["runs"])["e2e_tokens_per_s"] if hf else None
@@ -263,22 +305,64 @@ def table(rows: list[dict], hf: dict | None) -> str:
                      f"| {p['tokens_per_round']:.2f} | {acc} "
                      f"| {ms['draft']:.0f} | {ms['stage0']:.0f} | {ms['network']:.1f} | {ms['stage1']:.0f} | {ms['other']:.1f} "
                      f"| {p['bound_tokens_per_s']:.2f} | {p['efficiency']:.0%} | {p.get('bound_overlap_tokens_per_s', 0):.2f} "
-                     f"| {'/'.join(f'{b:.0%}' for b in p.get('busy', [0, 0]))} | {ratio(p['tokens_per_s'], k0.get(r['delay_ms']))} "
+                     f"| {'/'.join(f'{b:.0%}' for b in p.get('busy', [0, 0]))} | {split_of(r)} | {estimates(r)} "
+                     f"| {'/'.join(f'{b:.0f}' for b in p.get('block_ms', [0, 0]))} | {ratio(p['tokens_per_s'], k0.get(r['delay_ms']))} "
                      f"| {ratio(p['e2e_tokens_per_s'], hf_e2e)} | {agree} |")
-    for name, label in (("greedy", "HF generate, greedy (1 process)"), ("assisted", "HF assisted generation, same drafter")):
+    threads = f"{hf['threads']} threads" if hf and "threads" in hf else "1 thread"
+    for name, label in (("greedy", f"HF generate, greedy (1 process, {threads})"),
+                        ("assisted", f"HF assisted generation, same drafter ({threads})")):
         if not hf:
             break
         h = pool_hf(hf[name]["runs"])
         agree = "%d/%d" % agreement([run["token_ids"] for run in hf[name]["runs"]], ref)
         lines.append(f"| {label} | - | {h['tokens_per_s']:.2f} | {h['e2e_tokens_per_s']:.2f} | {h['tokens_per_forward']:.2f} "
-                     f"| - | - | - | - | - | - | - | - | - | - | - | {ratio(h['e2e_tokens_per_s'], hf_e2e)} | {agree} |")
+                     f"| - | - | - | - | - | - | - | - | - | - | - | - | - | - | {ratio(h['e2e_tokens_per_s'], hf_e2e)} | {agree} |")
     return "\n".join(lines)
+
+
+def overlap_table(rows: list[dict]) -> str:
+    """Why overlap gains what it gains, per row with drafting: a round of spec.overlap waits for the reply
+    (d + V after its send, d the emulated one-way delay, V rank 1's verify) and for rank 0's drafting
+    ahead (A, after the send's own delay d: the emulation sleeps in the sender); when the bet misses
+    (every draft accepted and the guess right, else) rank 0 then drafts in line (I). So per round:
+        on:  d + max(A, d + V) + (1 - h) I        off:  I + 2d + V
+    and overlap gains h I - max(0, A - d - V): the in-line work it saves on a hit, less what drafting
+    ahead overruns the wait. Measured per row: h (prepared rounds used / decode rounds), A, I, V, and
+    the decode ms per round beside the formula's."""
+    lines = ["| run | delay | hit rate h | A ahead ms | I in-line ms | V stage1 ms | ms/round measured | ms/round formula |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "pooled" not in r or r["k"] == 0:
+            continue
+        decode = [x for run in r["runs"] for x in run["rounds"][1:]]
+        d, n = r["delay_ms"], len(decode)
+        mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+        ahead = [x["ahead_ms"] for x in decode if x.get("ahead_ms")]
+        inline = [x["draft_ms"] + x["stage0_ms"] for x in decode if not x.get("from_ahead")]
+        h = sum(1 for x in decode if x.get("from_ahead")) / n if n else 0.0
+        a, i, v = mean(ahead), mean(inline), mean([x["stage1_ms"] for x in decode])
+        formula = d + max(a, d + v) + (1 - h) * i if ahead else i + 2 * d + v
+        measured = 1000 * sum(run["stats"]["total_s"] - run["stats"]["ttft_s"] for run in r["runs"]) / n if n else 0.0
+        lines.append(f"| {r['label']} | {d:g} | {h:.0%} | {a:.0f} | {i:.0f} | {v:.0f} | {measured:.0f} | {formula:.0f} |")
+    return "\n".join(lines)
+
+
+def split_of(row: dict) -> str:
+    ranks = row["runs"][0].get("placement", {})
+    return str(ranks["1"]["first"]) if "1" in ranks else "-"
+
+
+def estimates(row: dict) -> str:
+    ranks = row["runs"][0].get("placement", {})
+    est = [ranks.get(r, {}).get("estimated_ms") for r in ("0", "1")]
+    return "-" if None in est else f"{est[0]:.0f}/{est[1]:.0f}"
 
 
 def header(info: dict) -> str:
     m = info["machine"]
     lines = [f"{info['date']}, `{info['command']}`: {m['cpu']} ({m['cores']} cores, {m['memory_gb']} GB, "
-             f"{m['gpu'] or 'no GPU'}), {m['threads_per_process']} thread(s) per process, {info['dtype']} "
+             f"{m['gpu'] or 'no GPU'}), Tandem {m.get('threads_per_rank', m.get('threads_per_process'))} thread(s) per rank, "
+             f"transformers baselines {m.get('hf_threads', m.get('threads_per_process'))} thread(s), {info['dtype']} "
              f"(drafter {info.get('draft_dtype', info['dtype'])}), prompts of "
              f"{' and '.join(str(p['tokens']) for p in info['prompts'])} tokens (chat template), "
              f"{info['max_new_tokens']} new tokens each, greedy.",
@@ -298,7 +382,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--overlap", action="store_true", help="spec.overlap on/off beside K=0 at 0, 40 and 80 ms")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"use the first N of the {len(PROMPTS)} prompts")
-    ap.add_argument("--threads", type=int, default=1, help="threads per process: each Tandem rank (torchrun's default) and the baselines")
+    ap.add_argument("--split", action="store_true", help="model.split=auto / even / memory-forced, overlap on/off, at 0 and 40 ms")
+    ap.add_argument("--threads", type=int, default=1, help="threads per Tandem rank (torchrun's default with 2 ranks per host)")
+    ap.add_argument("--hf-threads", type=int, default=os.cpu_count(), help="threads of the transformers baselines (default: every core)")
     ap.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
     ap.add_argument("--out", default=None, help="default: runs/bench/<time>")
     ap.add_argument("--run-timeout", type=float, default=900)
@@ -312,7 +398,7 @@ def main(argv: list[str] | None = None) -> None:
         for row in saved["rows"]:
             if "error" not in row:
                 row["pooled"] = pool(row["runs"], row["delay_ms"])
-        print(header(saved) + "\n\n" + table(saved["rows"], saved["transformers"]))
+        print(header(saved) + "\n\n" + table(saved["rows"], saved["transformers"]) + "\n\n" + overlap_table(saved["rows"]))
         return
     t_start = time.perf_counter()
     cfg = OmegaConf.load(args.config)
@@ -329,21 +415,22 @@ def main(argv: list[str] | None = None) -> None:
     texts = PROMPTS[:args.prompts]
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=True)["input_ids"]) for t in texts]
-    info = {"machine": machine(args.threads), "dtype": args.dtype, "draft_dtype": args.draft_dtype, "target": args.target, "draft": args.draft,
+    info = {"machine": machine(args.threads, args.hf_threads), "dtype": args.dtype, "draft_dtype": args.draft_dtype, "target": args.target, "draft": args.draft,
             "max_new_tokens": args.max_new_tokens, "prompts": [{"text": t, "tokens": len(p)} for t, p in zip(texts, prompts)],
             "delays": "EMULATED one-way delay per message (sender sleeps; netbridge/channel.py), both ranks on this host",
             "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
-    print(f"# {info['machine']['cpu']}, {info['machine']['cores']} cores, {args.threads} threads per process, {args.dtype}, "
+    print(f"# {info['machine']['cpu']}, {info['machine']['cores']} cores, {args.threads} threads per rank, "
+          f"{args.hf_threads} for the baselines, {args.dtype}, "
           f"prompts of {', '.join(str(p['tokens']) for p in info['prompts'])} tokens, {args.max_new_tokens} new tokens", file=sys.stderr)
 
     hf = None
     if not args.skip_hf:
         t0 = time.perf_counter()
-        hf = hf_baselines(args, prompts)
+        hf = {**hf_baselines(args, prompts), "threads": args.hf_threads}
         print(f"# transformers baselines: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
     rows = []
-    for row in sweep(args.full, args.overlap):
+    for row in sweep(args.full, args.overlap, args.split):
         if args.only is not None and row.slug not in args.only:
             continue
         runs = [run_tandem(row, i, ids, args, out) for i, ids in enumerate(prompts)]
@@ -361,7 +448,7 @@ def main(argv: list[str] | None = None) -> None:
     info["runtime_s"] = time.perf_counter() - t_start
     loads = [run["load_avg_1min"] for row in rows for run in row["runs"] if "load_avg_1min" in run]
     info["load_avg_1min"] = [min(loads), max(loads)] if loads else None
-    text = header(info) + "\n\n" + table(rows, hf)
+    text = header(info) + "\n\n" + table(rows, hf) + "\n\n" + overlap_table(rows)
     print(text)
     (out / "table.md").write_text(text + "\n")
     (out / "results.json").write_text(json.dumps({**info, "rows": rows, "transformers": hf}, indent=1))

@@ -40,25 +40,123 @@ def resolve_models(cfg: TandemConfig, rank: int) -> list[str]:
 
 
 def resolve_split(cfg: TandemConfig) -> str | None:
-    """model.split=auto (rank 0, before loading): the split that balances the ranks' busy time per round,
-    timed here (model_parallel.split) and written into cfg; returns the line that says which and why
-    (None when the split was given)."""
+    """model.split=auto for a script that builds every stage in one process: both ranks' costs measured
+    here, the split written into cfg; returns the start-up lines (None when the split was given).
+    (The entry settles it in the handshake instead, each rank measuring itself: settle_split.)"""
     if cfg.model.split != "auto":
         return None
+    measured = [rank_costs(cfg, rank) for rank in (0, 1)]
+    costs = [c for c, _ in measured]
+    settle_split(cfg, costs)
+    return "\n".join(describe_rank(cfg, rank, costs, source) for rank, (_, source) in enumerate(measured))
+
+
+# --- model.max_memory and model.split=auto: what each rank may hold, how fast it is ---------------
+
+def rank_costs(cfg: TandemConfig, rank: int, world: int = 2, timed: bool | None = None):
+    """(RankCosts, where the budget came from) for this rank, measured on its own device before any
+    weight is read: its model.max_memory budget, the bytes it holds besides its layers, one layer's
+    bytes and, when `timed` (default: model.split=auto), one layer's ms over a round's block and its
+    other ms per round (the drafter's steps on rank 0, the head on the last rank)."""
+    from model_parallel.memory import model_bytes, rank_budget
+    from model_parallel.split import RankCosts
+    device, first, last = device_for(cfg), rank == 0, rank == world - 1
+    try:
+        budget, source = rank_budget(cfg.model.max_memory, rank, world, device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    target = model_bytes(cfg.model.target, cfg.model.dtype, quantizer(cfg, "model"), cfg.model.max_len)
+    fixed = target.stage(0, 0, embed=first, head=last)
+    if first and _drafting(cfg) and _same_memory(draft_device(cfg), device):
+        d = cfg.draft
+        drafter = model_bytes(d.model, d.dtype, quantizer(cfg, "draft"), d.max_len)
+        fixed += drafter.stage(0, len(drafter.layers), embed=True, head=True)
+    costs = RankCosts(budget, fixed, target.layer())
+    if timed is None:
+        timed = cfg.model.split == "auto"
+    if timed:
+        costs.layer_ms, costs.fixed_ms = _timed_ms(cfg, device, first, last)
+    return costs, source
+
+
+def _timed_ms(cfg: TandemConfig, device: str, first: bool, last: bool) -> tuple[float, float]:
+    """(one layer over a block of K+1, the rest of this rank's work per round), timed here."""
     from model_parallel.loader import DTYPES
-    from model_parallel.split import plan_split
-    target = load_config(cfg.model.target)
-    drafting = cfg.draft.kind == "model" and cfg.spec.k > 0
-    steps = (cfg.spec.k + (1 if cfg.spec.overlap else 0)) if drafting else 0  # overlap also drafts the guess
-    plan = plan_split(target, cfg.spec.k, device_for(cfg), DTYPES[_compute_dtype_name(cfg)],
-                      draft=load_config(cfg.draft.model) if drafting else None, draft_device=draft_device(cfg),
-                      draft_dtype=DTYPES[cfg.draft.dtype], draft_steps=steps)
-    cfg.model.split = plan.split
-    return plan.describe(target.num_hidden_layers, steps, cfg.spec.k + 1)
+    from model_parallel.split import time_draft_step, time_head, time_layers
+    target, block, dtype = load_config(cfg.model.target), cfg.spec.k + 1, DTYPES[cfg.model.dtype]
+    layer_ms, call_ms = time_layers(target, block, device, dtype, quantizer(cfg, "model"))
+    other_ms = call_ms
+    if first and _drafting(cfg):
+        d = cfg.draft
+        other_ms += draft_steps(cfg) * time_draft_step(load_config(d.model), draft_device(cfg), DTYPES[d.dtype],
+                                                        quantizer(cfg, "draft"))
+    if last:
+        other_ms += time_head(target, block, device, dtype, quantizer(cfg, "model"))
+    return layer_ms, other_ms
 
 
-def _compute_dtype_name(cfg: TandemConfig) -> str:
-    return cfg.model.quant_compute_dtype if cfg.model.quant == "nf4" else cfg.model.dtype
+def _drafting(cfg: TandemConfig) -> bool:
+    return cfg.draft.kind == "model" and cfg.spec.k > 0
+
+
+def draft_steps(cfg: TandemConfig) -> int:
+    """The drafter's steps per round: K, and with spec.overlap one more (its guess of the target's token)."""
+    return (cfg.spec.k + (1 if cfg.spec.overlap else 0)) if _drafting(cfg) else 0
+
+
+def _same_memory(one: str, other: str) -> bool:
+    import torch
+    a, b = torch.device(one), torch.device(other)
+    return a.type == b.type and (a.type == "cpu" or (a.index or 0) == (b.index or 0))
+
+
+MEMORY_FIXES = ("would help: model.quant=nf4, a smaller model.max_len (less KV cache), the drafter elsewhere "
+                "(draft.device, or draft.kind=ngram), or another machine")
+
+
+def settle_split(cfg: TandemConfig, costs: list, given: int | None = None) -> int:
+    """The split both ranks run, from every rank's costs (the same on every rank, so each settles the
+    same): `given` (or model.split) if a number, after checking it fits every budget; for auto, the
+    fastest split that fits (model_parallel.split.place_layers). Written into cfg; a split that does
+    not fit is one ConfigError line naming model.max_memory, the bytes and what would help."""
+    from model_parallel.memory import human
+    from model_parallel.split import NoFit, fitting_splits, over_budget, place_layers
+    num_layers = load_config(cfg.model.target).num_hidden_layers
+    split = cfg.model.split if given is None else given
+    if split == "auto":
+        try:
+            split = place_layers(num_layers, costs)[0]
+        except NoFit as e:
+            raise ConfigError(f"{e}; {MEMORY_FIXES}") from None
+    cfg.model.split = split
+    split, _ = split_point(cfg)
+    over = over_budget(num_layers, costs, [split])
+    if over:
+        rank, need, budget = over[0]
+        fits = fitting_splits(num_layers, costs)
+        where = f"splits that fit: {fits.start}-{fits.stop - 1} (model.split=auto picks among them)" if fits else "no split fits"
+        raise ConfigError(f"model.split={split} gives rank {rank} {human(need)}, over its model.max_memory of {human(budget)}; "
+                          f"{where}; {MEMORY_FIXES}")
+    return split
+
+
+def describe_rank(cfg: TandemConfig, rank: int, costs: list, source: str, world: int = 2) -> str:
+    """The start-up line of one rank: its layers, its bytes against its budget, its estimated ms per round."""
+    from model_parallel.memory import human
+    from model_parallel.split import layer_counts
+    num_layers = load_config(cfg.model.target).num_hidden_layers
+    counts = layer_counts(num_layers, [cfg.model.split])
+    first = sum(counts[:rank])
+    mine, n = costs[rank], counts[rank]
+    extras = (["embeddings"] + (["the drafter"] if _drafting(cfg) else []) if rank == 0 else []) + \
+        (["norm + head"] if rank == world - 1 else [])
+    line = (f"rank {rank}: layers {first}-{first + n - 1} ({n} of {num_layers}) + {' + '.join(extras)}; "
+            f"{human(mine.bytes_for(n))} of {human(mine.budget)} ({source}); ")
+    if mine.layer_ms <= 0:
+        return line + "ms per round not timed (model.split was given)"
+    drafting = f", the drafter's {draft_steps(cfg)} steps" if rank == 0 and _drafting(cfg) else ""
+    return line + (f"estimated {mine.ms_for(n):.0f} ms per round ({n} x {mine.layer_ms:.1f} ms per layer over blocks of "
+                   f"{cfg.spec.k + 1}, {mine.fixed_ms:.0f} ms besides{drafting}; timed here)")
 
 
 def quantizer(cfg: TandemConfig, which: str):

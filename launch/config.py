@@ -19,6 +19,7 @@ import sys
 import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -33,9 +34,10 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     target: str = f"{MODELS}/qwen2.5-coder-1.5b-instruct"  # a local HF folder (config.json, *.safetensors, tokenizer), or a Hub id org/name[@revision]
-    split: int | str | None = "auto"  # first layer of rank 1; auto = balance the ranks' busy time (timed); null = half
+    split: int | str | None = "auto"  # first layer of rank 1; auto = of the splits that fit model.max_memory, the fastest (timed); None = half
     dtype: str = "bfloat16"  # float32 | bfloat16 | float16
     max_len: int = 4096  # KV-cache capacity of each stage, in tokens (prompt + output + K)
+    max_memory: Any = None  # bytes a rank may hold for weights + KV cache (+ the drafter on rank 0): 6GiB, 500MB, or a list, one per rank; None = free memory less 10%
     prefill_chunk: int = 512  # a longer prompt crosses in chunks of this many tokens, pipelined across the ranks
     quant: str = "none"  # none | nf4 (bitsandbytes 4-bit; each rank quantizes its own slice)
     quant_compute_dtype: str = "bfloat16"  # NF4 matmuls compute in this; norms, embeddings, KV cache stay in model.dtype
@@ -200,6 +202,7 @@ def validate(cfg: TandemConfig) -> None:
     _choice(cfg.draft.kind, ("none", "model", "ngram"), "draft.kind")
     _choice(cfg.draft.graph, ("auto", "on", "off"), "draft.graph")
     _choice(cfg.transport.kind, ("gloo", "relay"), "transport.kind")
+    _check_sizes(cfg.model.max_memory)
     if cfg.model.prefill_chunk < 1:
         raise ConfigError(f"model.prefill_chunk={cfg.model.prefill_chunk} must be >= 1")
     if cfg.spec.k < 0:
@@ -224,6 +227,17 @@ def validate(cfg: TandemConfig) -> None:
         raise ConfigError("serve.max_body_bytes must be >= 1")
     if cfg.draft.top_k < 1:
         raise ConfigError("draft.top_k must be >= 1")
+
+
+def _check_sizes(max_memory) -> None:
+    from model_parallel.memory import parse_size
+    values = list(max_memory) if OmegaConf.is_list(max_memory) or isinstance(max_memory, list) else [max_memory]
+    for i, value in enumerate(values):
+        if value is not None:  # None: that rank's free memory
+            try:
+                parse_size(value, "model.max_memory" + (f"[{i}]" if len(values) > 1 else ""))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
 
 USAGE = """usage: torchrun --nproc_per_node=2 train_free_infer.py [config=FILE.yaml] [key=value ...]

@@ -1,88 +1,221 @@
-"""model.split=auto: the split that balances the two ranks' busy time per round.
+"""Where the layers go: by memory first, by speed second, over N ranks.
 
-With spec.overlap, rank 0 drafts the next round while rank 1 verifies this one, so a round takes about
-the busier rank's time, not the sum. Per round of K drafts:
-    rank 0: the drafter's steps (K, or K+1 with overlap: its guess of the target's token first)
-            + layers [0, split) over a block of K+1 tokens
-    rank 1: layers [split, L) + the LM head over that block
-Each cost is timed on this machine before loading (`time_linears`: the layers' and heads' matmuls
-with the models' shapes and dtype), since how a block compares with one token depends on the hardware:
-about the same on a GPU, where a step waits on memory; up to K+1 times on a CPU without the dtype's
-instructions. Embedding lookups, norms and attention over a short context are left out.
+Each rank says what it may hold and how fast it is (`RankCosts`: its model.max_memory budget, the
+bytes it holds besides its layers, one layer's bytes, one layer's ms over a round's block and its
+other ms per round), measured on its own device. `place_layers` then picks, among the splits whose
+bytes fit every rank's budget, the one that makes the busiest rank least busy; on a tie, the most even.
+
+Per round of K drafts (overlap or not, a round takes about the busiest rank's time):
+    first rank:  the drafter's steps (K, or K+1 with spec.overlap) + its layers over a block of K+1
+    middle rank: its layers over the block
+    last rank:   its layers + the final norm and LM head over the block
+The costs are timed (`time_layers`, `time_head`, `time_draft_step`) on the modules a run calls, built from
+config.json with random weights in the run's dtype (or NF4), through Stage.forward over a KV cache
+holding a short context, with the threads this process runs with, after a warm-up.
 """
 from __future__ import annotations
 
+import math
+import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
-
-def layer_shapes(config) -> list[tuple[int, int]]:
-    """(out, in) of one decoder layer's matmuls: q, k, v, o and the gated MLP's three."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
-    return [(heads * head_dim, hidden), (kv, hidden), (kv, hidden), (hidden, heads * head_dim),
-            (inter, hidden), (inter, hidden), (hidden, inter)]
+CONTEXT = 128  # cached tokens the timed block attends over (a short chat: prompt + some output)
+MAX_HEAD_ROWS = 32768  # an LM head taller than this is timed on a slice and scaled (memory)
 
 
-def time_linears(shapes: list[tuple[int, int]], tokens: int, device: str, dtype: torch.dtype, repeats: int = 3,
-                 max_rows: int = 16384) -> float:
-    """ms for `tokens` tokens through these matmuls here (best of `repeats`). A matrix taller than
-    `max_rows` (an LM head) is timed on a slice and scaled, to keep the memory small."""
-    total = 0.0
-    for rows, cols in shapes:
-        scale = max(1.0, rows / max_rows)
-        weight = torch.full((min(rows, max_rows), cols), 0.01, dtype=dtype, device=device)
-        x = torch.full((tokens, cols), 0.01, dtype=dtype, device=device)
-        best = float("inf")
-        for _ in range(repeats + 1):  # the first is a warm-up
-            _sync(device)
-            t0 = time.perf_counter()
-            torch.nn.functional.linear(x, weight)
-            _sync(device)
-            best = min(best, time.perf_counter() - t0)
-        total += best * 1000 * scale
-    return total
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
+class NoFit(ValueError):
+    """No split fits the budgets (or a given one does not); the message says by how much."""
 
 
 @dataclass
-class SplitPlan:
-    split: int
-    rank0_ms: float  # estimated busy per round
-    rank1_ms: float
+class RankCosts:
+    budget: int  # bytes this rank may hold (model.max_memory)
+    fixed_bytes: int  # besides its layers: embeddings, drafter and its cache (first); norm + head (last)
+    layer_bytes: int  # one layer: weights + its KV cache at this rank's max_len
+    layer_ms: float = 0.0  # one layer over a round's block, timed on this rank (0: not timed)
+    fixed_ms: float = 0.0  # besides its layers, per round: the drafter's steps (first); the head (last)
 
-    def describe(self, num_layers: int, draft_steps: int, block: int) -> str:
-        drafter = f" + the drafter's {draft_steps} steps" if draft_steps else ""
-        return (f"model.split=auto: {self.split} (rank 0: layers 0-{self.split - 1}{drafter}, rank 1: layers "
-                f"{self.split}-{num_layers - 1} + head, over blocks of {block}; estimated busy per round "
-                f"{self.rank0_ms:.0f} vs {self.rank1_ms:.0f} ms, timed here on the models' matmuls)")
+    def bytes_for(self, layers: int) -> int:
+        return self.fixed_bytes + layers * self.layer_bytes
+
+    def ms_for(self, layers: int) -> float:
+        return self.fixed_ms + layers * self.layer_ms
+
+    def max_layers(self) -> int:
+        """The most layers that fit the budget (< 1: not even one)."""
+        if self.budget < self.fixed_bytes:
+            return -1
+        return (self.budget - self.fixed_bytes) // max(self.layer_bytes, 1)
 
 
-def balanced_split(num_layers: int, layer_ms: float, head_ms: float, drafting_ms: float = 0.0) -> SplitPlan:
-    """The split in 1..L-1 that makes the busier rank least busy (on a tie, the one nearer half)."""
-    plans = [SplitPlan(s, drafting_ms + s * layer_ms, (num_layers - s) * layer_ms + head_ms)
-             for s in range(1, num_layers)]
-    return min(plans, key=lambda p: (max(p.rank0_ms, p.rank1_ms), abs(p.split - num_layers / 2)))
+def place_layers(num_layers: int, ranks: list[RankCosts]) -> list[int]:
+    """The N-1 cut points (rank r runs layers [cuts[r-1], cuts[r])) that fit every budget and make the
+    busiest rank least busy; among those, the most even. Raises NoFit when no split fits."""
+    n = len(ranks)
+    memory_caps = [min(r.max_layers(), num_layers - n + 1) for r in ranks]
+    if num_layers < n or min(memory_caps) < 1 or sum(memory_caps) < num_layers:
+        raise NoFit(no_fit_message(num_layers, ranks))
+    candidates = sorted({r.ms_for(k) for r, cap in zip(ranks, memory_caps) for k in range(1, cap + 1)})
+    low, high = 0, len(candidates) - 1  # the least busy-time bound some split meets (feasibility is monotone)
+    while low < high:
+        mid = (low + high) // 2
+        if sum(_caps(ranks, memory_caps, candidates[mid])) >= num_layers and min(_caps(ranks, memory_caps, candidates[mid])) >= 1:
+            high = mid
+        else:
+            low = mid + 1
+    counts = _most_even(_caps(ranks, memory_caps, candidates[low]), num_layers)
+    return [sum(counts[:i + 1]) for i in range(n - 1)]
 
 
-def plan_split(target, k: int, device: str, dtype: torch.dtype, draft=None, draft_device: str = "cpu",
-               draft_dtype: torch.dtype | None = None, draft_steps: int = 0) -> SplitPlan:
-    """Time the pieces here and balance them. `target`/`draft`: HF configs; `draft_steps` per round."""
-    block = k + 1
-    layer_ms = time_linears(layer_shapes(target), block, device, dtype)
-    head_ms = time_linears([(target.vocab_size, target.hidden_size)], block, device, dtype)
-    drafting_ms = 0.0
-    if draft is not None and draft_steps:
-        dtype_d = draft_dtype or dtype
-        step_ms = (draft.num_hidden_layers * time_linears(layer_shapes(draft), 1, draft_device, dtype_d)
-                   + time_linears([(draft.vocab_size, draft.hidden_size)], 1, draft_device, dtype_d))
-        drafting_ms = draft_steps * step_ms
-    return balanced_split(target.num_hidden_layers, layer_ms, head_ms, drafting_ms)
+def _caps(ranks: list[RankCosts], memory_caps: list[int], bound_ms: float) -> list[int]:
+    """The most layers each rank may take without exceeding its memory or `bound_ms` per round."""
+    caps = []
+    for r, cap in zip(ranks, memory_caps):
+        if r.layer_ms <= 0:
+            caps.append(cap if r.fixed_ms <= bound_ms else 0)
+        else:
+            caps.append(min(cap, math.floor((bound_ms - r.fixed_ms) / r.layer_ms + 1e-9)))
+    return caps
+
+
+def _most_even(caps: list[int], num_layers: int) -> list[int]:
+    """Layer counts within 1..caps[r] that add up to num_layers, as even as the caps allow."""
+    counts = [1] * len(caps)
+    for _ in range(num_layers - len(caps)):
+        r = min((c, r) for r, c in enumerate(counts) if c < caps[r])[1]
+        counts[r] += 1
+    return counts
+
+
+def layer_counts(num_layers: int, cuts: list[int]) -> list[int]:
+    bounds = [0, *cuts, num_layers]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def over_budget(num_layers: int, ranks: list[RankCosts], cuts: list[int]) -> list[tuple[int, int, int]]:
+    """(rank, bytes it would hold, its budget) for each rank the split puts over its budget."""
+    counts = layer_counts(num_layers, cuts)
+    return [(i, r.bytes_for(c), r.budget) for i, (r, c) in enumerate(zip(ranks, counts)) if r.bytes_for(c) > r.budget]
+
+
+def fitting_splits(num_layers: int, ranks: list[RankCosts]) -> range | None:
+    """Two ranks: the splits (rank 1's first layer) whose bytes fit both budgets, or None."""
+    first, second = (min(r.max_layers(), num_layers - 1) for r in ranks)
+    low, high = max(1, num_layers - second), first
+    return range(low, high + 1) if low <= high else None
+
+
+def no_fit_message(num_layers: int, ranks: list[RankCosts]) -> str:
+    from model_parallel.memory import human
+    per_rank = "; ".join(f"rank {i} may hold {human(r.budget)} and needs {human(r.fixed_bytes)} before its layers"
+                         for i, r in enumerate(ranks))
+    need = sum(r.fixed_bytes for r in ranks) + num_layers * min(r.layer_bytes for r in ranks)
+    return (f"model.max_memory: no split of the {num_layers} layers fits ({per_rank}; a layer with its KV cache needs "
+            f"{human(max(r.layer_bytes for r in ranks))}; all together need {human(need)}, the budgets add up to "
+            f"{human(sum(r.budget for r in ranks))})")
+
+
+# --- timing, on this rank's device --------------------------------------------------------------
+
+def _median_ms(run, repeats: int, warmup: int, device: str) -> float:
+    times = []
+    for i in range(warmup + repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def _sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def _classes(config):
+    """The model's own decoder-layer, rotary and norm classes (from a shell on the meta device) and its
+    config cut to two layers."""
+    import copy
+    from transformers import AutoModelForCausalLM
+    small = copy.deepcopy(config)
+    small.num_hidden_layers = 2
+    if getattr(small, "layer_types", None):
+        small.layer_types = small.layer_types[:2]
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(small)
+    return type(shell.model.layers[0]), type(shell.model.rotary_emb), type(shell.model.norm), small
+
+
+def _random(module: torch.nn.Module, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """`module` (built on meta) on `device` in `dtype` with small random weights: the values do not
+    change a forward's time, only its shapes and dtype do."""
+    module = module.to_empty(device=device).to(dtype)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.02)
+    return module.eval().requires_grad_(False)
+
+
+def time_layers(config, tokens: int, device: str, dtype: torch.dtype, quant=None, context: int = CONTEXT,
+                repeats: int = 5, warmup: int = 2) -> tuple[float, float]:
+    """(ms per decoder layer, ms per stage call besides its layers) for `tokens` tokens after `context`
+    cached ones, through Stage.forward as a round calls it: a stage of one and one of two layers of
+    `config` (random weights, `dtype`, NF4 with `quant`), medians, the difference being one layer.
+    The per-call part (positions, mask, rotary) is paid once per stage, not per layer."""
+    from model_parallel.stage import Stage
+    layer_cls, rotary_cls, _, small = _classes(config)
+    layers = []
+    for i in range(2):
+        with torch.device("meta"):
+            layer = layer_cls(small, i)
+        layers.append(_random(layer, device, dtype))
+        if quant is not None:
+            from model_parallel.quant import quantize_linears
+            quantize_linears(layers[-1], quant)
+    hidden = torch.randn(1, context + tokens, small.hidden_size, dtype=dtype, device=device) * 0.1
+    ms = []
+    for n in (1, 2):
+        stage = Stage(small, layers[:n], 0, rotary_cls(config=small).to(device))
+        stage.allocate_cache(context + tokens, dtype)
+        stage(hidden[:, :context], live=context)
+
+        def block():
+            stage.cache.rewind(context)
+            stage(hidden[:, context:], live=context + tokens)
+        ms.append(_median_ms(block, repeats, warmup, device))
+    layer_ms = ms[1] - ms[0]
+    if layer_ms <= 0:  # noise larger than a layer (tiny models): count the two-layer stage as two layers
+        return ms[1] / 2, 0.0
+    return layer_ms, max(ms[0] - layer_ms, 0.0)
+
+
+def time_head(config, tokens: int, device: str, dtype: torch.dtype, quant=None, repeats: int = 5,
+              warmup: int = 2) -> float:
+    """ms for the final norm + LM head over `tokens` positions (logits to fp32, as Stage.forward returns
+    them); a head taller than MAX_HEAD_ROWS is timed on a slice and scaled."""
+    _, _, norm_cls, small = _classes(config)
+    rows = min(config.vocab_size, MAX_HEAD_ROWS)
+    with torch.device("meta"):
+        norm = norm_cls(config.hidden_size, eps=getattr(config, "rms_norm_eps", 1e-6))
+        head = torch.nn.Linear(config.hidden_size, rows, bias=False)
+    norm, head = _random(norm, device, dtype), _random(head, device, dtype)
+    if quant is not None and quant.lm_head:
+        from model_parallel.quant import nf4_linear
+        head = nf4_linear(head, quant)
+    hidden = torch.randn(1, tokens, config.hidden_size, dtype=dtype, device=device) * 0.1
+
+    @torch.inference_mode()
+    def run():
+        head(norm(hidden)).float().argmax(-1)
+    return _median_ms(run, repeats, warmup, device) * config.vocab_size / rows
+
+
+def time_draft_step(config, device: str, dtype: torch.dtype, quant=None) -> float:
+    """ms for one drafter step: one token through every layer, the norm and the head."""
+    layer_ms, call_ms = time_layers(config, 1, device, dtype, quant)
+    return call_ms + config.num_hidden_layers * layer_ms + time_head(config, 1, device, dtype, quant)

@@ -1,7 +1,8 @@
 """Every message between the two ranks, in one place.
 
     rank 0                                   rank 1
-    Hello(split, layers, dtype, quant)  -->  checks it against its own; Hello back, or Error
+    Hello(layers, dtype, quant, split,  -->  checks it against its own; its own Hello back, or Error;
+          what it may hold, its speed)       both then settle the same split from the two Hellos
     Request(temperature, top_p, seed)   -->  a new generation: reseed the verifier
     Prefill(start, hidden)              -->  a long prompt's leading chunks: extend the cache, no reply
     Round(start, hidden, drafts, [q])   -->  forward its slice from `start`, verify
@@ -24,15 +25,21 @@ import torch
 
 from netbridge.channel import Channel, PeerError
 
-VERSION = 3  # bumped when a message changes; Hello carries it
+VERSION = 4  # bumped when a message changes; Hello carries it
 
 
 @dataclass
 class Hello:
-    split: int
+    """The model a rank runs, and what it may hold and how fast it is (model_parallel.split.RankCosts)."""
     num_layers: int
     dtype: str
     quant: str
+    split: int | None = None  # None: model.split=auto on this rank
+    budget: int = 0  # bytes this rank may hold (model.max_memory)
+    fixed_bytes: int = 0  # bytes it holds besides its layers (embeddings, drafter; norm + head)
+    layer_bytes: int = 0  # one layer with its KV cache
+    layer_ms: float = 0.0  # one layer over a round's block, timed on this rank (0: not timed)
+    fixed_ms: float = 0.0  # the rest of its work per round (drafter steps; head)
     version: int = VERSION
 
 

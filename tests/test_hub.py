@@ -117,12 +117,12 @@ def test_two_nodes_fetch_only_their_share_then_nothing_then_run_offline(hub, rep
 
 
 def test_an_auto_split_is_settled_before_any_weight_is_fetched(hub, repos, tmp_path, capsys):
-    """model.split=auto: rank 0 times the matmuls from config.json alone, the handshake hands rank 1 the
-    split, and only then does each node fetch, exactly the share of that split."""
+    """model.split=auto: each rank works out its bytes and times itself from config.json alone, the
+    handshake settles the split, and only then does each node fetch, exactly the share of that split."""
     out = run_pair(*[a for a in args("org/tiny", tmp_path / "node0", "draft.kind=none") if a != "model.split=2"],
                    "model.split=auto", rank1=(f"model.hub_cache={tmp_path / 'node1'}",))
     assert out["token_ids"] == reference_greedy(repos["main"], PROMPT, MAX_NEW)
-    split = int(re.search(r"model.split=auto: (\d+)", capsys.readouterr().err)[1])
+    split = int(re.search(r"\[rank 1: layers (\d+)-", capsys.readouterr().err)[1])
     for rank in (0, 1):
         fetched = {f: n for f, n in hub.fetched(f"rank{rank}").items() if f.startswith("model-")}
         assert fetched == expected_bytes(repos["main"], stage_tensors(rank, split))

@@ -44,53 +44,7 @@ def test_split_matches_generate_to_max_new_tokens(family, split, tiny_qwen, tiny
     assert out["stats"]["stop_reason"] == "max_new_tokens" and len(out["token_ids"]) == 24
 
 
-# --- model.split=auto: balance the ranks' busy time ------------------------------------------------
-
-def test_auto_split_balances_the_measured_costs():
-    from model_parallel.split import balanced_split
-    alone = balanced_split(28, layer_ms=10.0, head_ms=50.0)
-    assert alone.split == 16 and abs(alone.rank0_ms - alone.rank1_ms) <= 10.0  # rank 1 also runs the head
-    drafting = [balanced_split(28, 10.0, 50.0, drafting_ms=d).split for d in (0.0, 50.0, 100.0, 200.0)]
-    assert drafting == sorted(drafting, reverse=True) and drafting[0] > drafting[-1]  # more drafting, fewer layers
-    assert balanced_split(28, 10.0, 50.0, drafting_ms=1000.0).split == 1  # the drafter alone outweighs the rest
-    assert balanced_split(2, 10.0, 0.0).split == 1
-
-
-def test_auto_split_times_each_piece_with_its_shapes(monkeypatch):
-    """plan_split adds up what it timed: rank 0 the drafter's steps (its layers and head, one token each)
-    and its layers over the block; rank 1 its layers and the head over the block."""
-    from model_parallel import split
-    target = Qwen2Config(num_hidden_layers=6, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=1000)
-    draft = Qwen2Config(num_hidden_layers=2, hidden_size=128, intermediate_size=512, num_attention_heads=2,
-                        num_key_value_heads=1, vocab_size=1000)
-    assert split.layer_shapes(target)[1] == (128, 256)  # k: 2 kv heads of 64
-    assert split.time_linears([(64, 32)], 3, "cpu", torch.float32, repeats=1) > 0
-    timed = []
-
-    def fake_time(shapes, tokens, device, dtype, **_):
-        timed.append((shapes[0][1], tokens))
-        if shapes == [(1000, shapes[0][1])]:  # an LM head
-            return 30.0
-        return {(256, 5): 10.0, (128, 1): 2.0}[(shapes[0][1], tokens)]  # a target layer over 5, a drafter layer over 1
-    monkeypatch.setattr(split, "time_linears", fake_time)
-    plan = split.plan_split(target, 4, "cpu", torch.float32, draft, draft_steps=5)
-    drafting = 5 * (2 * 2.0 + 30.0)  # 5 steps of 2 layers + the head
-    assert plan.rank0_ms == drafting + plan.split * 10.0
-    assert plan.rank1_ms == (6 - plan.split) * 10.0 + 30.0  # its layers and the head over the block
-    assert (256, 5) in timed and (128, 1) in timed
-
-
-def test_auto_split_runs_and_is_exact(tiny_qwen, tiny_qwen_draft, capsys):
-    """Rank 0 measures and picks; rank 1 (auto too) takes rank 0's split from the handshake."""
-    out = run_pair(f"model.target={tiny_qwen}", "model.dtype=float32", "model.split=auto", "draft.kind=model",
-                   f"draft.model={tiny_qwen_draft}", "draft.dtype=float32", "spec.k=4", "spec.overlap=true",
-                   f"prompt_ids={ids_arg(PROMPT)}",
-                   "gen.max_new_tokens=16")
-    assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, 16)
-    line = next(line for line in capsys.readouterr().err.splitlines() if "model.split=auto:" in line)
-    assert "rank 0: layers 0-" in line and "the drafter's 5 steps" in line and "timed here" in line, line
-
+# --- model.split given on one rank, auto on the other (placement itself: tests/test_placement.py) ----
 
 def test_rank1_auto_takes_rank0s_split_and_an_explicit_one_must_agree(tiny_qwen):
     args = [f"model.target={tiny_qwen}", "model.dtype=float32", "draft.kind=none", f"prompt_ids={ids_arg(PROMPT)}",
