@@ -5,6 +5,11 @@
 
 Rank 0: embeddings + layers [0, split), the drafter, the tokenizer and the output (or the HTTP API).
 Rank 1: layers [split, L), the final norm and the LM head, and verification.
+
+    torchrun --nproc_per_node=3 train_free_infer.py model.split=[10,19] prompt="..."   # N stages
+
+With N ranks the middle ones run their layers in between and the last one does what rank 1 does with two
+(speculative.rounds): one pipeline stage per rank, the layers cut at model.split (or auto).
 """
 from __future__ import annotations
 
@@ -14,10 +19,10 @@ import signal
 import sys
 import threading
 
-from launch.build import (build_drafter, build_stage, check_vocabularies, describe_rank, eos_ids, load_tokenizer,
-                          prompt_ids, rank_costs, resolve_models, settle_split, split_point)
+from launch.build import (build_drafter, build_stage, check_vocabularies, describe_rank, eos_ids, layer_cuts,
+                          load_tokenizer, prompt_ids, rank_costs, resolve_models, settle_split)
 from launch.config import ConfigError, TandemConfig, config_from_argv
-from launch.distributed import (Interrupted, LaunchError, close_channel, open_channel, report,
+from launch.distributed import (Interrupted, LaunchError, close_channel, open_links, report,
                                 skip_the_final_collections_at_exit, torchrun_rank)
 from launch.telemetry import Telemetry
 from kvcache.static_cache import CacheOverflowError
@@ -28,7 +33,7 @@ from netbridge.channel import PeerError
 from netbridge.frames import FrameError
 from netbridge.protocol import Hello, Request
 from speculative.output import Output
-from speculative.rounds import NonFiniteLogits, run_rank1
+from speculative.rounds import NonFiniteLogits, run_middle, run_rank1
 from speculative.session import Session
 from speculative.stats import broken_drafter_warning, summarize
 
@@ -38,58 +43,84 @@ EXPECTED = (ConfigError, LaunchError, ModelLoadError, PeerError, FrameError, Cac
             Interrupted)
 
 
-def handshake(cfg: TandemConfig, channel, rank: int) -> None:
-    """Before either rank loads anything. Each rank works out what it may hold (model.max_memory) and,
-    for model.split=auto, how fast it runs its share, on its own device; the Hellos carry both. Both
-    ranks must run the same model; both settle the same split from the two Hellos (a given split wins
-    over auto; two given ones must agree), and a split that breaks a budget stops both here."""
+def handshake(cfg: TandemConfig, channel, rank: int, ranks: int = 2, onward=None) -> None:
+    """Before any rank loads anything. Each rank works out what it may hold (model.max_memory) and, for
+    model.split=auto, how fast it runs its share, on its own device; the Hellos carry both. Every rank
+    must run the same model; all settle the same split from all the Hellos (a given split wins over
+    auto; given ones must agree), and a split that breaks a budget stops every rank here.
+    The Hellos go around the ring, in on `channel` (from the rank before) and out on `onward`: rank r
+    receives those of ranks 0..r-1 and sends 0..r on; the last rank sends 1..N-1 back to rank 0, which
+    with N > 2 sends them down again for the middle ranks. With two ranks: rank 0's Hello, then rank 1's."""
+    onward = onward or channel
     if cfg.model.split != "auto":
-        split_point(cfg)  # each rank names its own config's mistake, before waiting for the other
-    costs, source = rank_costs(cfg, rank)
-    given = None if cfg.model.split == "auto" else split_point(cfg)[0]
+        layer_cuts(cfg, ranks)  # each rank names its own config's mistake, before waiting for the others
+    costs, source = rank_costs(cfg, rank, ranks)
+    given = None
+    if cfg.model.split != "auto":
+        cuts, _ = layer_cuts(cfg, ranks)
+        given = cuts[0] if ranks == 2 else cuts
     mine = Hello(load_config(cfg.model.target).num_hidden_layers, cfg.model.dtype, cfg.model.quant, given, costs.budget,
                  costs.fixed_bytes, costs.layer_bytes, costs.layer_ms, costs.fixed_ms)
+    last = ranks - 1
     if rank == 0:
-        protocol.send(channel, mine)
-        hellos = [mine, protocol.recv(channel, Hello)]
+        protocol.send(onward, mine)
+        hellos = [mine] + [protocol.recv(channel, Hello) for _ in range(last)]
+        for hello in hellos[1:] if ranks > 2 else []:  # the second lap, for the middle ranks
+            protocol.send(onward, hello)
     else:
-        theirs = protocol.recv(channel, Hello)
-        message = disagreement(theirs, mine)
+        hellos = [protocol.recv(channel, Hello) for _ in range(rank)]
+        message = disagreement([*hellos, mine])
         if message:
-            protocol.send(channel, protocol.Error(message))
+            protocol.send(onward, protocol.Error(message))
             raise ConfigError(message)
-        protocol.send(channel, mine)
-        hellos = [theirs, mine]
+        hellos.append(mine)
+        for hello in hellos[1:] if rank == last else hellos:
+            protocol.send(onward, hello)
+        if rank < last:  # a middle rank: the later ranks' Hellos come round from rank 0
+            later = [protocol.recv(channel, Hello) for _ in range(last)]  # ranks 1..N-1
+            if rank + 1 < last:
+                for hello in later:
+                    protocol.send(onward, hello)
+            hellos += later[rank:]
     every = [RankCosts(h.budget, h.fixed_bytes, h.layer_bytes, h.layer_ms, h.fixed_ms) for h in hellos]
     splits = [h.split for h in hellos if h.split is not None]
     settle_split(cfg, every, splits[0] if splits else "auto")
-    sys.stderr.write(f"[{describe_rank(cfg, rank, every, source)}]\n")  # one write: the ranks share a terminal
+    sys.stderr.write(f"[{describe_rank(cfg, rank, every, source, ranks)}]\n")  # one write: the ranks share a terminal
     sys.stderr.flush()
 
 
-def disagreement(rank0: Hello, rank1: Hello) -> str | None:
-    """The line both ranks stop with when their Hellos name different models (or two different splits)."""
-    fields = ["num_layers", "dtype", "quant", "version"] + (["split"] if None not in (rank0.split, rank1.split) else [])
-    diff = [(k, getattr(rank0, k), getattr(rank1, k)) for k in fields if getattr(rank0, k) != getattr(rank1, k)]
+def disagreement(hellos: list[Hello]) -> str | None:
+    """The line every rank stops with when the last of `hellos` names another model than an earlier one
+    (or another given split)."""
+    mine, rank = hellos[-1], len(hellos) - 1
+    diff = []
+    for k in ["num_layers", "dtype", "quant", "version", "split"]:
+        for i, theirs in reversed(list(enumerate(hellos[:-1]))):  # the nearest rank first
+            a, b = getattr(theirs, k), getattr(mine, k)
+            if k == "split" and None in (a, b):
+                continue
+            if a != b:
+                diff.append(f"{k} (rank {i}: {a}, rank {rank}: {b})")
+                break
     if not diff:
         return None
-    return ("the ranks disagree on " + ", ".join(f"{k} (rank 0: {a}, rank 1: {b})" for k, a, b in diff)
-            + "; give both the same config and Tandem version")
+    return "the ranks disagree on " + ", ".join(diff) + "; give every rank the same config and Tandem version"
 
 
-def rank0(cfg: TandemConfig, channel, listener=None) -> dict | None:
+def rank0(cfg: TandemConfig, channel, listener=None, replies=None, ranks: int = 2) -> dict | None:
     """Rank 0's whole life: one answer (returned as the output JSON), or serving until a signal
-    (on `listener`, the HTTP port bound at start)."""
+    (on `listener`, the HTTP port bound at start). With N > 2 ranks `channel` goes to rank 1 and the
+    last rank's `replies` come back on their own link."""
     announce(resolve_models(cfg, 0))
-    handshake(cfg, channel, 0)
+    handshake(cfg, replies or channel, 0, ranks, onward=channel)
     target_config = load_config(cfg.model.target)  # what can be checked is, before any weights load
     tokenizer = load_tokenizer(cfg.model.target)
     check_vocabularies(cfg, tokenizer, target_config)
     ids = prompt_ids(cfg, tokenizer, target_config.vocab_size) if cfg.serve.port is None else None
-    stage = build_stage(cfg, 0)
+    stage = build_stage(cfg, 0, ranks)
     drafter = build_drafter(cfg, tokenizer, stage.config)
     session = Session(stage, drafter, channel, cfg.spec.k, cfg.spec.adaptive, cfg.spec.overlap, cfg.model.prefill_chunk,
-                      cfg.spec.k_from_costs)
+                      cfg.spec.k_from_costs, replies)
     if cfg.serve.port is not None:
         from launch.server import serve
         serve(cfg, session, tokenizer, eos_ids(cfg.model.target), stage.config.vocab_size, listener)
@@ -126,7 +157,7 @@ def answer(cfg: TandemConfig, session: Session, ids: list[int], output: Output, 
           f"acceptance {stats['acceptance_rate']:.0%}, stop: {stats['stop_reason']}]", file=sys.stderr)
     if telemetry:
         clock = telemetry.finish(gen, stats, output.text())
-        print(f"[log: {telemetry.dir}; rank 1's clock {clock['offset_ms']:+.3f} +/- {clock['uncertainty_ms']:.3f} ms "
+        print(f"[log: {telemetry.dir}; rank {telemetry.last_rank}'s clock {clock['offset_ms']:+.3f} +/- {clock['uncertainty_ms']:.3f} ms "
               f"from rank 0's over {clock['rounds']} round trips]", file=sys.stderr)
     return {"token_ids": output.tokens, "text": output.text(), "stats": stats}
 
@@ -137,14 +168,27 @@ def write_output(cfg: TandemConfig, result: dict) -> None:
             json.dump(result, f, indent=1)
 
 
-def rank1(cfg: TandemConfig, channel) -> None:
-    announce(resolve_models(cfg, 1))
-    handshake(cfg, channel, 1)
-    stage = build_stage(cfg, 1)
+def rank1(cfg: TandemConfig, channel, reply_to=None, ranks: int = 2) -> None:
+    """The last rank: from the rank before it on `channel`, replies to rank 0 on `reply_to` (with two, `channel`)."""
+    announce(resolve_models(cfg, ranks - 1))
+    handshake(cfg, channel, ranks - 1, ranks, onward=reply_to)
+    stage = build_stage(cfg, ranks - 1, ranks)
     if threading.current_thread() is threading.main_thread():
         _stop_after_grace()
-    run_rank1(stage, channel)
+    run_rank1(stage, channel, reply_to)
     if _signalled:  # rank 0 ended the session because the same signal stopped it
+        raise Interrupted(_signalled[0])
+
+
+def middle(cfg: TandemConfig, prev, next, rank: int, ranks: int) -> None:
+    """A middle rank (N > 2): its layers between the rank before it (`prev`) and the one after it (`next`)."""
+    announce(resolve_models(cfg, rank))
+    handshake(cfg, prev, rank, ranks, onward=next)
+    stage = build_stage(cfg, rank, ranks)
+    if threading.current_thread() is threading.main_thread():
+        _stop_after_grace()
+    run_middle(stage, prev, next)
+    if _signalled:
         raise Interrupted(_signalled[0])
 
 
@@ -152,7 +196,7 @@ _signalled: list[int] = []  # the signals this process received: its true cause 
 
 
 def _stop_after_grace(grace_s: int = 2) -> None:
-    """Rank 1 on a signal: a Ctrl-C reaches both ranks at once, and rank 0 then ends the session itself
+    """Rank 1 (every rank after 0) on a signal: a Ctrl-C reaches every rank at once, and rank 0 then ends the session itself
     (Bye, or its own error), so rank 1 keeps serving the round in flight; only if that does not come
     within `grace_s` does it stop on its own."""
     def on_signal(signum, _frame):
@@ -178,45 +222,52 @@ def main(argv: list[str] | None = None) -> None:
     if threading.current_thread() is threading.main_thread():  # (tests drive main() from threads)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, _raise_interrupted)
-    channel, rank = None, None
+    links, ranks, rank = None, 2, None
     try:
-        rank, _ = torchrun_rank()
+        rank, ranks = torchrun_rank()
         skip_the_final_collections_at_exit()
         listener = None
         if rank == 0 and cfg.serve.port is not None:
             from launch.server import load_api_key, reserve_port
             load_api_key(cfg)  # an unreadable key file fails now, not after the weights load
             listener = reserve_port(cfg)  # before the process group opens ports of its own
-        channel = open_channel(cfg, rank)
-        rank0(cfg, channel, listener) if rank == 0 else rank1(cfg, channel)
+        links = prev, next = open_links(cfg, rank, ranks)  # one channel both ways with two ranks
+        if rank == 0:
+            rank0(cfg, next, listener, replies=prev, ranks=ranks)
+        elif rank == ranks - 1:
+            rank1(cfg, prev, reply_to=next, ranks=ranks)
+        else:
+            middle(cfg, prev, next, rank, ranks)
     except EXPECTED as e:
         if _signalled and isinstance(e, PeerError):  # the peer left because the same Ctrl-C stopped it
             e = Interrupted(_signalled[0])
         report(str(e), rank)  # first: torchrun stops this rank as soon as the peer exits
-        # a signal reaches both ranks: the peer is stopping too, and may never read this
-        _tell_peer(channel, str(e), wait_s=0.5 if isinstance(e, Interrupted) else 5.0)
+        # a signal reaches every rank: the peer is stopping too, and may never read this
+        _tell_peer(links, str(e), ranks, wait_s=0.5 if isinstance(e, Interrupted) else 5.0)
         sys.exit(128 + e.signum if isinstance(e, Interrupted) else 1)
     except BaseException as e:
-        _tell_peer(channel, _one_line(e))
+        _tell_peer(links, _one_line(e), ranks)
         if not isinstance(e, SystemExit):  # Python prints the traceback; torchrun's summary ends with this line
             report(_one_line(e), rank, echo=False)
         raise
     finally:
-        if channel is not None:
-            close_channel(channel)
+        if links is not None:
+            close_channel(*links)
 
 
 def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if not isinstance(e, EXPECTED) else str(e)
 
 
-def _tell_peer(channel, message: str, wait_s: float = 5.0) -> None:
+def _tell_peer(links, message: str, ranks: int = 2, wait_s: float = 5.0) -> None:
     """Best effort: let the other rank exit with the cause instead of waiting out its timeout. Not after a
     PeerError that means the peer is gone; a frame this rank refused (tampered, replayed: a PeerError and a
-    FrameError) leaves the peer there, waiting for the reason."""
+    FrameError) leaves the peer there, waiting for the reason. With N > 2 the rank after this one on the
+    ring, which passes it on (every rank waits on the one before it), whatever the cause."""
     cause = sys.exc_info()[1]
-    if channel is None or (isinstance(cause, PeerError) and not isinstance(cause, FrameError)):
+    if links is None or (ranks == 2 and isinstance(cause, PeerError) and not isinstance(cause, FrameError)):
         return
+    channel = links[1]
     try:
         channel.timeout_s = min(channel.timeout_s, wait_s)
         protocol.send(channel, protocol.Error(message))

@@ -1,6 +1,6 @@
 """Config -> the pieces a rank runs: its stage, (rank 0) the drafter, tokenizer and prompt ids.
 
-Every stage is built here: the target's two slices and the drafter's whole small model go through
+Every stage is built here: the target's slices (one per rank) and the drafter's whole small model go through
 `_load_stage`, with one rule for devices, dtypes and caches; the capacity rule is `check_capacity`."""
 from __future__ import annotations
 
@@ -23,6 +23,43 @@ def split_point(cfg: TandemConfig) -> tuple[int, int]:
     return split, num_layers
 
 
+def layer_cuts(cfg: TandemConfig, ranks: int = 2) -> tuple[list[int], int]:
+    """(cuts, num_layers): the first layer of ranks 1..N-1, so rank r runs layers [bounds[r], bounds[r+1])
+    of bounds = [0, *cuts, num_layers]. model.split: an int (two ranks), a list of N-1 increasing layer
+    numbers, or None (even)."""
+    split = cfg.model.split
+    if ranks == 2 and not isinstance(split, list):
+        split, num_layers = split_point(cfg)
+        return [split], num_layers
+    num_layers = layers_for(cfg, ranks)
+    name = Path(cfg.model.target).name
+    if split is None:
+        from model_parallel.split import even_cuts
+        return even_cuts(num_layers, ranks), num_layers
+    if not isinstance(split, list) or len(split) != ranks - 1:
+        raise ConfigError(f"model.split={split!r} does not fit {ranks} ranks: give {ranks - 1} increasing layer numbers "
+                          f"(the first layer of ranks 1..{ranks - 1}), e.g. model.split={_example(num_layers, ranks)}, or auto")
+    increasing = all(isinstance(c, int) for c in split) and all(a < b for a, b in zip([0, *split], [*split, num_layers]))
+    if not increasing:
+        raise ConfigError(f"model.split={split} is not increasing within 1..{num_layers - 1}: {name} has {num_layers} "
+                          f"layers and each rank needs at least one, e.g. model.split={_example(num_layers, ranks)}")
+    return list(split), num_layers
+
+
+def layers_for(cfg: TandemConfig, ranks: int) -> int:
+    """The target's number of layers, which must give each of `ranks` ranks at least one."""
+    num_layers = load_config(cfg.model.target).num_hidden_layers
+    if num_layers < ranks:
+        raise ConfigError(f"{Path(cfg.model.target).name} has {num_layers} layers, too few for {ranks} ranks (each "
+                          "needs at least one); start fewer ranks")
+    return num_layers
+
+
+def _example(num_layers: int, ranks: int) -> str:
+    from model_parallel.split import even_cuts
+    return "[" + ",".join(map(str, even_cuts(num_layers, ranks))) + "]"
+
+
 def resolve_models(cfg: TandemConfig, rank: int) -> list[str]:
     """model.target (and, on rank 0, draft.model) as local folders, before the split is settled: for a Hub
     id its config, tokenizer and index are fetched now, its weights only when the stage is built, and only
@@ -39,16 +76,16 @@ def resolve_models(cfg: TandemConfig, rank: int) -> list[str]:
     return lines
 
 
-def resolve_split(cfg: TandemConfig) -> str | None:
-    """model.split=auto for a script that builds every stage in one process: both ranks' costs measured
+def resolve_split(cfg: TandemConfig, ranks: int = 2) -> str | None:
+    """model.split=auto for a script that builds every stage in one process: every rank's costs measured
     here, the split written into cfg; returns the start-up lines (None when the split was given).
     (The entry settles it in the handshake instead, each rank measuring itself: settle_split.)"""
     if cfg.model.split != "auto":
         return None
-    measured = [rank_costs(cfg, rank) for rank in (0, 1)]
+    measured = [rank_costs(cfg, rank, ranks) for rank in range(ranks)]
     costs = [c for c, _ in measured]
     settle_split(cfg, costs)
-    return "\n".join(describe_rank(cfg, rank, costs, source) for rank, (_, source) in enumerate(measured))
+    return "\n".join(describe_rank(cfg, rank, costs, source, ranks) for rank, (_, source) in enumerate(measured))
 
 
 # --- model.max_memory and model.split=auto: what each rank may hold, how fast it is ---------------
@@ -114,43 +151,49 @@ MEMORY_FIXES = ("would help: model.quant=nf4, a smaller model.max_len (less KV c
                 "(draft.device, or draft.kind=ngram), or another machine")
 
 
-def settle_split(cfg: TandemConfig, costs: list, given: int | None = None) -> int:
-    """The split both ranks run, from every rank's costs (the same on every rank, so each settles the
-    same): `given` (or model.split) if a number, after checking it fits every budget; for auto, the
-    fastest split that fits (model_parallel.split.place_layers). Written into cfg; a split that does
-    not fit is one ConfigError line naming model.max_memory, the bytes and what would help."""
+def settle_split(cfg: TandemConfig, costs: list, given=None):
+    """The split every rank runs, from every rank's costs (the same on every rank, so each settles the
+    same): `given` (or model.split) if given, after checking it fits every budget; for auto, the fastest
+    split that fits (model_parallel.split.place_layers over all the ranks). Written into cfg (an int for
+    two ranks, the list of cuts for more); a split that does not fit is one ConfigError line naming
+    model.max_memory, the bytes and what would help."""
     from model_parallel.memory import human
     from model_parallel.split import NoFit, fitting_splits, over_budget, place_layers
-    num_layers = load_config(cfg.model.target).num_hidden_layers
+    ranks = len(costs)
+    num_layers = layers_for(cfg, ranks)
     split = cfg.model.split if given is None else given
     if split == "auto":
         try:
-            split = place_layers(num_layers, costs)[0]
+            cuts = place_layers(num_layers, costs)
         except NoFit as e:
             raise ConfigError(f"{e}; {MEMORY_FIXES}") from None
+        split = cuts[0] if ranks == 2 else cuts
     cfg.model.split = split
-    split, _ = split_point(cfg)
-    over = over_budget(num_layers, costs, [split])
+    cuts, _ = layer_cuts(cfg, ranks)
+    over = over_budget(num_layers, costs, cuts)
     if over:
         rank, need, budget = over[0]
-        fits = fitting_splits(num_layers, costs)
-        where = f"splits that fit: {fits.start}-{fits.stop - 1} (model.split=auto picks among them)" if fits else "no split fits"
-        raise ConfigError(f"model.split={split} gives rank {rank} {human(need)}, over its model.max_memory of {human(budget)}; "
-                          f"{where}; {MEMORY_FIXES}")
-    return split
+        fits = fitting_splits(num_layers, costs) if ranks == 2 else None
+        where = (f"splits that fit: {fits.start}-{fits.stop - 1} (model.split=auto picks among them)" if fits
+                 else "model.split=auto finds one if any fits" if ranks > 2 else "no split fits")
+        shown = split if ranks == 2 else cuts
+        raise ConfigError(f"model.split={shown} gives rank {rank} {human(need)}, over its model.max_memory of "
+                          f"{human(budget)}; {where}; {MEMORY_FIXES}")
+    return cfg.model.split
 
 
 def describe_rank(cfg: TandemConfig, rank: int, costs: list, source: str, world: int = 2) -> str:
     """The start-up line of one rank: its layers, its bytes against its budget, its estimated ms per round."""
     from model_parallel.memory import human
     from model_parallel.split import layer_counts
-    num_layers = load_config(cfg.model.target).num_hidden_layers
-    counts = layer_counts(num_layers, [cfg.model.split])
+    cuts, num_layers = layer_cuts(cfg, world)
+    counts = layer_counts(num_layers, cuts)
     first = sum(counts[:rank])
     mine, n = costs[rank], counts[rank]
     extras = (["embeddings"] + (["the drafter"] if _drafting(cfg) else []) if rank == 0 else []) + \
         (["norm + head"] if rank == world - 1 else [])
-    line = (f"rank {rank}: layers {first}-{first + n - 1} ({n} of {num_layers}) + {' + '.join(extras)}; "
+    held = f" + {' + '.join(extras)}" if extras else ""
+    line = (f"rank {rank}: layers {first}-{first + n - 1} ({n} of {num_layers}){held}; "
             f"{human(mine.bytes_for(n))} of {human(mine.budget)} ({source}); ")
     if mine.layer_ms <= 0:
         return line + "ms per round not timed (model.split was given)"
@@ -171,14 +214,16 @@ def quantizer(cfg: TandemConfig, which: str):
     return NF4Settings(compute_dtype=DTYPES[m.quant_compute_dtype], double_quant=m.quant_double, lm_head=m.quant_lm_head)
 
 
-def build_stage(cfg: TandemConfig, rank: int):
+def build_stage(cfg: TandemConfig, rank: int, ranks: int = 2):
     """Rank 0: embeddings + layers [0, split); rank 1: layers [split, L), the final norm and the head.
-    (The entry settles model.split=auto in the handshake first; a script building both stages from one
+    With more than two ranks the middle ones hold only their layers, and the last one the head.
+    (The entry settles model.split=auto in the handshake first; a script building every stage from one
     config settles it here, once.)"""
-    resolve_split(cfg)
-    split, num_layers = split_point(cfg)
-    first, last = (0, split) if rank == 0 else (split, num_layers)
-    return _load_stage(cfg.model.target, first, last, embed=rank == 0, head=rank == 1, dtype=cfg.model.dtype,
+    resolve_split(cfg, ranks)
+    cuts, num_layers = layer_cuts(cfg, ranks)
+    bounds = [0, *cuts, num_layers]
+    first, last = bounds[rank], bounds[rank + 1]
+    return _load_stage(cfg.model.target, first, last, embed=rank == 0, head=rank == ranks - 1, dtype=cfg.model.dtype,
                        device=device_for(cfg), quant=quantizer(cfg, "model"), max_len=cfg.model.max_len,
                        setting="model.max_len", progress=f"rank {rank} layers {first}-{last - 1}", rank=rank)
 

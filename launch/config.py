@@ -34,7 +34,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     target: str = f"{MODELS}/qwen2.5-coder-1.5b-instruct"  # a local HF folder (config.json, *.safetensors, tokenizer), or a Hub id org/name[@revision]
-    split: int | str | None = "auto"  # first layer of rank 1; auto = of the splits that fit model.max_memory, the fastest (timed); None = half
+    split: int | str | list[int] | None = "auto"  # first layer of rank 1 (N ranks: [first layer of ranks 1..N-1]); auto = of the splits that fit model.max_memory, the fastest (each rank times itself); None = even
     dtype: str = "bfloat16"  # float32 | bfloat16 | float16
     max_len: int = 4096  # KV-cache capacity of each stage, in tokens (prompt + output + K)
     max_memory: Any = None  # bytes a rank may hold for weights + KV cache (+ the drafter on rank 0): 6GiB, 500MB, or a list, one per rank; None = free memory less 10%

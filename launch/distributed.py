@@ -1,4 +1,7 @@
-"""Who am I, and how do I reach the other rank: torchrun's environment -> (rank, Channel)."""
+"""Who am I, and how do I reach the other ranks: torchrun's environment -> (rank, its links).
+
+The ranks form a ring 0 -> 1 -> ... -> N-1 -> 0 (speculative.rounds): each rank receives from the one
+before it and sends to the one after it; with two ranks both links are one Channel."""
 from __future__ import annotations
 
 import atexit
@@ -29,11 +32,11 @@ class Interrupted(Exception):
 def torchrun_rank() -> tuple[int, int]:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise LaunchError("not started by torchrun: run `torchrun --nproc_per_node=2 train_free_infer.py ...` "
-                          "(or one torchrun per host with --nnodes=2, see README)")
+                          "(or one torchrun per host with --nnodes=N, see README)")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world != 2:
-        raise LaunchError(f"Tandem runs on exactly 2 ranks, torchrun started {world}: use --nproc_per_node=2 on one host, "
-                          "or --nnodes=2 --nproc_per_node=1 on two")
+    if world < 2:
+        raise LaunchError(f"Tandem runs on 2 or more ranks (one per pipeline stage), torchrun started {world}: use "
+                          "--nproc_per_node=N on one host, or --nnodes=N --nproc_per_node=1 on N")
     return rank, world
 
 
@@ -49,13 +52,36 @@ def skip_the_final_collections_at_exit() -> None:
     atexit.register(gc.freeze)
 
 
+def open_links(cfg: TandemConfig, rank: int, ranks: int) -> tuple[Channel, Channel]:
+    """(the link from the rank before, the link to the rank after) on the ring; one channel with two ranks."""
+    if ranks == 2:
+        channel = open_channel(cfg, rank)
+        return channel, channel
+    if cfg.transport.kind == "relay":
+        raise LaunchError(f"transport.kind=relay joins two ranks, torchrun started {ranks}: use transport.kind=gloo "
+                          "for more than two (the relay's N-member sessions are not built yet)")
+    t = cfg.transport
+    _init_gloo(cfg, rank)
+    links = [GlooChannel((rank + step) % ranks, t.timeout_s, emulate_delay_ms=t.emulate_delay_ms,
+                         emulate_mbps=t.emulate_mbps) for step in (-1, 1)]
+    for link in links:
+        link.peer_name = f"rank {link.peer}"
+    return links[0], links[1]
+
+
 def open_channel(cfg: TandemConfig, rank: int) -> Channel:
     t = cfg.transport
     emulation = dict(emulate_delay_ms=t.emulate_delay_ms, emulate_mbps=t.emulate_mbps)
     if t.kind == "relay":
         from netbridge.relay_channel import RelayChannel
         return RelayChannel.from_config(cfg, rank, **emulation)
+    _init_gloo(cfg, rank)
+    return GlooChannel(peer=1 - rank, timeout_s=t.timeout_s, **emulation)
+
+
+def _init_gloo(cfg: TandemConfig, rank: int) -> None:
     import torch.distributed as dist
+    t = cfg.transport
     endpoint = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     try:
         dist.init_process_group("gloo", timeout=timedelta(seconds=t.timeout_s))
@@ -65,11 +91,11 @@ def open_channel(cfg: TandemConfig, rank: int) -> Channel:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise LaunchError(f"rank {rank} could not form the gloo group via {endpoint} within {t.timeout_s:.0f} s ({first}); "
                           "is the other rank running, and can each host reach the other? If not, use transport.kind=relay") from None
-    return GlooChannel(peer=1 - rank, timeout_s=t.timeout_s, **emulation)
 
 
-def close_channel(channel: Channel) -> None:
-    channel.close()
+def close_channel(channel: Channel, *more: Channel) -> None:
+    for c in {id(c): c for c in (channel, *more)}.values():
+        c.close()
     import torch.distributed as dist
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -13,6 +13,7 @@ is stats["rounds"]. The output JSON's means are over the decode rounds (steps >=
     round/draft_ms      drafting on rank 0
     round/stage0_ms     rank 0's layer slice
     round/stage1_ms     rank 1's layer slice + head + verification, as rank 1 measured it
+                        (with N > 2 ranks: the last rank's; round/rank{r}_ms each middle rank's layers)
     round/network_ms    send -> reply on rank 0 minus stage1_ms and ahead_ms: the wire,
                         (de)serialization and any emulated delay; no compute of either rank
     round/ahead_ms      spec.overlap: rank 0 preparing the next round while this one was in flight
@@ -67,7 +68,9 @@ class Telemetry:
         self.dir = _unique_dir(Path(cfg.log.dir).expanduser(), run_name(cfg))
         self.writer = SummaryWriter(str(self.dir))
         self.prompt_ids, self.prompt_text = prompt_ids, prompt_text
-        self.rank1_marks: list[list[float]] = []
+        self.rank1_marks: list[list[float]] = []  # the last rank's, with N > 2
+        self.middle_marks: list[list[list[float]]] = []  # N > 2: per round, each middle rank's
+        self.last_rank = 1
         self.step = 0
         self.profiler = None
         if cfg.log.profile:
@@ -85,6 +88,10 @@ class Telemetry:
                            ("drafted", r.drafted), ("accepted", r.accepted), ("tokens", r.committed)):
             w.add_scalar(f"round/{tag}", value, step)
         self.rank1_marks.append(list(reply.marks))
+        self.middle_marks.append(list(reply.middle_marks or []))
+        self.last_rank = max(self.last_rank, len(self.middle_marks[-1]) + 1)
+        for rank, ms in enumerate(r.middle_ms, start=1):
+            w.add_scalar(f"round/rank{rank}_ms", ms, step)
         self.step += 1
         if self.profiler is not None:
             self.profiler.step()
@@ -109,7 +116,8 @@ class Telemetry:
             self.profiler.stop()
         w = self.writer
         trace, alignment = build_timeline(gen, self.rank1_marks, meta={"run": self.dir.name},
-                                          min_one_way_s=self.cfg.transport.emulate_delay_ms / 1000)
+                                          min_one_way_s=self.cfg.transport.emulate_delay_ms / 1000,
+                                          middle_marks=self.middle_marks if self.last_rank > 1 else None)
         if self.cfg.log.trace:
             write_trace(self.dir / "trace.json", trace)
         run = {"ttft_ms": stats["ttft_s"] * 1000, "tokens_per_s": stats["tokens_per_s"],
@@ -132,6 +140,7 @@ class Telemetry:
         w.close()
         summary = {"run": self.dir.name, "stats": stats, "clock": alignment_dict(alignment),
                    "rounds": [asdict(r) for r in gen.rounds], "rank1_marks": self.rank1_marks,
+                   **({"middle_marks": self.middle_marks} if self.last_rank > 1 else {}),
                    "t0_s": gen.t0_s}
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return alignment_dict(alignment)

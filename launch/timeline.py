@@ -24,6 +24,11 @@ A known least one-way time tightens both bounds by it: the emulated delay (trans
 is a sleep before each message leaves, so no message arrives sooner than that after its send began.
 
 On one host both ranks read the same monotonic clock, so the true offset is 0: a check of the method.
+
+With N > 2 ranks the last rank plays rank 1's part and each middle rank r puts the same four readings
+in the Round it passes on (its verify span is empty: it only forwards); the last rank's Reply carries
+them back. Every later rank receives a round after rank 0 sent it and sends before rank 0 has the
+reply, so the same bounds align each one's clock; the trace has one row per rank.
 Open the trace in https://ui.perfetto.dev or chrome://tracing.
 """
 from __future__ import annotations
@@ -70,51 +75,65 @@ def round_windows(gen) -> list[tuple[float, float]]:
 
 
 def align_clocks(windows: list[tuple[float, float]], rank1_marks: list[list[float]],
-                 min_one_way_s: float = 0.0) -> ClockAlignment:
-    """theta (rank 1 minus rank 0) from the round trips; see the module docstring."""
-    pairs = [(w, m) for w, m in zip(windows, rank1_marks) if m]
+                 min_one_way_s: float = 0.0, hops: tuple[int, int] = (1, 1),
+                 held: list[tuple[float, float]] | None = None) -> ClockAlignment:
+    """theta (rank 1 minus rank 0) from the round trips; see the module docstring. N > 2: `hops`, the
+    messages from rank 0 to this rank and from it back to rank 0 (rank r: r in, N - r back), each taking
+    at least `min_one_way_s`; `held`, per round, how long the ranks on the way in and on the way back
+    held the block (durations each measured on its own clock)."""
+    held = held or [(0.0, 0.0)] * len(windows)
+    pairs = [(w, m, h) for w, m, h in zip(windows, rank1_marks, held) if m]
     if not pairs:
         return ClockAlignment(0.0, float("inf"), 0, False)
-    lo = max(m[3] + min_one_way_s - w[1] for w, m in pairs)
-    hi = min(m[1] - min_one_way_s - w[0] for w, m in pairs)
+    lo = max(m[3] + hops[1] * min_one_way_s + h[1] - w[1] for w, m, h in pairs)
+    hi = min(m[1] - hops[0] * min_one_way_s - h[0] - w[0] for w, m, h in pairs)
     if lo <= hi:
         return ClockAlignment((lo + hi) / 2 * 1000, (hi - lo) / 2 * 1000, len(pairs), True)
-    w, m = min(pairs, key=lambda p: (p[0][1] - p[0][0]) - (p[1][3] - p[1][1]))  # least time on the wire
-    theta = ((m[1] - w[0]) + (m[3] - w[1])) / 2
-    wire = (w[1] - w[0]) - (m[3] - m[1]) - 2 * min_one_way_s
+    w, m, h = min(pairs, key=lambda p: (p[0][1] - p[0][0]) - (p[1][3] - p[1][1]) - sum(p[2]))  # least time on the wire
+    theta = ((m[1] - h[0] - w[0]) + (m[3] + h[1] - w[1])) / 2
+    wire = (w[1] - w[0]) - (m[3] - m[1]) - sum(h) - sum(hops) * min_one_way_s
     return ClockAlignment(theta * 1000, wire / 2 * 1000, len(pairs), False)
 
 
-def rank1_spans(rank1_marks: list[list[float]], offset_ms: float) -> list[Span]:
-    """Rank 1's spans on rank 0's clock. The last reply's send has no end reading, so it is left out."""
+def rank1_spans(rank1_marks: list[list[float]], offset_ms: float, rank: int = 1, verifies: bool = True) -> list[Span]:
+    """Rank 1's spans on rank 0's clock (or, with N > 2, `rank`'s: a middle one only forwards, no verify).
+    The last reply's send has no end reading, so it is left out."""
     theta = offset_ms / 1000
     spans = []
     for i, m in enumerate(rank1_marks):
         if not m:
             continue
         wait_start, recv_end, forward_end, send_start = (x - theta for x in m)
-        spans += [Span(1, "wait", wait_start, recv_end, i), Span(1, "stage1", recv_end, forward_end, i),
-                  Span(1, "verify", forward_end, send_start, i)]
+        spans += [Span(rank, "wait", wait_start, recv_end, i), Span(rank, f"stage{rank}", recv_end, forward_end, i)]
+        if verifies:
+            spans.append(Span(rank, "verify", forward_end, send_start, i))
         if i + 1 < len(rank1_marks) and rank1_marks[i + 1]:
-            spans.append(Span(1, "send", send_start, rank1_marks[i + 1][0] - theta, i))
+            spans.append(Span(rank, "send", send_start, rank1_marks[i + 1][0] - theta, i))
     return spans
 
 
 def chrome_trace(spans: list[Span], t0_s: float, alignment: ClockAlignment, meta: dict | None = None) -> dict:
     """Chrome-trace JSON ("X" complete events in microseconds since generation start), one process per
-    rank, and a flow arrow per message (round: rank 0 send -> rank 1 stage1; reply: rank 1 send -> rank 0)."""
+    rank, and a flow arrow per message (round: rank 0 send -> rank 1 stage1 (-> rank 2 stage2 ...);
+    reply: the last rank's verify -> rank 0)."""
     us = lambda t: round((t - t0_s) * 1e6, 3)  # noqa: E731
-    events = [{"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}} for r in (0, 1)]
-    events += [{"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}} for r in (0, 1)]
+    ranks = sorted({s.rank for s in spans} | {0, 1})
+    events = [{"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}} for r in ranks]
+    events += [{"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}} for r in ranks]
     for s in spans:
         events.append({"name": s.name, "cat": "round" if s.name == "round" else "span", "ph": "X", "ts": us(s.start_s),
                        "dur": round((s.end_s - s.start_s) * 1e6, 3), "pid": s.rank, "tid": 0, "args": {"round": s.round}})
     by_key = {(s.rank, s.name, s.round): s for s in spans}
+    n, last = len(ranks), ranks[-1]
     for (rank, name, i), s in by_key.items():
-        if rank == 0 and name == "send" and (1, "stage1", i) in by_key:
-            events += _flow(f"round {i}", 2 * i, s.start_s, 0, by_key[(1, "stage1", i)].start_s, 1, us)
-        if rank == 1 and name == "verify" and (0, "wait", i) in by_key:
-            events += _flow(f"reply {i}", 2 * i + 1, s.end_s, 1, by_key[(0, "wait", i)].end_s, 0, us)
+        if rank == 0 and name == "send":  # the block's way down the pipe, one arrow per hop
+            for hop in range(1, n):
+                came_from = s.start_s if hop == 1 else by_key.get((hop - 1, f"stage{hop - 1}", i), s).end_s
+                if (hop, f"stage{hop}", i) in by_key:
+                    events += _flow(f"round {i}", n * i + hop - 1, came_from, hop - 1,
+                                    by_key[(hop, f"stage{hop}", i)].start_s, hop, us)
+        if rank == last and name == "verify" and (0, "wait", i) in by_key:
+            events += _flow(f"reply {i}", n * i + n - 1, s.end_s, last, by_key[(0, "wait", i)].end_s, 0, us)
     other = {"clock_offset_ms": alignment.offset_ms, "clock_uncertainty_ms": alignment.uncertainty_ms,
              "clock_rounds": alignment.rounds, "clock_consistent": alignment.consistent, **(meta or {})}
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
@@ -127,11 +146,27 @@ def _flow(name, flow_id, t_from, pid_from, t_to, pid_to, us):
 
 
 def build_timeline(gen, rank1_marks: list[list[float]], meta: dict | None = None,
-                   min_one_way_s: float = 0.0) -> tuple[dict, ClockAlignment]:
-    """The merged trace of one generation, and the clock alignment it used."""
-    alignment = align_clocks(round_windows(gen), rank1_marks, min_one_way_s)
-    offset = alignment.offset_ms if alignment.rounds else 0.0
-    spans = rank0_spans(gen) + rank1_spans(rank1_marks, offset)
+                   min_one_way_s: float = 0.0, middle_marks: list[list[list[float]]] | None = None) -> tuple[dict, ClockAlignment]:
+    """The merged trace of one generation, and the clock alignment it used (the last rank's).
+    `middle_marks` (N > 2): per round, each middle rank's readings (Reply.middle_marks)."""
+    middles = max((len(m) for m in middle_marks or []), default=0)
+    last = middles + 1
+    marks = {r: [m[r - 1] if len(m) >= r else [] for m in middle_marks] for r in range(1, last)}
+    marks[last] = rank1_marks
+    held = {r: [m[3] - m[1] if m else 0.0 for m in marks[r]] for r in marks}  # a rank's own reading: no offset in it
+
+    def held_around(r: int) -> list[tuple[float, float]]:
+        return [(sum(held[q][i] for q in range(1, r)), sum(held[q][i] for q in range(r + 1, last + 1)))
+                for i in range(len(rank1_marks))]
+    alignments = {r: align_clocks(round_windows(gen), marks[r], min_one_way_s, hops=(r, last + 1 - r),
+                                  held=held_around(r)) for r in marks}
+    alignment = alignments[last]
+    spans = rank0_spans(gen)
+    for r in marks:
+        spans += rank1_spans(marks[r], alignments[r].offset_ms if alignments[r].rounds else 0.0, rank=r, verifies=r == last)
+    if middles:
+        meta = {**(meta or {}), "clock_offsets_ms": {str(r): alignments[r].offset_ms for r in sorted(alignments)},
+                "clock_uncertainties_ms": {str(r): alignments[r].uncertainty_ms for r in sorted(alignments)}}
     return chrome_trace(spans, gen.t0_s, alignment, meta), alignment
 
 

@@ -219,3 +219,12 @@ def time_draft_step(config, device: str, dtype: torch.dtype, quant=None) -> floa
     """ms for one drafter step: one token through every layer, the norm and the head."""
     layer_ms, call_ms = time_layers(config, 1, device, dtype, quant)
     return call_ms + config.num_hidden_layers * layer_ms + time_head(config, 1, device, dtype, quant)
+
+
+def even_cuts(num_layers: int, ranks: int) -> list[int]:
+    """model.split=null: the first layer of ranks 1..N-1 when the layers are shared out evenly; a layer
+    left over goes to a middle rank first (rank 0 also drafts, the last rank also runs the head)."""
+    sizes = [num_layers // ranks] * ranks
+    for r in [*range(1, ranks - 1), ranks - 1, 0][:num_layers % ranks]:
+        sizes[r] += 1
+    return [sum(sizes[:r]) for r in range(1, ranks)]

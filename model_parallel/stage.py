@@ -2,7 +2,8 @@
 final norm + LM head behind, over its own static KV cache.
 
 Rank 0's stage is (embeddings, layers [0, split)); rank 1's is (layers [split, L), norm, head); a
-drafter is one stage with everything. All three run the same forward.
+drafter is one stage with everything. With N > 2 ranks a middle rank's stage is its layers alone.
+All of them run the same forward.
 """
 from __future__ import annotations
 

@@ -21,6 +21,8 @@ class PeerError(RuntimeError):
 class Channel(ABC):
     """`send(kind, meta, **tensors)` / `recv(expect)`; with an emulated one-way delay and bandwidth."""
 
+    peer_name = "the other rank"  # in error lines; "rank 2" where there are more than two
+
     def __init__(self, timeout_s: float, emulate_delay_ms: float = 0.0, emulate_mbps: float = 0.0):
         self.timeout_s = timeout_s
         self.emulate_delay_s = emulate_delay_ms / 1000
@@ -36,7 +38,7 @@ class Channel(ABC):
         kinds = (expect,) if isinstance(expect, str) else expect
         if expect is not None and msg.kind not in kinds:
             if msg.kind == "error":
-                raise PeerError(f"the other rank failed: {msg.meta.get('error', '?')}")
+                raise PeerError(f"{self.peer_name} failed: {msg.meta.get('error', '?')}")
             raise PeerError(f"protocol error: expected {' or '.join(kinds)}, got {msg.kind!r}; are both ranks the same "
                             "Tandem version and config?")
         return msg
@@ -135,9 +137,9 @@ class LocalChannel(Channel):
         try:
             frame = self.inbox.get(timeout=self.timeout_s)
         except queue.Empty:
-            raise PeerError(f"the other rank sent nothing for {self.timeout_s:g} s (transport.timeout_s)") from None
+            raise PeerError(f"{self.peer_name} sent nothing for {self.timeout_s:g} s (transport.timeout_s)") from None
         if frame is None:
-            raise PeerError("lost the other rank (its end of the in-process channel was closed)")
+            raise PeerError(f"lost {self.peer_name} (its end of the in-process channel was closed)")
         return frame
 
     def close(self) -> None:
@@ -149,3 +151,14 @@ def local_pair(timeout_s: float = 60.0, **emulation) -> tuple[LocalChannel, Loca
     import queue
     a_to_b, b_to_a = queue.Queue(), queue.Queue()
     return LocalChannel(b_to_a, a_to_b, timeout_s, **emulation), LocalChannel(a_to_b, b_to_a, timeout_s, **emulation)
+
+
+def local_ring(ranks: int, timeout_s: float = 60.0, **emulation) -> list[tuple[LocalChannel, LocalChannel]]:
+    """Each rank's (link from the rank before, link to the rank after) on the ring 0 -> 1 -> ... -> N-1 -> 0,
+    for N ranks as threads of one process; with two ranks, local_pair's one channel both ways."""
+    if ranks == 2:
+        return [(c, c) for c in local_pair(timeout_s, **emulation)]
+    edges = [local_pair(timeout_s, **emulation) for _ in range(ranks)]  # edge r: rank r -> rank r+1
+    for r, (out, into) in enumerate(edges):
+        out.peer_name, into.peer_name = f"rank {(r + 1) % ranks}", f"rank {r}"
+    return [(edges[r - 1][1], edges[r][0]) for r in range(ranks)]

@@ -1,4 +1,4 @@
-"""Every message between the two ranks, in one place.
+"""Every message between the ranks, in one place.
 
     rank 0                                   rank 1
     Hello(layers, dtype, quant, split,  -->  checks it against its own; its own Hello back, or Error;
@@ -11,6 +11,11 @@
     Idle                                -->  nothing to do yet (serving): the link is alive
     Bye                                 -->  the session is over
     Error(error)                        <->  the sender failed; the receiver reports it and exits
+
+With N > 2 ranks the same messages go around a ring 0 -> 1 -> ... -> N-1 -> 0: a middle rank runs its
+layers over a Prefill's or a Round's hidden states and passes the message on with its own (adding its
+clock marks to Round.marks); everything else it passes on as it came. The last rank's Reply (or Hello,
+or Error) closes the ring at rank 0.
 
 A message is a dataclass: its tensor fields travel as tensors, the rest as the frame's JSON `meta`
 (netbridge.frames). `send` and `recv` are the only way the ranks talk; `recv` turns an Error from the
@@ -30,11 +35,12 @@ VERSION = 4  # bumped when a message changes; Hello carries it
 
 @dataclass
 class Hello:
-    """The model a rank runs, and what it may hold and how fast it is (model_parallel.split.RankCosts)."""
+    """The model a rank runs, and what it may hold and how fast it is (model_parallel.split.RankCosts).
+    With N > 2 ranks the Hellos go around the ring (train_free_infer.handshake)."""
     num_layers: int
     dtype: str
     quant: str
-    split: int | None = None  # None: model.split=auto on this rank
+    split: int | list[int] | None = None  # None: model.split=auto on this rank; a list with N > 2 ranks
     budget: int = 0  # bytes this rank may hold (model.max_memory)
     fixed_bytes: int = 0  # bytes it holds besides its layers (embeddings, drafter; norm + head)
     layer_bytes: int = 0  # one layer with its KV cache
@@ -66,14 +72,16 @@ class Round:
     drafts: torch.Tensor  # [K]
     q_ids: torch.Tensor | None = None  # [K, m] when sampling: the support of each draft's distribution
     q_probs: torch.Tensor | None = None  # [K, m]
+    marks: list[list[float]] | None = None  # N > 2: each middle rank's clock marks, as in Reply.marks
 
 
 @dataclass
 class Reply:
     accepted: int
     token: int  # the target's next token after the accepted drafts
-    stage1_ms: float
-    marks: list[float] = field(default_factory=list)  # rank 1's clock: wait, start, forward done, send
+    stage1_ms: float  # the last rank's forward and verification
+    marks: list[float] = field(default_factory=list)  # the last rank's clock: wait, start, forward done, send
+    middle_marks: list[list[float]] | None = None  # N > 2: Round.marks as the last rank received them
 
 
 @dataclass

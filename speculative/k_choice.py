@@ -44,7 +44,7 @@ class KFromCosts:
         self.draft_ms: float | None = None  # per draft token
         self.wire_ms: float | None = None
         self.stage0_ms: dict[int, float] = {}  # block size -> rank 0's slice, ms
-        self.stage1_ms: dict[int, float] = {}  # block size -> rank 1's slice, head and verification, ms
+        self.stage1_ms: dict[int, float] = {}  # block size -> the later ranks' slices, head and verification, ms
         self.seen = 0
         self.chosen = 0  # rounds chosen from the rates since the warm-up
         self.after_undrafted = False  # the last round drafted nothing: the next one's drafting includes catch-up
@@ -58,7 +58,7 @@ class KFromCosts:
             self.tried[i] += 1
             self.kept[i] += r.accepted >= i
         n = r.drafted + 1
-        self.stage1_ms[n] = self._ema(self.stage1_ms.get(n), r.stage1_ms)
+        self.stage1_ms[n] = self._ema(self.stage1_ms.get(n), r.later_ms)
         self.wire_ms = self._ema(self.wire_ms, r.network_ms)
         self.seen += 1
         if not r.from_ahead:  # else its drafting and stage 0 ran in the last round's wait, unmeasured here

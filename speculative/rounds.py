@@ -8,6 +8,13 @@
     a, next <------------------------------------  send("reply", accepted, next)
     rewind stage0, commit d1..da + next            rewind stage1 to the committed length
 
+With N > 2 ranks the same round goes around a ring; a middle rank only runs its layers (run_middle):
+
+    rank 0 --Round(h0)--> rank 1 --Round(h1)--> ... --> rank N-1 (run_rank1): verify --Reply--> rank 0
+
+Every stage rewinds to the block's `start` (rank 0 is the authority on the committed length), so the
+middle ranks need no reply; rank 0 drafts ahead (spec.overlap) while the block is anywhere in the pipe.
+
 `pending` is the prompt in the first round (the prefill) and the last committed token after that;
 both caches then hold exactly the committed tokens but the newest, which the next round feeds.
 A request may start with the first `reuse` tokens of its prompt already in every cache (the last
@@ -36,19 +43,25 @@ class RoundRecord:
     committed: int  # tokens kept after stop criteria
     draft_ms: float
     stage0_ms: float
-    round_ms: float  # send -> reply received: network + rank 1's compute
-    stage1_ms: float  # rank 1's forward + verification, as it measured
+    round_ms: float  # send -> reply received: network + rank 1's compute (N > 2: every later rank's)
+    stage1_ms: float  # rank 1's forward + verification, as it measured (N > 2: the last rank's)
     start_s: float = 0.0  # when the round started, seconds since generation started
     send_ms: float = 0.0  # the part of round_ms spent in channel.send (an emulated delay included)
     sent_s: float = 0.0  # when the send began, seconds since generation started (round_ms starts here)
     from_ahead: bool = False  # drafts and stage 0 were prepared while the previous round was in flight
     ahead_ms: float = 0.0  # of round_ms: preparing the next round while this one was in flight (spec.overlap)
+    middle_ms: list[float] = field(default_factory=list)  # N > 2: each middle rank's forward, as it measured
+
+    @property
+    def later_ms(self) -> float:
+        """Every rank after rank 0: its layers (and the last one's head and verification)."""
+        return self.stage1_ms + sum(self.middle_ms)
 
     @property
     def network_ms(self) -> float:
-        """round_ms less both ranks' compute: the wire, (de)serialization, an emulated delay. Under
+        """round_ms less every rank's compute: the wire, (de)serialization, an emulated delay. Under
         spec.overlap a reply may wait while rank 0 drafts ahead: then this is a lower bound."""
-        return max(0.0, self.round_ms - self.ahead_ms - self.stage1_ms)
+        return max(0.0, self.round_ms - self.ahead_ms - self.later_ms)
 
 
 @dataclass
@@ -135,11 +148,14 @@ def prefill_chunks(stage: Stage, drafter, channel: Channel, prompt_ids: list[int
 
 def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], output: Output, k: int,
               on_round=None, adaptive: bool = False, request: Request = Request(), reuse: int = 0,
-              cancelled=lambda: False, overlap: bool = False, prefill_chunk: int = 512, k_costs=None) -> Generation:
+              cancelled=lambda: False, overlap: bool = False, prefill_chunk: int = 512, k_costs=None,
+              replies: Channel | None = None) -> Generation:
     """One generation. `reuse`: prompt tokens every cache already holds. `cancelled()` is asked
     between rounds (a client that went away); the caches stay consistent whenever it stops.
     `overlap`: while a round is in flight, prepare the next one (draft_ahead). `k_costs`: a
-    KFromCosts that picks K from measured costs (else `adaptive`'s +2/-1, else K fixed)."""
+    KFromCosts that picks K from measured costs (else `adaptive`'s +2/-1, else K fixed).
+    `replies`: the last rank's link when there are more than two ranks (with two, `channel`)."""
+    replies = replies or channel
     gen = Generation(prompt_ids, output, reused=reuse)
     t_start = gen.t0_s = time.perf_counter()
     protocol.send(channel, request)
@@ -168,7 +184,7 @@ def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], ou
         elif k_next == 0:  # no drafting next round: the drafter takes in the committed tokens in this wait,
             drafter.catch_up(committed)  # not all at once when K rises again
         ahead_ms = ahead.ms if ahead is not None else 0.0
-        reply = protocol.recv(channel, Reply)
+        reply = protocol.recv(replies, Reply)
         round_ms = _ms(t0)
 
         new_tokens = drafts.tokens[:reply.accepted].tolist() + [reply.token]
@@ -182,7 +198,8 @@ def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], ou
         if not gen.rounds:
             gen.ttft_s = time.perf_counter() - t_start
         record = RoundRecord(len(drafts), reply.accepted, kept, draft_ms, stage0_ms, round_ms, reply.stage1_ms,
-                             t_round - t_start, send_ms, t0 - t_start, used_ahead, ahead_ms)
+                             t_round - t_start, send_ms, t0 - t_start, used_ahead, ahead_ms,
+                             [(m[2] - m[1]) * 1000 for m in reply.middle_marks or []])
         gen.rounds.append(record)
         if adaptive:
             k_now = next_k(k_now, len(drafts), reply.accepted, k)
@@ -195,8 +212,10 @@ def run_rank0(stage: Stage, drafter, channel: Channel, prompt_ids: list[int], ou
     return gen
 
 
-def run_rank1(stage: Stage, channel: Channel) -> int:
-    """Serve rounds until rank 0 says Bye; returns the number of rounds served."""
+def run_rank1(stage: Stage, channel: Channel, reply_to: Channel | None = None) -> int:
+    """Serve rounds until rank 0 says Bye; returns the number of rounds served. With more than two
+    ranks this is the last one: `channel` comes from the rank before it, replies go to `reply_to` (rank 0)."""
+    reply_to = reply_to or channel
     request, generator = Request(), torch.Generator()
     rounds = 0
     while True:
@@ -216,8 +235,30 @@ def run_rank1(stage: Stage, channel: Channel) -> int:
         t0 = time.perf_counter()
         accepted, token, t_forward = verify_round(stage, msg, request, generator)
         t_send = time.perf_counter()
-        protocol.send(channel, Reply(accepted, token, (t_send - t0) * 1000, [t_wait, t0, t_forward, t_send]))
+        protocol.send(reply_to, Reply(accepted, token, (t_send - t0) * 1000, [t_wait, t0, t_forward, t_send], msg.marks))
         rounds += 1
+
+
+def run_middle(stage: Stage, prev: Channel, next: Channel) -> int:
+    """A middle rank (N > 2): its layers over every Prefill's and Round's hidden states, passed on to
+    the next rank; every other message passed on as it came. Returns the number of rounds served."""
+    rounds = 0
+    while True:
+        t_wait = time.perf_counter()
+        msg = protocol.recv(prev, Request, Prefill, Round, protocol.Idle, protocol.Bye)
+        if isinstance(msg, (Prefill, Round)):
+            t0 = time.perf_counter()
+            live = msg.start + msg.hidden.shape[1]
+            stage.cache.rewind(msg.start)  # rank 0 is the authority on the committed length
+            stage.cache.check_room(live)
+            msg.hidden = stage(msg.hidden.to(stage.device), live=live)
+            if isinstance(msg, Round):
+                t_done = time.perf_counter()
+                msg.marks = (msg.marks or []) + [[t_wait, t0, t_done, t_done]]  # as Reply.marks: wait, start, forward, send
+                rounds += 1
+        protocol.send(next, msg)
+        if isinstance(msg, protocol.Bye):
+            return rounds
 
 
 def verify_round(stage: Stage, msg: Round, request: Request, generator: torch.Generator) -> tuple[int, int, float]:

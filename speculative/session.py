@@ -26,8 +26,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 class Session:
     def __init__(self, stage, drafter, channel, k: int, adaptive: bool, overlap: bool = False, prefill_chunk: int = 512,
-                 k_from_costs: bool = False):
+                 k_from_costs: bool = False, replies=None):
         self.stage, self.drafter, self.channel = stage, drafter, channel
+        self.replies = replies  # the last rank's link with more than two ranks (run_rank0)
         self.k, self.adaptive, self.overlap, self.prefill_chunk = k, adaptive, overlap, prefill_chunk
         self.k_costs = KFromCosts(k, overlap) if k_from_costs and k > 0 else None  # its estimates carry over requests
         self.cached: list[int] = []  # the tokens every cache holds, in order
@@ -39,14 +40,15 @@ class Session:
         self.cached = []  # unknown until the generation ends cleanly (an exception leaves it so)
         gen = run_rank0(self.stage, self.drafter, self.channel, prompt_ids, output, self.k, on_round=on_round,
                         adaptive=self.adaptive, request=request, reuse=reuse, cancelled=cancelled,
-                        overlap=self.overlap, prefill_chunk=self.prefill_chunk, k_costs=self.k_costs)
+                        overlap=self.overlap, prefill_chunk=self.prefill_chunk, k_costs=self.k_costs,
+                        replies=self.replies)
         # the caches hold every committed token but the newest (the next round feeds it), or, when no
         # round ran at all, just the reused prefix
         self.cached = (prompt_ids + output.tokens)[:-1] if gen.rounds else prompt_ids[:reuse]
         return gen
 
     def idle(self) -> None:
-        """Tell rank 1 the link is alive while no request is waiting (its receive has a timeout)."""
+        """Tell the other ranks the links are alive while no request is waiting (their receives have a timeout)."""
         protocol.send(self.channel, protocol.Idle())
 
     def close(self) -> None:

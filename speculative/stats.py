@@ -14,6 +14,7 @@ def summarize(gen: Generation, k: int, drafter: str) -> dict:
         tried = [r for r in rounds if r.drafted > i]
         per_position.append(sum(r.accepted > i for r in tried) / len(tried))
     decode_s = gen.total_s - gen.ttft_s
+    middles = min((len(r.middle_ms) for r in rounds), default=0)  # N > 2: the ranks between rank 0 and the last
 
     def mean(xs):
         xs = list(xs)
@@ -44,8 +45,21 @@ def summarize(gen: Generation, k: int, drafter: str) -> dict:
             "network": mean(r.network_ms for r in rounds),
             "ahead": mean(r.ahead_ms for r in rounds),
             "round": mean(r.draft_ms + r.stage0_ms + r.round_ms for r in rounds),
+            **({"middle": [mean(r.middle_ms[i] for r in rounds) for i in range(middles)]} if middles else {}),
         },
+        "busy_fraction": busy_fraction(rounds, decode_s, middles),
     }
+
+
+def busy_fraction(rounds, decode_s: float, middles: int = 0) -> list[float]:
+    """Per rank (0, the middle ones, the last), the share of the decode time it computed: rank 0 drafting
+    (ahead too) and its slice, a middle rank its slice, the last rank its slice, head and verification."""
+    if decode_s <= 0 or not rounds:
+        return [0.0] * (middles + 2)
+    busy = [sum(r.draft_ms + r.stage0_ms + r.ahead_ms for r in rounds)]
+    busy += [sum(r.middle_ms[i] for r in rounds) for i in range(middles)]
+    busy.append(sum(r.stage1_ms for r in rounds))
+    return [ms / 1000 / decode_s for ms in busy]
 
 
 def broken_drafter_warning(stats: dict, min_rounds: int = 16) -> str | None:

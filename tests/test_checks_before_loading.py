@@ -16,9 +16,9 @@ def loads(monkeypatch):
     ranks = []
     real = train_free_infer.build_stage
 
-    def recording(cfg, rank):
+    def recording(cfg, rank, *more):
         ranks.append(rank)
-        return real(cfg, rank)
+        return real(cfg, rank, *more)
     monkeypatch.setattr(train_free_infer, "build_stage", recording)
     return ranks
 

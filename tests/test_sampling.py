@@ -220,14 +220,16 @@ def test_model_drafter_samples_follow_the_q_it_reports(tiny_qwen):
 
 
 # ---- the whole loop ------------------------------------------------------------------------------
-@pytest.mark.parametrize("overlap", [True], ids=["overlap-on"])  # overlap off: the verifier's tests above
-def test_sampled_generation_keeps_the_targets_joint_distribution(overlap, tiny_qwen):
+@pytest.mark.parametrize("overlap,ranks", [(True, 2), (True, 3)], ids=["overlap-on", "overlap-on-3-ranks"])  # overlap off: the verifier's tests above
+def test_sampled_generation_keeps_the_targets_joint_distribution(overlap, ranks, tiny_qwen):
     """Both ranks, sampled at (TEMPERATURE, TOP_P): the first two tokens' joint distribution is the reference's,
     computed from the reference model's logits. The target drafts for itself, so drafts are often accepted and,
-    with spec.overlap, round 1 often runs from what was drafted ahead while round 0 was in flight."""
+    with spec.overlap, round 1 often runs from what was drafted ahead while round 0 was in flight. With three
+    ranks the block crosses a middle rank (model.split=[1,3]) before the last one verifies it."""
     overrides = session_args(tiny_qwen, tiny_qwen, max_new=3) + [f"spec.overlap={str(overlap).lower()}"]
+    overrides += ["model.split=[1,3]"] if ranks == 3 else []
     n = 300
-    gens = serve(overrides, [(PROMPT, Request(TEMPERATURE, TOP_P, seed)) for seed in range(n)])
+    gens = serve(overrides, [(PROMPT, Request(TEMPERATURE, TOP_P, seed)) for seed in range(n)], ranks)
     observed: dict[tuple[int, int], int] = {}
     for g in gens:
         pair = tuple(g.output.tokens[:2])

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 import train_free_infer
 from launch.build import build_drafter, build_stage, eos_ids
 from launch.config import load_config
-from netbridge.channel import local_pair
+from netbridge.channel import local_ring
 from netbridge.protocol import Request
 from speculative.drafters import NgramDrafter
 from speculative.output import Output
@@ -264,27 +264,35 @@ def session_args(target, draft, max_new=MAX_NEW):
             "draft.dtype=float32", "spec.k=4", f"gen.max_new_tokens={max_new}"]
 
 
-def serve(overrides: list[str], requests: list[tuple[list[int], Request]]) -> list[Generation]:
+def serve(overrides: list[str], requests: list[tuple[list[int], Request]], ranks: int = 2) -> list[Generation]:
     """One Session on rank 0 (built as train_free_infer.rank0 builds it) serving `requests` in a row,
-    rank 1 (train_free_infer.rank1) in a thread, over local_pair."""
+    rank 1 (train_free_infer.rank1) in a thread, over local_pair; with `ranks` > 2 the middle ranks
+    (train_free_infer.middle) in threads too, over local_ring."""
     cfg = load_config(["output.stream=false", "chat=false", "prompt_ids=[1]", *overrides])
-    channels = local_pair(30.0)
+    links = local_ring(ranks, 30.0)  # (from the rank before, to the rank after); with two ranks local_pair's
     errors = []
 
-    def rank1():
+    def rank(r: int):
+        prev, next = links[r]
         try:
-            train_free_infer.rank1(cfg, channels[1])
+            if r == ranks - 1:
+                train_free_infer.rank1(cfg, prev, reply_to=next, ranks=ranks)
+            else:
+                train_free_infer.middle(cfg, prev, next, r, ranks)
         except BaseException as e:  # noqa: BLE001 - handed to the test
             errors.append(e)
-            channels[1].close()
-    thread = threading.Thread(target=rank1, daemon=True)
-    thread.start()
+            prev.close()
+            next.close()
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(1, ranks)]
+    for thread in threads:
+        thread.start()
+    replies, channel = links[0]
     try:
-        stage = build_stage(cfg, 0)
+        stage = build_stage(cfg, 0, ranks)
         drafter = build_drafter(cfg, None, stage.config)
-        train_free_infer.handshake(cfg, channels[0], 0)
-        session = Session(stage, drafter, channels[0], cfg.spec.k, cfg.spec.adaptive, cfg.spec.overlap,
-                          cfg.model.prefill_chunk)
+        train_free_infer.handshake(cfg, replies, 0, ranks, onward=channel)
+        session = Session(stage, drafter, channel, cfg.spec.k, cfg.spec.adaptive, cfg.spec.overlap,
+                          cfg.model.prefill_chunk, replies=replies)
         gens = []
         for ids, request in requests:
             output = Output(None, eos_ids(cfg.model.target), cfg.gen.max_new_tokens, [], stream=False)
@@ -292,11 +300,12 @@ def serve(overrides: list[str], requests: list[tuple[list[int], Request]]) -> li
             session.idle()  # between requests, as a server does
         session.close()
     except BaseException:
-        channels[0].close()
+        channel.close()
         raise
     finally:
-        thread.join(60)
-    assert not thread.is_alive(), "rank 1 did not finish"
+        for thread in threads:
+            thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "a rank did not finish"
     if errors:
         raise errors[0]
     return gens

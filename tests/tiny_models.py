@@ -1,5 +1,6 @@
 """Tiny random decoders built offline, saved with save_pretrained and loaded back through the real
-loader; a runner for `torchrun --nproc_per_node=2 train_free_infer.py`; the single-process reference."""
+loader; a runner for `torchrun --nproc_per_node=2 train_free_infer.py`; the single-process reference;
+in-process runners of every rank as threads (run_pair, run_ranks for N)."""
 from __future__ import annotations
 
 import functools
@@ -82,10 +83,12 @@ def free_port() -> int:
     raise RuntimeError("no free port below the ephemeral range")
 
 
-def run_tandem(tmp: Path, *overrides: str, timeout: float = 240, expect_ok: bool = True, env: dict | None = None):
-    """Run the real entry under torchrun (`env`: extra environment); returns (output json or None, completed process)."""
+def run_tandem(tmp: Path, *overrides: str, timeout: float = 240, expect_ok: bool = True, env: dict | None = None,
+               nproc: int = 2):
+    """Run the real entry under torchrun (`nproc` ranks; `env`: extra environment); returns (output json or
+    None, completed process)."""
     out = tmp / f"out-{free_port()}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", str(REPO / "train_free_infer.py"), f"output.json={out}",
            "output.stream=false", "chat=false", *overrides]
     env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false", **(env or {}))
@@ -144,6 +147,39 @@ def run_pair(*overrides: str, timeout_s: float = 60.0, rank1: tuple[str, ...] = 
     return results[0]
 
 
+def run_ranks(ranks: int, *overrides: str, timeout_s: float = 60.0, only: dict[int, tuple[str, ...]] | None = None) -> dict:
+    """run_pair for N ranks: every rank of train_free_infer in this process, as N threads on a ring of
+    in-process channels (netbridge.channel.local_ring: 0 -> 1 -> ... -> N-1 -> 0). `only`: overrides
+    for one rank alone ({rank: (...)}). Returns rank 0's result; the root cause of a failure on any
+    rank is raised here."""
+    import train_free_infer
+    from launch.config import load_config
+    from netbridge.channel import PeerError, local_ring
+
+    cfgs = [load_config(["output.stream=false", "chat=false", *overrides, *(only or {}).get(r, ())]) for r in range(ranks)]
+    t = cfgs[0].transport
+    links = local_ring(ranks, timeout_s, emulate_delay_ms=t.emulate_delay_ms, emulate_mbps=t.emulate_mbps)
+    results, errors = {}, {}
+
+    def rank(r: int) -> None:
+        prev, next = links[r]
+        try:
+            if r == 0:
+                results[r] = train_free_infer.rank0(cfgs[r], next, replies=prev, ranks=ranks)
+            elif r == ranks - 1:
+                train_free_infer.rank1(cfgs[r], prev, reply_to=next, ranks=ranks)
+            else:
+                train_free_infer.middle(cfgs[r], prev, next, r, ranks)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            errors[r] = e
+            prev.close()  # the ranks waiting on this one fail at once instead of waiting out their timeout
+            next.close()
+    run_both(rank, timeout_s * 4, ranks)
+    if errors:
+        raise next(iter(e for e in errors.values() if not isinstance(e, PeerError)), errors.get(0) or errors[min(errors)])
+    return results[0]
+
+
 def with_eos(folder: Path, dest: Path, eos: int) -> Path:
     """A copy of a model folder whose generation_config names `eos` as its end-of-sequence token."""
     import shutil
@@ -154,22 +190,22 @@ def with_eos(folder: Path, dest: Path, eos: int) -> Path:
     return dest
 
 
-def run_entry_pair(monkeypatch, *argv: str, timeout_s: float = 30.0) -> dict[int, object]:
-    """train_free_infer.main(argv) on both ranks in this process, as two threads over local_pair: the
-    entry's own error handling (report, telling the peer, exit status) without torchrun. torchrun's
-    rank lookup and the gloo channel are replaced for the threads (the entry installs signal handlers only
-    on the main thread); everything else is the real path.
+def run_entry_pair(monkeypatch, *argv: str, timeout_s: float = 30.0, ranks: int = 2) -> dict[int, object]:
+    """train_free_infer.main(argv) on both ranks (or `ranks` of them) in this process, as threads over
+    local_pair (local_ring): the entry's own error handling (report, telling the peer, exit status)
+    without torchrun. torchrun's rank lookup and the gloo channels are replaced for the threads (the
+    entry installs signal handlers only on the main thread); everything else is the real path.
     Returns each rank's outcome: SystemExit's code, None for a clean return, or the exception raised."""
     import threading
 
     import train_free_infer
-    from netbridge.channel import local_pair
+    from netbridge.channel import local_ring
 
-    channels = local_pair(timeout_s)
+    links = local_ring(ranks, timeout_s)
     local = threading.local()
-    monkeypatch.setattr(train_free_infer, "torchrun_rank", lambda: (local.rank, 2))
-    monkeypatch.setattr(train_free_infer, "open_channel", lambda cfg, rank: channels[rank])
-    monkeypatch.setattr(train_free_infer, "close_channel", lambda channel: channel.close())
+    monkeypatch.setattr(train_free_infer, "torchrun_rank", lambda: (local.rank, ranks))
+    monkeypatch.setattr(train_free_infer, "open_links", lambda cfg, rank, ranks: links[rank])
+    monkeypatch.setattr(train_free_infer, "close_channel", lambda *links: [link.close() for link in set(links)])
     outcome: dict[int, object] = {}
 
     def rank(r: int) -> None:
@@ -181,14 +217,14 @@ def run_entry_pair(monkeypatch, *argv: str, timeout_s: float = 30.0) -> dict[int
             outcome[r] = e.code
         except BaseException as e:  # noqa: BLE001 - handed to the test
             outcome[r] = e
-    run_both(rank, timeout_s * 2)
+    run_both(rank, timeout_s * 2, ranks)
     return outcome
 
 
-def run_both(rank, timeout_s: float) -> None:
-    """rank(0) and rank(1) in two threads; both must end within timeout_s."""
+def run_both(rank, timeout_s: float, ranks: int = 2) -> None:
+    """rank(0) and rank(1) (... rank(N-1)) in threads; all must end within timeout_s."""
     import threading
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (0, 1)]
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(ranks)]
     for t in threads:
         t.start()
     for t in threads:
