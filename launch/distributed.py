@@ -58,8 +58,7 @@ def open_links(cfg: TandemConfig, rank: int, ranks: int) -> tuple[Channel, Chann
         channel = open_channel(cfg, rank)
         return channel, channel
     if cfg.transport.kind == "relay":
-        raise LaunchError(f"transport.kind=relay joins two ranks, torchrun started {ranks}: use transport.kind=gloo "
-                          "for more than two (the relay's N-member sessions are not built yet)")
+        return _open_relay_links(cfg, rank, ranks)
     t = cfg.transport
     _init_gloo(cfg, rank)
     links = [GlooChannel((rank + step) % ranks, t.timeout_s, emulate_delay_ms=t.emulate_delay_ms,
@@ -67,6 +66,26 @@ def open_links(cfg: TandemConfig, rank: int, ranks: int) -> tuple[Channel, Chann
     for link in links:
         link.peer_name = f"rank {link.peer}"
     return links[0], links[1]
+
+
+def _open_relay_links(cfg: TandemConfig, rank: int, ranks: int) -> tuple[Channel, Channel]:
+    """One two-member relay session per ring link (netbridge.relay_channel.ring_link). Dialling waits for the
+    peer, so the order breaks the cycle: rank 0 dials rank 1 first, every other rank its predecessor first."""
+    from netbridge.relay_channel import RelayChannel
+    t = cfg.transport
+    emulation = dict(emulate_delay_ms=t.emulate_delay_ms, emulate_mbps=t.emulate_mbps)
+    prev_rank, next_rank = (rank - 1) % ranks, (rank + 1) % ranks
+    order = (next_rank, prev_rank) if rank == 0 else (prev_rank, next_rank)
+    links: dict[int, Channel] = {}
+    try:
+        for peer in order:
+            links[peer] = RelayChannel.from_config(cfg, rank, peer, ranks, **emulation)
+            links[peer].peer_name = f"rank {peer}"
+    except BaseException:
+        for link in links.values():
+            link.close()
+        raise
+    return links[prev_rank], links[next_rank]
 
 
 def open_channel(cfg: TandemConfig, rank: int) -> Channel:

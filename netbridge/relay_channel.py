@@ -69,12 +69,17 @@ class RelayChannel(Channel):
     `redial(seconds)` returns a fresh paired LinkSocket (RelayChannel.connect passes one); without it
     a lost link is final. `secret` is the pairing secret that authenticates the end-to-end key exchange;
     both ends must use the same one, and the relay must not have it.
+
+    `rank` is this end's place in the two-member relay session (0 or 1: the wire, the keys); `ring`, with
+    more than two ranks, is (this rank, the peer) on the pipeline's ring, the numbers the error lines name.
     """
 
     def __init__(self, link: LinkSocket, rank: int, session: str, timeout_s: float, heartbeat_s: float | None = None, *,
-                 secret: bytes = b"", redial=None, reconnect_s: float = 0.0, **emulation):
+                 secret: bytes = b"", redial=None, reconnect_s: float = 0.0, ring: tuple[int, int] | None = None,
+                 **emulation):
         super().__init__(timeout_s, **emulation)
         self.link, self.rank, self.peer, self.session = link, rank, 1 - rank, session
+        self.ring_rank, self.ring_peer = ring or (rank, 1 - rank)
         self.relay = link.name
         self.heartbeat_s = heartbeat_s or default_heartbeat(timeout_s)
         self.dead_after_s = 3 * self.heartbeat_s
@@ -97,9 +102,11 @@ class RelayChannel(Channel):
     @classmethod
     def connect(cls, relay: str, session: str, rank: int, token: bytes, secret: bytes, timeout_s: float = 120.0,
                 heartbeat_s: float | None = None, join_timeout_s: float | None = None,
-                reconnect_s: float = DEFAULT_RECONNECT_S, **emulation) -> RelayChannel:
+                reconnect_s: float = DEFAULT_RECONNECT_S, ring: tuple[int, int] | None = None,
+                **emulation) -> RelayChannel:
         """Dial the relay with its `token`, as `rank` of `session`, and wait (up to join_timeout_s) for the other rank;
-        the end-to-end keys are agreed with the pairing `secret`, which must not be the token (the relay holds that)."""
+        the end-to-end keys are agreed with the pairing `secret`, which must not be the token (the relay holds that).
+        `ring`: (this rank, the peer) on a ring of more than two ranks, for the error lines."""
         if rank not in (0, 1):
             raise PeerError(f"relay sessions have ranks 0 and 1, not {rank}")
         if secret == token:
@@ -117,20 +124,21 @@ class RelayChannel(Channel):
                 raise PeerError(str(e)) from None
             link = LinkSocket(sock, relay, send_timeout_s=timeout_s)
             try:
-                _wait_for_peer(link, session, rank, wait_s, heartbeat_s)
+                _wait_for_peer(link, session, ring or (rank, 1 - rank), wait_s, heartbeat_s)
             except BaseException:
                 link.close()
                 raise
             return link
         link = dial_and_pair(join_timeout_s, dial_s=30.0)
         return cls(link, rank, session, timeout_s, heartbeat_s, secret=secret, redial=dial_and_pair,
-                   reconnect_s=reconnect_s, **emulation)
+                   reconnect_s=reconnect_s, ring=ring, **emulation)
 
     @classmethod
-    def from_config(cls, cfg, rank: int, **emulation) -> RelayChannel:
+    def from_config(cls, cfg, rank: int, peer: int | None = None, ranks: int = 2, **emulation) -> RelayChannel:
         """transport.relay / session / relay_token(_file) / secret(_file) / reconnect_s; under torchrun
         --rdzv_backend=tandem-relay the relay address and session default to the rendezvous endpoint and --rdzv_id;
-        the token file defaults to TANDEM_RELAY_TOKEN_FILE, the pairing secret's to TANDEM_SECRET_FILE."""
+        the token file defaults to TANDEM_RELAY_TOKEN_FILE, the pairing secret's to TANDEM_SECRET_FILE.
+        With more than two ranks, the link between ring ranks `rank` and `peer` (see ring_link)."""
         t = cfg.transport
         relay = t.relay or os.environ.get("TANDEM_RELAY")
         if not relay:
@@ -145,7 +153,11 @@ class RelayChannel(Channel):
         except auth.HandshakeError as e:
             raise PeerError(str(e)) from None
         reconnect_s = getattr(t, "reconnect_s", DEFAULT_RECONNECT_S)
-        return cls.connect(relay, session, rank, token, secret, timeout_s=t.timeout_s, reconnect_s=reconnect_s, **emulation)
+        if ranks == 2:
+            return cls.connect(relay, session, rank, token, secret, timeout_s=t.timeout_s, reconnect_s=reconnect_s, **emulation)
+        link_session, end = ring_link(session, rank, peer, ranks)
+        return cls.connect(relay, link_session, end, token, secret, timeout_s=t.timeout_s, reconnect_s=reconnect_s,
+                           ring=(rank, peer), **emulation)
 
     # ---- Channel -------------------------------------------------------------------------------
     def send_frame(self, frame: bytes) -> None:
@@ -171,7 +183,7 @@ class RelayChannel(Channel):
     # ---- sending -------------------------------------------------------------------------------
     def _sealed(self, kind: int, plaintext: bytes) -> None:
         if self._closed.is_set():
-            raise PeerError(f"the relay channel to rank {self.peer} is closed")
+            raise PeerError(f"the relay channel to rank {self.ring_peer} is closed")
         self._await_hello(time.monotonic() + self.timeout_s)
         self.tx_seq += 1
         envelope = self.sealer.seal(kind, self.tx_seq, self.rx_seq, plaintext)
@@ -189,11 +201,11 @@ class RelayChannel(Channel):
         except socket.timeout:
             raise self._lost_or_fatal(
                 f"could not hand a {len(body)}-byte frame to the relay at {self.relay} within {self.timeout_s:g} s "
-                f"(transport.timeout_s): rank {self.peer} is not reading, or the link is stalled") from None
+                f"(transport.timeout_s): rank {self.ring_peer} is not reading, or the link is stalled") from None
         except OSError as e:
             raise self._lost_or_fatal(
                 f"lost the connection to the relay at {self.relay} while sending ({e.strerror or type(e).__name__}): "
-                f"the relay stopped, the network dropped, or rank {self.peer} left (check the relay's log)") from None
+                f"the relay stopped, the network dropped, or rank {self.ring_peer} left (check the relay's log)") from None
 
     # ---- receiving -----------------------------------------------------------------------------
     def _next_data(self, deadline: float) -> bytes:
@@ -206,18 +218,18 @@ class RelayChannel(Channel):
                 if kind == HEARTBEAT:
                     continue
                 if kind == PEER_LEFT:  # its connection closed (a silent one is dropped without this): gone, unless it re-dials now
-                    raise self._lost_or_fatal(f"rank {self.peer} left session {self.session!r} at the relay {self.relay} "
+                    raise self._lost_or_fatal(f"rank {self.ring_peer} left session {self.session!r} at the relay {self.relay} "
                                               "(its process ended or its connection dropped)", PEER_CLOSED_GRACE_S)
                 raise PeerError(f"the relay at {self.relay} sent frame type {kind} mid-session; is it the same Tandem version?")
         except LinkTimeout:
-            raise PeerError(f"rank {self.peer} is connected (its heartbeats arrive through the relay {self.relay}) but sent "
+            raise PeerError(f"rank {self.ring_peer} is connected (its heartbeats arrive through the relay {self.relay}) but sent "
                             f"no message for {self.timeout_s:g} s (transport.timeout_s); is it stuck, or is the timeout "
                             "too short for its step?") from None
         except LinkGarbage as e:
             raise PeerError(str(e)) from None
         except LinkClosed as e:
             where = " in the middle of a frame" if e.mid_frame else ""
-            raise self._lost_or_fatal(f"the relay at {self.relay} closed the connection{where} ({e.reason}): rank {self.peer} "
+            raise self._lost_or_fatal(f"the relay at {self.relay} closed the connection{where} ({e.reason}): rank {self.ring_peer} "
                                       "left or was dropped, or the relay stopped (check the relay's log)") from None
 
     def _accept(self, body: bytes) -> bytes | None:
@@ -233,17 +245,17 @@ class RelayChannel(Channel):
                 raise secure.SecureError("sealed before the session key was agreed (no hello yet)")
             kind, seq, ack, plaintext = self.sealer.open(body, self.rx_seq + 1)
         except secure.WrongPairingSecret:
-            raise PeerError(f"rank {self.peer}'s hello through the relay {self.relay} is not signed with this node's pairing "
+            raise PeerError(f"rank {self.ring_peer}'s hello through the relay {self.relay} is not signed with this node's pairing "
                             "secret: transport.secret_file (or TANDEM_SECRET_FILE) must hold the same pairing secret on both "
                             "nodes (not the relay's token), or something on the path altered the hello") from None
         except secure.SecureError as e:
-            raise RefusedFrame(f"refused a frame from rank {self.peer} through the relay {self.relay}: {e.what}; someone on "
+            raise RefusedFrame(f"refused a frame from rank {self.ring_peer} through the relay {self.relay}: {e.what}; someone on "
                                "the path altered, replayed, reordered or reflected it, or the other end is not this session's "
                                "rank (check the network path and who has the pairing secret)") from None
         self.rx_seq = seq
         self._forget_acked(ack)
         if kind == secure.CLOSE:
-            raise PeerError(f"rank {self.peer} left session {self.session!r} at the relay {self.relay} (it closed its channel)")
+            raise PeerError(f"rank {self.ring_peer} left session {self.session!r} at the relay {self.relay} (it closed its channel)")
         return plaintext
 
     def _forget_acked(self, ack: int) -> None:
@@ -253,7 +265,7 @@ class RelayChannel(Channel):
     def _check_alive(self, now: float) -> None:
         if now - self.link.last_rx > self.dead_after_s:
             raise self._lost_or_fatal(
-                f"nothing from rank {self.peer} through the relay {self.relay} for {now - self.link.last_rx:.0f} s, "
+                f"nothing from rank {self.ring_peer} through the relay {self.relay} for {now - self.link.last_rx:.0f} s, "
                 f"not even heartbeats (every {self.heartbeat_s:g} s): its host, the relay or the network is down")
 
     # ---- the session: hello, resume ------------------------------------------------------------
@@ -275,7 +287,7 @@ class RelayChannel(Channel):
         """Read the peer's hello of the current link: the first thing it sends after pairing."""
         while self._hello_pending:
             if self._accept(self._next_data(deadline)) is not None:
-                raise NotResumable(f"rank {self.peer} sent a message before its hello through the relay {self.relay}; "
+                raise NotResumable(f"rank {self.ring_peer} sent a message before its hello through the relay {self.relay}; "
                                    "is it the same Tandem version?")
 
     def _on_hello(self, hello: secure.Hello) -> None:
@@ -284,7 +296,7 @@ class RelayChannel(Channel):
         # the public keys name the processes: a resumed link must join the same two
         restarted = self.peer_public not in (secure.NO_KEY, hello.public) or hello.peer_public not in (secure.NO_KEY, self.public)
         if restarted:
-            raise NotResumable(f"rank {self.peer} of session {self.session!r} at the relay {self.relay} is not the process this "
+            raise NotResumable(f"rank {self.ring_peer} of session {self.session!r} at the relay {self.relay} is not the process this "
                             "session started with (it restarted, or another job uses the same transport.session); "
                             "restart both ranks, each job with its own session id")
         if self.sealer is None:
@@ -300,7 +312,7 @@ class RelayChannel(Channel):
         self._forget_acked(peer_rx)
         oldest = self.unacked[0][0] if self.unacked else self.tx_seq + 1
         if not oldest - 1 <= peer_rx <= self.tx_seq:
-            raise NotResumable(f"cannot resume session {self.session!r}: rank {self.peer} received up to seq {peer_rx}, this rank "
+            raise NotResumable(f"cannot resume session {self.session!r}: rank {self.ring_peer} received up to seq {peer_rx}, this rank "
                             f"sent {self.tx_seq} and kept {oldest}..; the ranks disagree (restart both)")
         for _, envelope in self.unacked:
             self._send_data(envelope)
@@ -327,7 +339,7 @@ class RelayChannel(Channel):
                     raise PeerError(f"{why} and did not re-dial within {window_s:g} s")
                 raise PeerError(f"{why}; could not resume within {self.reconnect_s:g} s (transport.reconnect_s; last try: "
                                 f"{last}): is the relay at {self.relay} running and reachable from here, and is rank "
-                                f"{self.peer} still running?")
+                                f"{self.ring_peer} still running?")
             try:
                 link = self.redial(left)
             except PeerError as e:  # the relay is not back yet, or the peer has not re-dialed yet: try again
@@ -337,7 +349,7 @@ class RelayChannel(Channel):
                     self._start_link(link)
                     self._read_hello(min(deadline, time.monotonic() + self.timeout_s))
                     self.resumes += 1
-                    log.warning("rank %d: resumed session %r through the relay %s after %.1f s (%s)", self.rank, self.session,
+                    log.warning("rank %d: resumed session %r through the relay %s after %.1f s (%s)", self.ring_rank, self.session,
                                 self.relay, time.monotonic() - started, why)
                     return
                 except _LinkLost as e:  # lost again while resynchronizing; anything else is final
@@ -376,25 +388,34 @@ class RelayChannel(Channel):
         self.link.close()
 
 
-def _wait_for_peer(link: LinkSocket, session: str, rank: int, join_timeout_s: float, heartbeat_s: float) -> None:
+def ring_link(session: str, rank: int, peer: int, ranks: int) -> tuple[str, int]:
+    """(relay session id, this end's rank in it) of the ring link between neighbours `rank` and `peer`.
+    Each link of the ring is its own two-member session, so the relay needs nothing new for N ranks:
+    `<session>/ring<r>` carries rank r -> r+1, and `<session>/ring<N-1>` the replies from the last rank
+    to rank 0. The lower ring rank is end 0; each link agrees its own keys with the pairing secret."""
+    sender = rank if peer == (rank + 1) % ranks else peer
+    return f"{session}/ring{sender}", int(rank > peer)
+
+
+def _wait_for_peer(link: LinkSocket, session: str, ring: tuple[int, int], join_timeout_s: float, heartbeat_s: float) -> None:
     """Heartbeat until the relay says the other rank of `session` is there; every failure becomes a PeerError.
     A notice from the relay (a claim for this session refused, e.g. the other rank's wrong secret) is warned
     about once and named in the timeout's message; the wait goes on, since that rank may retry."""
-    relay = link.name
-    notices = NoticeBoard(lambda text: log.warning("rank %d, waiting for rank %d of session %r: %s", rank, 1 - rank, session, text))
+    relay, (rank, peer) = link.name, ring
+    notices = NoticeBoard(lambda text: log.warning("rank %d, waiting for rank %d of session %r: %s", rank, peer, session, text))
     try:
         link.wait_for(PAIRED, time.monotonic() + join_timeout_s, heartbeat_s, on_notice=notices)
     except UnexpectedFrame as e:
         raise PeerError(f"the relay at {relay} sent frame type {e.kind} before pairing; is it the same Tandem version?") from None
     except LinkTimeout:
         if notices.last:
-            raise PeerError(f"rank {1 - rank} did not join session {session!r} at the relay {relay} within "
+            raise PeerError(f"rank {peer} did not join session {session!r} at the relay {relay} within "
                             f"{join_timeout_s:g} s{notices.suffix()}") from None
-        raise PeerError(f"rank {1 - rank} did not join session {session!r} at the relay {relay} within {join_timeout_s:g} s; "
+        raise PeerError(f"rank {peer} did not join session {session!r} at the relay {relay} within {join_timeout_s:g} s; "
                         "is it running, with the same transport.session and the relay's token? (a wrong token is "
                         "refused at the relay: check the relay's log)") from None
     except LinkClosed as e:
-        raise PeerError(f"the relay at {relay} closed the connection while rank {rank} waited for rank {1 - rank} "
+        raise PeerError(f"the relay at {relay} closed the connection while rank {rank} waited for rank {peer} "
                         f"({e.reason}); the relay stopped or dropped it (check its log and --idle-timeout-s)") from None
     except LinkGarbage as e:
         raise PeerError(str(e)) from None

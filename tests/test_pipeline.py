@@ -7,6 +7,7 @@ ranks over gloo, and (-m slow) a middle rank killed mid-generation, which every 
 one line within seconds."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -99,12 +100,90 @@ def test_the_handshake_goes_around_the_ring(tiny_qwen):
     assert_one_line_error(info.value, ConfigError, "the ranks disagree on dtype (rank 1: float32, rank 2: bfloat16)")
 
 
-def test_the_relay_says_it_joins_two_ranks_only():
-    """N ranks over the relay are not built yet: a clear line at start, before anything is dialled."""
-    from launch.distributed import LaunchError, open_links
-    cfg = load_config(["prompt_ids=[1]", "transport.kind=relay", "transport.relay=127.0.0.1:1", "transport.session=s"])
-    with pytest.raises(LaunchError, match="transport.kind=relay joins two ranks, torchrun started 3: use transport.kind=gloo"):
-        open_links(cfg, 1, 3)
+def run_ranks_over_relay(monkeypatch, relay: str, *argv: str, ranks: int = 3, tamper=None) -> dict[int, object]:
+    """train_free_infer.main on every rank, as threads, over the real relay at `relay` (loopback): the real
+    open_links, one relay session per ring link. `tamper(rank, prev, next)` sees each rank's opened links.
+    Returns each rank's outcome as run_entry_pair does."""
+    import threading
+
+    import train_free_infer
+    from launch import distributed
+    from tests.test_relay import PAIRING, TOKEN
+    local, outcome = threading.local(), {}
+
+    def open_links(cfg, rank, ranks):
+        prev, next = distributed.open_links(cfg, rank, ranks)
+        if tamper:
+            tamper(rank, prev, next)
+        return prev, next
+    monkeypatch.setattr(train_free_infer, "torchrun_rank", lambda: (local.rank, ranks))
+    monkeypatch.setattr(train_free_infer, "open_links", open_links)
+
+    def rank(r: int) -> None:
+        local.rank = r
+        try:
+            train_free_infer.main(["output.stream=false", "chat=false", "transport.kind=relay", f"transport.relay={relay}",
+                                   "transport.session=ring-test", f"transport.relay_token={TOKEN.decode()}",
+                                   f"transport.secret={PAIRING.decode()}", *argv])
+            outcome[r] = None
+        except SystemExit as e:
+            outcome[r] = e.code
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            outcome[r] = e
+    from tests.tiny_models import run_both
+    run_both(rank, 60, ranks)
+    return outcome
+
+
+def test_three_ranks_through_the_relay_match_generate(tiny_qwen, tmp_path, monkeypatch):
+    """Each ring link (0 -> 1, 1 -> 2, and the replies 2 -> 0) is its own two-member session at a real relay."""
+    from tests.test_relay import relay_process
+    out = tmp_path / "out.json"
+    with relay_process(tmp_path, "--no-store") as relay:
+        outcome = run_ranks_over_relay(monkeypatch, relay.addr, *args(tiny_qwen, "[1,3]", "ngram", 3), f"output.json={out}")
+        paired = set(re.findall(r"session (\S+): ranks paired", relay.log()))
+    assert outcome == {0: None, 1: None, 2: None}, outcome
+    assert json.loads(out.read_text())["token_ids"] == reference_greedy(tiny_qwen, PROMPT, MAX_NEW)
+    assert paired == {"ring-test/ring0", "ring-test/ring1", "ring-test/ring2"}, relay.log()[-2000:]
+
+
+def test_a_middle_ranks_dead_relay_link_is_one_line_on_every_rank(tiny_qwen, tmp_path, monkeypatch, capsys):
+    """Mid-generation the middle rank's link on to rank 2 dies for good (its socket shut, it cannot re-dial,
+    like a host gone): ranks 1 and 2 give up after transport.reconnect_s naming each other, rank 0 hears it
+    from rank 2; one line each, with the ring's rank numbers (not the relay pair's 0/1)."""
+    import socket
+
+    from netbridge.channel import PeerError
+    from tests.test_relay import relay_process
+
+    def kill_later(rank, prev, next):
+        if rank != 1:
+            return
+        sent, send_frame = [0], next.send_frame
+
+        def dead(seconds):
+            raise PeerError("this rank's host is gone")
+
+        def send_then_die(frame):
+            sent[0] += 1
+            if sent[0] == 6:  # past the handshake, mid-generation
+                next.redial = dead
+                next.link.sock.shutdown(socket.SHUT_RDWR)
+            return send_frame(frame)
+        next.send_frame = send_then_die
+    t0 = time.monotonic()
+    with relay_process(tmp_path, "--no-store") as relay:
+        outcome = run_ranks_over_relay(monkeypatch, relay.addr, *args(tiny_qwen, "[1,2]", "none", 0),
+                                       "transport.reconnect_s=2", "transport.timeout_s=20", tamper=kill_later)
+    assert outcome == {0: 1, 1: 1, 2: 1}, outcome
+    assert time.monotonic() - t0 < 25
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
+    lines = dict(re.findall(r"tandem\[rank (\d)\]: ([^\r\n]*)", err))
+    assert sorted(lines) == ["0", "1", "2"], err[-3000:]
+    assert "rank 2" in lines["1"] and "reconnect_s" in lines["1"], lines
+    assert "rank 1" in lines["2"] and "ring-test/ring1" in lines["2"], lines
+    assert lines["0"].startswith("rank 2 failed: ") and "rank 1" in lines["0"], lines
 
 
 def test_a_failure_on_one_rank_is_one_line_on_every_rank(tiny_qwen, monkeypatch, capsys):
