@@ -52,13 +52,11 @@ def handshake(cfg: TandemConfig, channel, rank: int, ranks: int = 2, onward=None
     receives those of ranks 0..r-1 and sends 0..r on; the last rank sends 1..N-1 back to rank 0, which
     with N > 2 sends them down again for the middle ranks. With two ranks: rank 0's Hello, then rank 1's."""
     onward = onward or channel
-    if cfg.model.split != "auto":
-        layer_cuts(cfg, ranks)  # each rank names its own config's mistake, before waiting for the others
-    costs, source = rank_costs(cfg, rank, ranks)
     given = None
-    if cfg.model.split != "auto":
+    if cfg.model.split != "auto":  # each rank names its own config's mistake, before waiting for the others
         cuts, _ = layer_cuts(cfg, ranks)
         given = cuts[0] if ranks == 2 else cuts
+    costs, source = rank_costs(cfg, rank, ranks)
     mine = Hello(load_config(cfg.model.target).num_hidden_layers, cfg.model.dtype, cfg.model.quant, given, costs.budget,
                  costs.fixed_bytes, costs.layer_bytes, costs.layer_ms, costs.fixed_ms)
     last = ranks - 1
