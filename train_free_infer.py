@@ -20,7 +20,7 @@ import sys
 import threading
 
 from launch.build import (build_drafter, build_stage, check_vocabularies, describe_rank, eos_ids, layer_cuts,
-                          load_tokenizer, prompt_ids, rank_costs, resolve_models, settle_split)
+                          load_tokenizer, prompt_ids, rank_costs, rank_speed, resolve_models, settle_split)
 from launch.config import ConfigError, TandemConfig, config_from_argv
 from launch.distributed import (Interrupted, LaunchError, close_channel, open_links, report,
                                 skip_the_final_collections_at_exit, torchrun_rank)
@@ -50,41 +50,64 @@ def handshake(cfg: TandemConfig, channel, rank: int, ranks: int = 2, onward=None
     auto; given ones must agree), and a split that breaks a budget stops every rank here.
     The Hellos go around the ring, in on `channel` (from the rank before) and out on `onward`: rank r
     receives those of ranks 0..r-1 and sends 0..r on; the last rank sends 1..N-1 back to rank 0, which
-    with N > 2 sends them down again for the middle ranks. With two ranks: rank 0's Hello, then rank 1's."""
+    with N > 2 sends them down again for the middle ranks. With two ranks: rank 0's Hello, then rank 1's.
+    Before the Hellos, rank 0's Timing says whether the ranks time at once or in turns (timing_together)."""
     onward = onward or channel
     given = None
     if cfg.model.split != "auto":  # each rank names its own config's mistake, before waiting for the others
         cuts, _ = layer_cuts(cfg, ranks)
         given = cuts[0] if ranks == 2 else cuts
-    costs, source = rank_costs(cfg, rank, ranks)
-    mine = Hello(load_config(cfg.model.target).num_hidden_layers, cfg.model.dtype, cfg.model.quant, given, costs.budget,
-                 costs.fixed_bytes, costs.layer_bytes, costs.layer_ms, costs.fixed_ms)
-    last = ranks - 1
+    costs, source = rank_costs(cfg, rank, ranks, timed=False)
+    last, timed = ranks - 1, cfg.model.split == "auto"
+    together = timing_together(cfg, channel, onward, rank, last)
+    if timed and (together or rank == 0):
+        costs.layer_ms, costs.fixed_ms = rank_speed(cfg, rank, ranks)
     if rank == 0:
-        protocol.send(onward, mine)
-        hellos = [mine] + [protocol.recv(channel, Hello) for _ in range(last)]
-        for hello in hellos[1:] if ranks > 2 else []:  # the second lap, for the middle ranks
-            protocol.send(onward, hello)
+        protocol.send(onward, hello(cfg, costs, given))
+        hellos = [hello(cfg, costs, given)] + [protocol.recv(channel, Hello) for _ in range(last)]
+        for other in hellos[1:] if ranks > 2 else []:  # the second lap, for the middle ranks
+            protocol.send(onward, other)
     else:
         hellos = [protocol.recv(channel, Hello) for _ in range(rank)]
-        message = disagreement([*hellos, mine])
+        message = disagreement([*hellos, hello(cfg, costs, given)])
         if message:
             protocol.send(onward, protocol.Error(message))
             raise ConfigError(message)
-        hellos.append(mine)
-        for hello in hellos[1:] if rank == last else hellos:
-            protocol.send(onward, hello)
+        if timed and not together:  # in turns: the ranks before this one are done timing
+            costs.layer_ms, costs.fixed_ms = rank_speed(cfg, rank, ranks)
+        hellos.append(hello(cfg, costs, given))
+        for other in hellos[1:] if rank == last else hellos:
+            protocol.send(onward, other)
         if rank < last:  # a middle rank: the later ranks' Hellos come round from rank 0
             later = [protocol.recv(channel, Hello) for _ in range(last)]  # ranks 1..N-1
             if rank + 1 < last:
-                for hello in later:
-                    protocol.send(onward, hello)
+                for other in later:
+                    protocol.send(onward, other)
             hellos += later[rank:]
     every = [RankCosts(h.budget, h.fixed_bytes, h.layer_bytes, h.layer_ms, h.fixed_ms) for h in hellos]
     splits = [h.split for h in hellos if h.split is not None]
     settle_split(cfg, every, splits[0] if splits else "auto")
     sys.stderr.write(f"[{describe_rank(cfg, rank, every, source, ranks)}]\n")  # one write: the ranks share a terminal
     sys.stderr.flush()
+
+
+def timing_together(cfg: TandemConfig, channel, onward, rank: int, last: int) -> bool:
+    """Whether the ranks time their shares (model.split=auto) at once or in turns, as rank 0 says (the
+    handshake's first message, passed down the ring). At once with spec.overlap: in a round the ranks then
+    work at the same time, so ranks that share a host's cores time what they will meet there; in turns
+    without it, each rank after the Hellos before it, as a round runs them one after another."""
+    if rank == 0:
+        protocol.send(onward, protocol.Timing(bool(cfg.spec.overlap)))
+        return bool(cfg.spec.overlap)
+    together = protocol.recv(channel, protocol.Timing).together
+    if rank < last:
+        protocol.send(onward, protocol.Timing(together))
+    return together
+
+
+def hello(cfg: TandemConfig, costs: RankCosts, given) -> Hello:
+    return Hello(load_config(cfg.model.target).num_hidden_layers, cfg.model.dtype, cfg.model.quant, given, costs.budget,
+                 costs.fixed_bytes, costs.layer_bytes, costs.layer_ms, costs.fixed_ms)
 
 
 def disagreement(hellos: list[Hello]) -> str | None:

@@ -347,6 +347,23 @@ def overlap_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def estimate_table(rows: list[dict]) -> str:
+    """Each rank's estimate of its work per round (its start-up line under model.split=auto) beside what
+    the same launch measured (one launch per prompt, each with its own estimate): rank 0 its prepared
+    block (pool's block ms), rank 1 its layers + head + verification per round."""
+    lines = ["| run | delay | prompt | split | rank 0 est / measured ms | rank 1 est / measured ms |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        for i, run in enumerate(r["runs"]):
+            ranks = run.get("placement", {})
+            est = [ranks.get(k, {}).get("estimated_ms") for k in ("0", "1")]
+            if "rounds" not in run or None in est:
+                continue
+            measured = pool([run], r["delay_ms"])["block_ms"]
+            cells = [f"{e:.0f} / {m:.0f} ({e / m - 1:+.0%})" for e, m in zip(est, measured)]
+            lines.append(f"| {r['label']} | {r['delay_ms']:g} | {i} | {ranks['1']['first']} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def split_of(row: dict) -> str:
     ranks = row["runs"][0].get("placement", {})
     return str(ranks["1"]["first"]) if "1" in ranks else "-"
@@ -398,7 +415,8 @@ def main(argv: list[str] | None = None) -> None:
         for row in saved["rows"]:
             if "error" not in row:
                 row["pooled"] = pool(row["runs"], row["delay_ms"])
-        print(header(saved) + "\n\n" + table(saved["rows"], saved["transformers"]) + "\n\n" + overlap_table(saved["rows"]))
+        print(header(saved) + "\n\n" + table(saved["rows"], saved["transformers"]) + "\n\n" + overlap_table(saved["rows"])
+              + "\n\n" + estimate_table(saved["rows"]))
         return
     t_start = time.perf_counter()
     cfg = OmegaConf.load(args.config)
@@ -448,7 +466,7 @@ def main(argv: list[str] | None = None) -> None:
     info["runtime_s"] = time.perf_counter() - t_start
     loads = [run["load_avg_1min"] for row in rows for run in row["runs"] if "load_avg_1min" in run]
     info["load_avg_1min"] = [min(loads), max(loads)] if loads else None
-    text = header(info) + "\n\n" + table(rows, hf) + "\n\n" + overlap_table(rows)
+    text = header(info) + "\n\n" + table(rows, hf) + "\n\n" + overlap_table(rows) + "\n\n" + estimate_table(rows)
     print(text)
     (out / "table.md").write_text(text + "\n")
     (out / "results.json").write_text(json.dumps({**info, "rows": rows, "transformers": hf}, indent=1))

@@ -112,24 +112,23 @@ def rank_costs(cfg: TandemConfig, rank: int, world: int = 2, timed: bool | None 
     if timed is None:
         timed = cfg.model.split == "auto"
     if timed:
-        costs.layer_ms, costs.fixed_ms = _timed_ms(cfg, device, first, last)
+        costs.layer_ms, costs.fixed_ms = rank_speed(cfg, rank, world)
     return costs, source
 
 
-def _timed_ms(cfg: TandemConfig, device: str, first: bool, last: bool) -> tuple[float, float]:
+def rank_speed(cfg: TandemConfig, rank: int, world: int = 2) -> tuple[float, float]:
     """(one layer over a block of K+1, the rest of this rank's work per round), timed here."""
     from model_parallel.loader import DTYPES
-    from model_parallel.split import time_draft_step, time_head, time_layers
-    target, block, dtype = load_config(cfg.model.target), cfg.spec.k + 1, DTYPES[cfg.model.dtype]
-    layer_ms, call_ms = time_layers(target, block, device, dtype, quantizer(cfg, "model"))
-    other_ms = call_ms
+    from model_parallel.split import Timed, time_rank
+    device, first, last = device_for(cfg), rank == 0, rank == world - 1
+    target = Timed(load_config(cfg.model.target), cfg.spec.k + 1, device, DTYPES[cfg.model.dtype],
+                   quantizer(cfg, "model"), head=last)
+    drafter = None
     if first and _drafting(cfg):
         d = cfg.draft
-        other_ms += draft_steps(cfg) * time_draft_step(load_config(d.model), draft_device(cfg), DTYPES[d.dtype],
-                                                        quantizer(cfg, "draft"))
-    if last:
-        other_ms += time_head(target, block, device, dtype, quantizer(cfg, "model"))
-    return layer_ms, other_ms
+        drafter = Timed(load_config(d.model), 1, draft_device(cfg), DTYPES[d.dtype], quantizer(cfg, "draft"),
+                        head=True, calls=draft_steps(cfg))
+    return time_rank(target, drafter)
 
 
 def _drafting(cfg: TandemConfig) -> bool:
@@ -137,8 +136,10 @@ def _drafting(cfg: TandemConfig) -> bool:
 
 
 def draft_steps(cfg: TandemConfig) -> int:
-    """The drafter's steps per round: K, and with spec.overlap one more (its guess of the target's token)."""
-    return (cfg.spec.k + (1 if cfg.spec.overlap else 0)) if _drafting(cfg) else 0
+    """The drafter's forwards in a round of K drafts: K, and one more. With spec.overlap the one more is
+    its guess of the target's token; without, taking in the last draft of a fully accepted round (the
+    round before a round of K, when spec.adaptive grows K). Each forward is timed as a step of one token."""
+    return cfg.spec.k + 1 if _drafting(cfg) else 0
 
 
 def _same_memory(one: str, other: str) -> bool:

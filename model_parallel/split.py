@@ -6,12 +6,12 @@ other ms per round), measured on its own device. `place_layers` then picks, amon
 bytes fit every rank's budget, the one that makes the busiest rank least busy; on a tie, the most even.
 
 Per round of K drafts (overlap or not, a round takes about the busiest rank's time):
-    first rank:  the drafter's steps (K, or K+1 with spec.overlap) + its layers over a block of K+1
+    first rank:  the drafter's K+1 steps (launch.build.draft_steps) + its layers over a block of K+1
     middle rank: its layers over the block
     last rank:   its layers + the final norm and LM head over the block
-The costs are timed (`time_layers`, `time_head`, `time_draft_step`) on the modules a run calls, built from
-config.json with random weights in the run's dtype (or NF4), through Stage.forward over a KV cache
-holding a short context, with the threads this process runs with, after a warm-up.
+The costs are timed (`time_rank`) on the modules a run calls, built from config.json with random weights
+in the run's dtype (or NF4), through Stage.forward over a KV cache holding a short context, with the
+threads this process runs with: every part in turn, after a warm-up, for about WINDOW_S, medians.
 """
 from __future__ import annotations
 
@@ -120,16 +120,28 @@ def no_fit_message(num_layers: int, ranks: list[RankCosts]) -> str:
 
 # --- timing, on this rank's device --------------------------------------------------------------
 
-def _median_ms(run, repeats: int, warmup: int, device: str) -> float:
-    times = []
-    for i in range(warmup + repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        run()
-        _sync(device)
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
+STAGE_SIZES = (1, 3)  # layers in the two stages timed: one layer is their difference / 2, the rest the call's
+WINDOW_S = 1.5  # each run is repeated, in turn with the others, for about this long after its warm-up
+MIN_SAMPLES, MAX_SAMPLES, WARMUP = 5, 50, 2
+
+
+def median_ms(runs: dict, window_s: float = WINDOW_S) -> dict:
+    """Median ms of each of `runs` (callables that end synchronised with their device). They run in
+    turn, one each per cycle, so load that comes and goes in the meantime falls on all of them alike,
+    for `window_s` (at least MIN_SAMPLES cycles, at most MAX_SAMPLES) after WARMUP cycles."""
+    for _ in range(WARMUP):
+        for run in runs.values():
+            run()
+    times = {name: [] for name in runs}
+    deadline = time.perf_counter() + window_s
+    for cycle in range(MAX_SAMPLES):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append((time.perf_counter() - t0) * 1000)
+        if cycle + 1 >= MIN_SAMPLES and time.perf_counter() >= deadline:
+            break
+    return {name: statistics.median(ms) for name, ms in times.items()}
 
 
 def _sync(device: str) -> None:
@@ -139,13 +151,13 @@ def _sync(device: str) -> None:
 
 def _classes(config):
     """The model's own decoder-layer, rotary and norm classes (from a shell on the meta device) and its
-    config cut to two layers."""
+    config cut to as many layers as the largest stage timed."""
     import copy
     from transformers import AutoModelForCausalLM
     small = copy.deepcopy(config)
-    small.num_hidden_layers = 2
-    if getattr(small, "layer_types", None):
-        small.layer_types = small.layer_types[:2]
+    small.num_hidden_layers = max(STAGE_SIZES)
+    if getattr(small, "layer_types", None):  # (repeated where the model has fewer layers)
+        small.layer_types = (small.layer_types * max(STAGE_SIZES))[:max(STAGE_SIZES)]
     with torch.device("meta"):
         shell = AutoModelForCausalLM.from_config(small)
     return type(shell.model.layers[0]), type(shell.model.rotary_emb), type(shell.model.norm), small
@@ -161,16 +173,14 @@ def _random(module: torch.nn.Module, device: str, dtype: torch.dtype) -> torch.n
     return module.eval().requires_grad_(False)
 
 
-def time_layers(config, tokens: int, device: str, dtype: torch.dtype, quant=None, context: int = CONTEXT,
-                repeats: int = 5, warmup: int = 2) -> tuple[float, float]:
-    """(ms per decoder layer, ms per stage call besides its layers) for `tokens` tokens after `context`
-    cached ones, through Stage.forward as a round calls it: a stage of one and one of two layers of
-    `config` (random weights, `dtype`, NF4 with `quant`), medians, the difference being one layer.
-    The per-call part (positions, mask, rotary) is paid once per stage, not per layer."""
+def stage_runs(config, tokens: int, device: str, dtype: torch.dtype, quant=None, context: int = CONTEXT) -> dict:
+    """{layers: a forward of `tokens` tokens after `context` cached ones} for a stage of each size in
+    STAGE_SIZES, through Stage.forward as a round calls it (random weights of `config`'s shapes, `dtype`,
+    NF4 with `quant`; each layer its own weights, so none stays in a CPU cache a real stage would miss)."""
     from model_parallel.stage import Stage
     layer_cls, rotary_cls, _, small = _classes(config)
     layers = []
-    for i in range(2):
+    for i in range(max(STAGE_SIZES)):
         with torch.device("meta"):
             layer = layer_cls(small, i)
         layers.append(_random(layer, device, dtype))
@@ -178,26 +188,33 @@ def time_layers(config, tokens: int, device: str, dtype: torch.dtype, quant=None
             from model_parallel.quant import quantize_linears
             quantize_linears(layers[-1], quant)
     hidden = torch.randn(1, context + tokens, small.hidden_size, dtype=dtype, device=device) * 0.1
-    ms = []
-    for n in (1, 2):
+    runs = {}
+    for n in STAGE_SIZES:
         stage = Stage(small, layers[:n], 0, rotary_cls(config=small).to(device))
         stage.allocate_cache(context + tokens, dtype)
         stage(hidden[:, :context], live=context)
 
-        def block():
+        def block(stage=stage):
             stage.cache.rewind(context)
             stage(hidden[:, context:], live=context + tokens)
-        ms.append(_median_ms(block, repeats, warmup, device))
-    layer_ms = ms[1] - ms[0]
-    if layer_ms <= 0:  # noise larger than a layer (tiny models): count the two-layer stage as two layers
-        return ms[1] / 2, 0.0
-    return layer_ms, max(ms[0] - layer_ms, 0.0)
+            _sync(device)
+        runs[n] = block
+    return runs
 
 
-def time_head(config, tokens: int, device: str, dtype: torch.dtype, quant=None, repeats: int = 5,
-              warmup: int = 2) -> float:
-    """ms for the final norm + LM head over `tokens` positions (logits to fp32, as Stage.forward returns
-    them); a head taller than MAX_HEAD_ROWS is timed on a slice and scaled."""
+def layer_and_call_ms(ms: dict) -> tuple[float, float]:
+    """(ms per layer, ms per stage call besides its layers: positions, mask, rotary) from the medians of
+    the stages of STAGE_SIZES layers."""
+    one, many = STAGE_SIZES
+    layer_ms = (ms[many] - ms[one]) / (many - one)
+    if layer_ms <= 0:  # noise larger than a layer (tiny models): count the larger stage as its layers
+        return ms[many] / many, 0.0
+    return layer_ms, max(ms[one] - layer_ms, 0.0)
+
+
+def head_run(config, tokens: int, device: str, dtype: torch.dtype, quant=None):
+    """(the final norm + LM head over `tokens` positions, logits to fp32 as Stage.forward returns them;
+    the factor from its ms to the whole head's): a head taller than MAX_HEAD_ROWS runs on a slice."""
     _, _, norm_cls, small = _classes(config)
     rows = min(config.vocab_size, MAX_HEAD_ROWS)
     with torch.device("meta"):
@@ -212,13 +229,45 @@ def time_head(config, tokens: int, device: str, dtype: torch.dtype, quant=None, 
     @torch.inference_mode()
     def run():
         head(norm(hidden)).float().argmax(-1)
-    return _median_ms(run, repeats, warmup, device) * config.vocab_size / rows
+        _sync(device)
+    return run, config.vocab_size / rows
 
 
-def time_draft_step(config, device: str, dtype: torch.dtype, quant=None) -> float:
-    """ms for one drafter step: one token through every layer, the norm and the head."""
-    layer_ms, call_ms = time_layers(config, 1, device, dtype, quant)
-    return call_ms + config.num_hidden_layers * layer_ms + time_head(config, 1, device, dtype, quant)
+@dataclass
+class Timed:
+    """A model whose forward a rank times: `tokens` per call (a round's block, or one for a drafter step),
+    `calls` per round, and whether the call ends in the head."""
+    config: object
+    tokens: int
+    device: str
+    dtype: torch.dtype
+    quant: object = None
+    head: bool = False
+    calls: int = 1
+
+
+def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WINDOW_S) -> tuple[float, float]:
+    """(ms per target layer over its block, the rank's other ms per round): the target's stage call
+    (and head, if `target.head`), plus `drafter.calls` drafter steps (every layer, the norm and the head
+    over one token). Every part is timed here, in turn with the others, in one window (median_ms)."""
+    runs, scale = {}, {}
+    for name, model in (("target", target), ("drafter", drafter)):
+        if model is None:
+            continue
+        for n, run in stage_runs(model.config, model.tokens, model.device, model.dtype, model.quant).items():
+            runs[name, n] = run
+        if model.head:
+            runs[name, "head"], scale[name] = head_run(model.config, model.tokens, model.device, model.dtype, model.quant)
+    ms = median_ms(runs, window_s)
+    layer_ms, call_ms = layer_and_call_ms({n: ms["target", n] for n in STAGE_SIZES})
+    other_ms = call_ms + (ms["target", "head"] * scale["target"] if target.head else 0.0)
+    if drafter is not None:
+        d_layer, d_call = layer_and_call_ms({n: ms["drafter", n] for n in STAGE_SIZES})
+        step = d_call + drafter.config.num_hidden_layers * d_layer + ms["drafter", "head"] * scale["drafter"]
+        other_ms += drafter.calls * step
+    if any(str(m.device).startswith("cuda") for m in (target, drafter) if m is not None):
+        torch.cuda.empty_cache()  # the random weights go back before the real ones load
+    return layer_ms, other_ms
 
 
 def even_cuts(num_layers: int, ranks: int) -> list[int]:

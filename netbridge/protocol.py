@@ -1,6 +1,7 @@
 """Every message between the ranks, in one place.
 
     rank 0                                   rank 1
+    Timing(together)                    -->  model.split=auto times each rank's share at once or in turns
     Hello(layers, dtype, quant, split,  -->  checks it against its own; its own Hello back, or Error;
           what it may hold, its speed)       both then settle the same split from the two Hellos
     Request(temperature, top_p, seed)   -->  a new generation: reseed the verifier
@@ -30,7 +31,7 @@ import torch
 
 from netbridge.channel import Channel, PeerError
 
-VERSION = 4  # bumped when a message changes; Hello carries it
+VERSION = 5  # bumped when a message changes; Hello carries it
 
 
 @dataclass
@@ -47,6 +48,13 @@ class Hello:
     layer_ms: float = 0.0  # one layer over a round's block, timed on this rank (0: not timed)
     fixed_ms: float = 0.0  # the rest of its work per round (drafter steps; head)
     version: int = VERSION
+
+
+@dataclass
+class Timing:
+    """Opens the handshake: whether the ranks time their shares (model.split=auto) at once, as they work
+    in a round with spec.overlap, or in turns (each after the Hellos before it), as they work without."""
+    together: bool
 
 
 @dataclass
@@ -99,7 +107,7 @@ class Error:
     error: str
 
 
-MESSAGES = {cls.__name__.lower(): cls for cls in (Hello, Request, Prefill, Round, Reply, Idle, Bye, Error)}
+MESSAGES = {cls.__name__.lower(): cls for cls in (Timing, Hello, Request, Prefill, Round, Reply, Idle, Bye, Error)}
 
 
 def send(channel: Channel, msg) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from netbridge import protocol
 from netbridge.channel import PeerError, local_pair
-from netbridge.protocol import MESSAGES, Bye, Error, Hello, Idle, Prefill, Reply, Request, Round
+from netbridge.protocol import MESSAGES, Bye, Error, Hello, Idle, Prefill, Reply, Request, Round, Timing
 
 
 def same(a, b) -> bool:
@@ -39,6 +39,8 @@ def round_trip(msg, *expect):
 
 
 MESSAGES_OF_EVERY_KIND = [
+    Timing(together=True),
+    Timing(together=False),
     Hello(split=14, num_layers=28, dtype="bfloat16", quant="nf4"),
     Hello(split=1, num_layers=2, dtype="float32", quant="none", version=99),
     Request(),
