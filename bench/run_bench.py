@@ -30,8 +30,8 @@ Per Tandem row, over the decode rounds of all prompts pooled:
     split       rank 1's first layer, as the ranks settled it (model.split=auto: by memory, then speed)
     est ms 0/1  each rank's own estimate of its work per round (its start-up line, timed in the handshake)
     block ms 0/1  measured: rank 0's work per prepared round as its estimate counts it (with overlap the
-                mean ahead_ms: K+1 drafter steps + its slice; without, drafting in line + its slice), rank 1's
-                layers + head + verification per round
+                mean ahead_ms: K+1 drafter steps + its slice; without, drafting in line + its slice in the
+                rounds of the full K), rank 1's layers + head + verification per round
 Writes <out>/results.json (every run's stats and round records), <out>/table.md, and TensorBoard
 logs with a two-rank trace per run under <out>/tb. `--from <out>/results.json` prints the table again.
 """
@@ -187,10 +187,12 @@ def pool(runs: list[dict], delay_ms: float) -> dict:
     # each rank's busy fraction of the decode wall time (rank 0: drafting, its slice, drafting ahead)
     busy0 = sum(r["draft_ms"] + r["stage0_ms"] + r.get("ahead_ms", 0.0) for r in decode) / 1000 / decode_s if decode_s else 0.0
     busy1 = sum(r["stage1_ms"] for r in decode) / 1000 / decode_s if decode_s else 0.0
-    # rank 0's work per prepared round, as its estimate counts it: drafting ahead (K+1 steps + its slice)
-    # with overlap, else drafting in line (K steps + its slice)
+    # rank 0's work per prepared round, as its estimate counts it (a round of the full K): drafting ahead
+    # (its guess + K steps, its slice) with overlap, else drafting in line (taking in the last draft of a
+    # fully accepted round + K steps, its slice) in the rounds of the full K
+    full_k = max((r["drafted"] for r in decode), default=0)
     blocks = [r["ahead_ms"] for r in decode if r.get("ahead_ms")] or \
-        [r["draft_ms"] + r["stage0_ms"] for r in decode if r["drafted"] and not r.get("from_ahead")]
+        [r["draft_ms"] + r["stage0_ms"] for r in decode if full_k and r["drafted"] == full_k and not r.get("from_ahead")]
     block_ms = [sum(blocks) / len(blocks) if blocks else mean(lambda r: r["stage0_ms"]), ms["stage1"]]
     per_round = sum(r["committed"] for r in decode) / n if n else 0.0
     compute_s = (2 * delay_ms + ms["draft"] + ms["stage0"] + ms["stage1"]) / 1000

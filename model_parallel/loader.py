@@ -241,19 +241,24 @@ def checkpoint_sources(shell, available) -> tuple[dict[str, list[str]], dict[str
 
 
 def read_tensors(names: dict[str, str], index: dict[str, Path], dtype, device, bar=None):
-    """Yield (name, tensor) reading only the named tensors, file by file (dtype None: as stored).
+    """Yield (name, tensor) reading only the named tensors (dtype None: as stored), each in memory of its own.
 
-    safetensors maps a file once per open, and every tensor read through that open keeps the mapping
-    (with each page read so far) alive. Opening per call lets a part's pages go with its tensors."""
-    by_file: dict[Path, list[tuple[str, str]]] = {}
+    safetensors maps the file per open, and a tensor it reads on CPU is a view of that mapping, which
+    keeps the mapping (with each page read so far) alive. Running from the mapping is also slower: on
+    the 2-core CPU of bench/README.md a matmul over the page cache's pages took ~15-20% longer than over
+    the process's own memory. So a tensor still on the mapping after its cast (same dtype, CPU) is
+    copied, and the file is opened per tensor: the mapping and its pages go once the copy is made."""
     for name, ckpt in names.items():
-        by_file.setdefault(index[ckpt], []).append((name, ckpt))
-    for file, items in by_file.items():
+        file = index[ckpt]
         with open_checkpoint(file) as f:
-            for name, ckpt in items:
-                yield name, finite_tensor(read_tensor(f, file, ckpt), file, ckpt, dtype, device)
-                if bar is not None:
-                    bar.update()
+            stored = read_tensor(f, file, ckpt)
+            tensor = finite_tensor(stored, file, ckpt, dtype, device)
+            if tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() == stored.untyped_storage().data_ptr():
+                tensor = tensor.clone()
+            del stored
+        yield name, tensor
+        if bar is not None:
+            bar.update()
 
 
 def finite_tensor(stored: torch.Tensor, file: Path, ckpt: str, dtype, device) -> torch.Tensor:
@@ -375,22 +380,9 @@ def quantize_part(shell, part: int | str, names: dict[str, str], quant) -> None:
     from model_parallel.quant import nf4_linear, quantize_linears, return_freed_heap
     if isinstance(part, int):
         quantize_linears(shell.model.layers[part], quant)
-        own_memory(shell.model.layers[part])
     elif part == "head" and quant.lm_head and "lm_head.weight" in names:
         shell.lm_head = nf4_linear(shell.lm_head, quant)
-        own_memory(shell.model.norm)
     return_freed_heap()
-
-
-def own_memory(module: torch.nn.Module) -> None:
-    """Copy a quantized part's remaining full-precision tensors (norms, biases) out of the checkpoint.
-
-    A tensor read from safetensors keeps its open's mapping alive (see read_tensors): one small norm
-    weight would keep every page the quantizer read, the whole fp layer, resident. With copies the
-    mapping, and those pages, go when the part is done."""
-    for p in module.parameters():
-        if p.dtype.is_floating_point:  # a 4-bit weight is uint8 and already in memory of its own
-            p.data = p.data.clone()
 
 
 def stage_plan(folder: Path, config, shell, first: int, last: int, embed: bool, head: bool, quant=None):

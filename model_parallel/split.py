@@ -176,21 +176,22 @@ def _random(module: torch.nn.Module, device: str, dtype: torch.dtype) -> torch.n
 def stage_runs(config, tokens: int, device: str, dtype: torch.dtype, quant=None, context: int = CONTEXT) -> dict:
     """{layers: a forward of `tokens` tokens after `context` cached ones} for a stage of each size in
     STAGE_SIZES, through Stage.forward as a round calls it (random weights of `config`'s shapes, `dtype`,
-    NF4 with `quant`; each layer its own weights, so none stays in a CPU cache a real stage would miss)."""
+    NF4 with `quant`; every layer its own weights, as in a real stage)."""
     from model_parallel.stage import Stage
     layer_cls, rotary_cls, _, small = _classes(config)
-    layers = []
-    for i in range(max(STAGE_SIZES)):
+
+    def layer(i: int):
         with torch.device("meta"):
-            layer = layer_cls(small, i)
-        layers.append(_random(layer, device, dtype))
+            built = layer_cls(small, i)
+        built = _random(built, device, dtype)
         if quant is not None:
             from model_parallel.quant import quantize_linears
-            quantize_linears(layers[-1], quant)
+            quantize_linears(built, quant)
+        return built
     hidden = torch.randn(1, context + tokens, small.hidden_size, dtype=dtype, device=device) * 0.1
     runs = {}
-    for n in STAGE_SIZES:
-        stage = Stage(small, layers[:n], 0, rotary_cls(config=small).to(device))
+    for n in STAGE_SIZES:  # each stage its own layers: none is still in a CPU cache from the other's call
+        stage = Stage(small, [layer(i) for i in range(n)], 0, rotary_cls(config=small).to(device))
         stage.allocate_cache(context + tokens, dtype)
         stage(hidden[:, :context], live=context)
 

@@ -92,19 +92,38 @@ def test_seeded_sampling_is_reproducible(tiny_qwen):
 
 class HeldStorages(TorchDispatchMode):
     """Every storage a torch op returns off the meta device while the mode is on, by address: what a process
-    allocates (or touches) in real memory, counted once however many views it has."""
+    allocates (or touches) in real memory, counted once however many views it has. Storages that lie on a
+    safetensors file's mapping (a checkpoint tensor as read, before the loader copies it) are counted
+    apart, in `mapped`: the loader opens per tensor, so each is unmapped once copied."""
 
     def __init__(self):
         super().__init__()
         self.nbytes: dict[int, int] = {}
+        self.mapped: dict[int, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and not t.is_meta:
                 storage = t.untyped_storage()
-                self.nbytes[storage.data_ptr()] = storage.nbytes()
+                ptr = storage.data_ptr()
+                (self.mapped if ptr in self.mapped or on_checkpoint_mapping(ptr) else self.nbytes)[ptr] = storage.nbytes()
         return out
+
+    def clear(self):
+        self.nbytes.clear()
+        self.mapped.clear()
+
+
+def on_checkpoint_mapping(address: int) -> bool:
+    """Whether `address` lies in a mapping of a .safetensors file (this process's /proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low <= address < high:
+                return len(fields) > 5 and fields[5].endswith(".safetensors")
+    return False
 
 
 def share_of(folder, rank: int, split: int, num_layers: int) -> set[str]:
@@ -141,16 +160,27 @@ def test_rank_materializes_only_its_share_not_even_briefly(family, tiny_qwen, ti
     monkeypatch.setattr(launch.build, "load_stage", watched_load_stage)
     for rank in (0, 1):  # half the layers each
         read.clear()
-        held.nbytes.clear()
+        held.clear()
         stage = build_stage(cfg, rank)
         mine = sum(p.numel() * p.element_size() for p in stage.parameters())
-        allocated = sum(held.nbytes.values())
+        allocated, mapped = sum(held.nbytes.values()), sum(held.mapped.values())
         print(f"{family} rank {rank}: {mine} of {whole} parameter bytes ({mine / whole:.0%}); torch ops held "
-              f"{allocated} bytes while loading; read {len(read)} checkpoint tensors")
+              f"{allocated} bytes while loading, and read {mapped} bytes off the checkpoint's mapping in "
+              f"{len(read)} tensors")
         assert sorted(read) == sorted(share_of(folder, rank, num_layers // 2, num_layers))
         assert allocated <= mine * 1.05 + 64 * 1024, (allocated, mine)  # + the rotary tables and small scalars
+        assert mapped <= mine * 1.05, (mapped, mine)
         assert mine <= 0.6 * whole
         assert not any(p.is_meta for p in stage.parameters())
+
+
+def test_loaded_weights_are_in_memory_of_their_own(tiny_qwen):
+    """A loaded stage's weights are copies, not views of the checkpoint's mapping (which run slower on
+    CPU, and would keep the file's pages mapped): no parameter lies on a .safetensors mapping."""
+    cfg = load_tandem_config([f"model.target={tiny_qwen}", "model.dtype=float32", "prompt_ids=[1]", "model.split=null"])
+    stage = build_stage(cfg, 0)
+    on_mapping = [name for name, p in stage.named_parameters() if on_checkpoint_mapping(p.untyped_storage().data_ptr())]
+    assert not on_mapping, on_mapping
 
 
 # --- NF4 ----------------------------------------------------------------------------------------
