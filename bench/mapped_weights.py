@@ -22,6 +22,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def checkpoint_name(param: str, index: dict) -> str:
+    """A Stage parameter's name in a Qwen/Llama-style checkpoint (a tied head is the embedding matrix)."""
+    if param.startswith("layers."):
+        return "model." + param
+    if param == "head.weight":
+        return "lm_head.weight" if "lm_head.weight" in index else "model.embed_tokens.weight"
+    return {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}.get(param, param)
+
+
 def main(argv=None) -> None:
     from launch.build import build_draft_stage
     from launch.config import load_config
@@ -38,10 +47,8 @@ def main(argv=None) -> None:
     opened = {file: safe_open(file, "pt", device="cpu") for file in set(index.values())}
     mapped = {}
     for name, p in stage.named_parameters():  # the same values, as views of the mapping where dtypes agree
-        ckpt = "model.embed_tokens.weight" if name == "head.weight" else name.replace("layers.", "model.layers.", 1) \
-            if name.startswith("layers.") else name
-        ckpt = ckpt if ckpt in index else f"model.{ckpt}" if f"model.{ckpt}" in index else None
-        tensor = opened[index[ckpt]].get_tensor(ckpt) if ckpt else None
+        ckpt = checkpoint_name(name, index)
+        tensor = opened[index[ckpt]].get_tensor(ckpt) if ckpt in index else None
         mapped[name] = tensor if tensor is not None and tensor.dtype == p.dtype and tensor.shape == p.shape else p.data
     on_mapping = sum(mapped[n] is not own[n] for n in own)
     stage(torch.arange(100, 164)[None], num_logits=1, live=64)

@@ -212,3 +212,32 @@ def test_budgets_no_split_fits_stop_before_loading(tiny_qwen, no_loading):
         assert fix in message
     b = model_bytes(tiny_qwen, "float32", None, max_len=4096)
     assert f"a layer with its KV cache needs {human(b.layer())}" in message
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_ranks_time_at_once_with_overlap_and_in_turns_without(tiny_qwen, tiny_qwen_draft, overlap, monkeypatch):
+    """model.split=auto's timing runs the way a round runs (rank 0's spec.overlap, sent in Timing): with
+    overlap the ranks work at the same time, so they time at the same time (ranks sharing a host's cores
+    then see each other); without it they take turns, so rank 1 times only after rank 0 is done."""
+    import time
+
+    import train_free_infer
+    spans = {}
+    real = train_free_infer.rank_speed
+
+    def timed(cfg, rank, world=2):
+        start = time.perf_counter()
+        result = real(cfg, rank, world)
+        time.sleep(0.3)  # a span long enough that two at once cannot miss each other
+        spans[rank] = (start, time.perf_counter())
+        return result
+    monkeypatch.setattr(train_free_infer, "rank_speed", timed)
+    out = run_pair(f"model.target={tiny_qwen}", "model.dtype=float32", "model.split=auto", "draft.kind=model",
+                   f"draft.model={tiny_qwen_draft}", "draft.dtype=float32", f"spec.overlap={str(overlap).lower()}",
+                   f"prompt_ids={ids_arg(PROMPT)}", "gen.max_new_tokens=8")
+    assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, 8)
+    (start0, end0), (start1, end1) = spans[0], spans[1]
+    if overlap:
+        assert start1 < end0 and start0 < end1, spans
+    else:
+        assert start1 >= end0, spans
