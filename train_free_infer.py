@@ -19,6 +19,11 @@ import signal
 import sys
 import threading
 
+if __name__ == "__main__" and {"--help", "-h"} & set(sys.argv[1:]):  # at once: not after torch loads (~4 s here)
+    from launch.config import help_text
+    print(help_text())
+    sys.exit(0)
+
 from launch.build import (build_drafter, build_stage, check_vocabularies, describe_rank, eos_ids, layer_cuts,
                           load_tokenizer, prompt_ids, rank_costs, rank_speed, resolve_models, settle_split)
 from launch.config import ConfigError, TandemConfig, config_from_argv
