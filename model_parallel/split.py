@@ -122,7 +122,7 @@ def no_fit_message(num_layers: int, ranks: list[RankCosts]) -> str:
 
 STAGE_SIZES = (1, 3)  # layers in the two stages timed: one layer is their difference / 2, the rest the call's
 WINDOW_S = 1.5  # each run is repeated, in turn with the others, for about this long after its warm-up
-MIN_SAMPLES, MAX_SAMPLES, WARMUP = 5, 50, 2
+MIN_SAMPLES, MAX_SAMPLES, WARMUP = 5, 25, 2
 
 
 def median_ms(runs: dict, window_s: float = WINDOW_S) -> dict:

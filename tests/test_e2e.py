@@ -1,6 +1,7 @@
 """End to end with real processes: what the in-process tests (run_pair: two threads over local_pair)
-cannot show. torchrun launches: greedy parity on both architectures (gloo, two processes), one
-sampled run equal to the in-process run of the same config, one config error and one lost peer (two
+cannot show. torchrun launches: greedy parity (gloo, two processes; llama's tied head, split=1 and the
+n-gram drafter are covered in process: test_model_parallel, test_speculative), one sampled run equal
+to the in-process run of the same config, one config error and one lost peer (two
 torchruns, as on two hosts), each ending the terminal with its cause, not torchrun's link. And plain
 processes for bad starts: not under torchrun, a peer that never joins, --help."""
 import json
@@ -44,14 +45,6 @@ def test_torchrun_qwen2_model_drafter_matches_generate(tiny_qwen, tiny_qwen_draf
     assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, MAX_NEW)
     assert out["stats"]["stop_reason"] == "max_new_tokens" and out["stats"]["drafted_tokens"] > 0
     assert "tokens/round" in proc.stderr  # rank 0's summary line
-
-
-def test_torchrun_llama_ngram_drafter_matches_generate(tiny_llama, tmp_path):
-    """Tied embeddings (rank 1's head is its own copy), split after the first layer, prompt lookup."""
-    out, _ = run_tandem(tmp_path, f"model.target={tiny_llama}", "model.dtype=float32", "model.split=1",
-                        "draft.kind=ngram", "spec.k=3", f"prompt_ids={ids_arg(PROMPT)}", f"gen.max_new_tokens={MAX_NEW}")
-    assert out["token_ids"] == reference_greedy(tiny_llama, PROMPT, MAX_NEW)
-    assert out["stats"]["decode_rounds"] > 0
 
 
 def test_torchrun_sampling_equals_the_in_process_run(tiny_qwen, tiny_qwen_draft, tmp_path):
