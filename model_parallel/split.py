@@ -123,23 +123,26 @@ def no_fit_message(num_layers: int, ranks: list[RankCosts]) -> str:
 STAGE_SIZES = (1, 3)  # layers in the two stages timed: one layer is their difference / 2, the rest the call's
 WINDOW_S = 1.5  # each run is repeated, in turn with the others, for about this long after its warm-up
 MIN_SAMPLES, MAX_SAMPLES, WARMUP = 5, 25, 2
+QUICK_S = 0.05  # MIN_SAMPLES cycles this quick are enough: a GPU's times hold still (and tests' tiny models)
 
 
 def median_ms(runs: dict, window_s: float = WINDOW_S) -> dict:
     """Median ms of each of `runs` (callables that end synchronised with their device). They run in
     turn, one each per cycle, so load that comes and goes in the meantime falls on all of them alike,
-    for `window_s` (at least MIN_SAMPLES cycles, at most MAX_SAMPLES) after WARMUP cycles."""
+    for `window_s` (at least MIN_SAMPLES cycles, at most MAX_SAMPLES; MIN_SAMPLES when those took under
+    QUICK_S) after WARMUP cycles."""
     for _ in range(WARMUP):
         for run in runs.values():
             run()
     times = {name: [] for name in runs}
-    deadline = time.perf_counter() + window_s
+    start = time.perf_counter()
     for cycle in range(MAX_SAMPLES):
         for name, run in runs.items():
             t0 = time.perf_counter()
             run()
             times[name].append((time.perf_counter() - t0) * 1000)
-        if cycle + 1 >= MIN_SAMPLES and time.perf_counter() >= deadline:
+        elapsed = time.perf_counter() - start
+        if cycle + 1 >= MIN_SAMPLES and (elapsed >= window_s or elapsed < QUICK_S):
             break
     return {name: statistics.median(ms) for name, ms in times.items()}
 
