@@ -68,8 +68,9 @@ def handshake(cfg: TandemConfig, channel, rank: int, ranks: int = 2, onward=None
     if timed and (together or rank == 0):
         costs.layer_ms, costs.fixed_ms = rank_speed(cfg, rank, ranks)
     if rank == 0:
-        protocol.send(onward, hello(cfg, costs, given))
-        hellos = [hello(cfg, costs, given)] + [protocol.recv(channel, Hello) for _ in range(last)]
+        mine = hello(cfg, costs, given)
+        protocol.send(onward, mine)
+        hellos = [mine] + [protocol.recv(channel, Hello) for _ in range(last)]
         for other in hellos[1:] if ranks > 2 else []:  # the second lap, for the middle ranks
             protocol.send(onward, other)
     else:

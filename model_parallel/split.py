@@ -9,7 +9,7 @@ Per round of K drafts (overlap or not, a round takes about the busiest rank's ti
     first rank:  the drafter's K+1 steps (launch.build.draft_steps) + its layers over a block of K+1
     middle rank: its layers over the block
     last rank:   its layers + the final norm and LM head over the block
-The costs are timed (`time_rank`) on the modules a run calls, built from config.json with random weights
+The costs are timed (`time_rank`) on the modules a run calls, built from config.json with placeholder weights
 in the run's dtype (or NF4), through Stage.forward over a KV cache holding a short context, with the
 threads this process runs with: every part in turn, after a warm-up, for about WINDOW_S, medians.
 """
@@ -166,7 +166,7 @@ def _classes(config):
     return type(shell.model.layers[0]), type(shell.model.rotary_emb), type(shell.model.norm), small
 
 
-def _random(module: torch.nn.Module, device: str, dtype: torch.dtype) -> torch.nn.Module:
+def _placeholder(module: torch.nn.Module, device: str, dtype: torch.dtype) -> torch.nn.Module:
     """`module` (built on meta) on `device` in `dtype` with small weights: the values do not change a
     forward's time, only its shapes and dtype do, and a constant is the cheapest to write (a 7B layer's
     normal_ takes ~1 s on a CPU core)."""
@@ -179,7 +179,7 @@ def _random(module: torch.nn.Module, device: str, dtype: torch.dtype) -> torch.n
 
 def stage_runs(config, tokens: int, device: str, dtype: torch.dtype, quant=None, context: int = CONTEXT) -> dict:
     """{layers: a forward of `tokens` tokens after `context` cached ones} for a stage of each size in
-    STAGE_SIZES, through Stage.forward as a round calls it (random weights of `config`'s shapes, `dtype`,
+    STAGE_SIZES, through Stage.forward as a round calls it (placeholder weights of `config`'s shapes, `dtype`,
     NF4 with `quant`; every layer its own weights, as in a real stage)."""
     from model_parallel.stage import Stage
     layer_cls, rotary_cls, _, small = _classes(config)
@@ -187,7 +187,7 @@ def stage_runs(config, tokens: int, device: str, dtype: torch.dtype, quant=None,
     def layer(i: int):
         with torch.device("meta"):
             built = layer_cls(small, i)
-        built = _random(built, device, dtype)
+        built = _placeholder(built, device, dtype)
         if quant is not None:
             from model_parallel.quant import quantize_linears
             quantize_linears(built, quant)
@@ -224,7 +224,7 @@ def head_run(config, tokens: int, device: str, dtype: torch.dtype, quant=None):
     with torch.device("meta"):
         norm = norm_cls(config.hidden_size, eps=getattr(config, "rms_norm_eps", 1e-6))
         head = torch.nn.Linear(config.hidden_size, rows, bias=False)
-    norm, head = _random(norm, device, dtype), _random(head, device, dtype)
+    norm, head = _placeholder(norm, device, dtype), _placeholder(head, device, dtype)
     if quant is not None and quant.lm_head:
         from model_parallel.quant import nf4_linear
         head = nf4_linear(head, quant)
@@ -270,7 +270,7 @@ def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WIN
         step = d_call + drafter.config.num_hidden_layers * d_layer + ms["drafter", "head"] * scale["drafter"]
         other_ms += drafter.calls * step
     if any(str(m.device).startswith("cuda") for m in (target, drafter) if m is not None):
-        torch.cuda.empty_cache()  # the random weights go back before the real ones load
+        torch.cuda.empty_cache()  # the placeholder weights go back before the real ones load
     return layer_ms, other_ms
 
 
