@@ -64,9 +64,10 @@ def last_lines(text: str, n: int = 3) -> str:
 
 
 def test_torchrun_config_errors_end_the_terminal_with_their_cause(tiny_qwen, tmp_path):
-    """A command-line mistake is printed once per host (every rank read the same command line), tagged;
-    a mistake found per rank (the split against the model's layers) once by each rank. Either way the
-    last lines on the terminal, after torchrun's own report, carry it (through the workers' error files)."""
+    """A command-line mistake is printed once per host (every rank read the same command line), tagged,
+    and the last lines on the terminal, after torchrun's own report, carry it (through the workers' error
+    files, which `report` writes for every failure; a mistake found per rank, one line from each rank:
+    test_launch's test_entry_reports_a_config_error_on_both_ranks, in process)."""
     _, proc = run_tandem(tmp_path, f"model.target={tiny_qwen}", "model.splt=2", "prompt_ids=[1,2]", expect_ok=False,
                          timeout=120)
     assert proc.stdout.strip() == ""  # so stderr's end is the terminal's end
@@ -74,13 +75,6 @@ def test_torchrun_config_errors_end_the_terminal_with_their_cause(tiny_qwen, tmp
     lines = assert_one_line_error(proc, "unknown config key 'model.splt'", "valid keys in model: target, split")
     assert lines == [lines[0]] and lines[0].startswith("tandem[rank 0]: "), lines
     assert "unknown config key 'model.splt'" in last_lines(proc.stderr), proc.stderr[-3000:]
-
-    _, proc = run_tandem(tmp_path, f"model.target={tiny_qwen}", "model.split=4", "prompt_ids=[1,2]", expect_ok=False,
-                         timeout=120)
-    assert_one_line_error(proc, "model.split=4 is out of range", "1..3")
-    for rank in (0, 1):  # both ranks share torchrun's stderr: their lines may interleave, so no line split here
-        assert f"tandem[rank {rank}]: model.split=4 is out of range" in proc.stderr, proc.stderr[-3000:]
-    assert "model.split=4 is out of range" in last_lines(proc.stderr), proc.stderr[-3000:]
 
 
 def test_torchrun_peer_lost_mid_generation_ends_the_terminal_with_the_cause(tiny_qwen, tmp_path):
@@ -176,7 +170,7 @@ def test_not_under_torchrun():
 
 def test_peer_never_joins():
     t0 = time.monotonic()
-    proc = run_plain("prompt_ids=[1]", "transport.timeout_s=3", timeout=60,
+    proc = run_plain("prompt_ids=[1]", "transport.timeout_s=1", timeout=60,
                      env=dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
     assert time.monotonic() - t0 < 45
     assert_one_line_error(proc, "could not form the gloo group", "127.0.0.1")

@@ -81,7 +81,7 @@ def test_wrong_secret_and_missing_node_fail_fast_and_say_why(setup):
     relay, script, secret_file, tmp = setup
     wrong = tmp / "wrong-secret"
     wrong.write_bytes(b"not the relay's secret")
-    good = torchrun(relay.addr, "job-b", tmp / "good.json", script, secret_file, "join_timeout=9")
+    good = torchrun(relay.addr, "job-b", tmp / "good.json", script, secret_file, "join_timeout=6")
     good_lines = timestamped_lines(good.stderr)
     bad = torchrun(relay.addr, "job-b", tmp / "bad.json", script, wrong)
     _, bad_err = bad.communicate(timeout=60)
@@ -96,7 +96,7 @@ def test_wrong_secret_and_missing_node_fail_fast_and_say_why(setup):
                                       relay_time(relay, "run job-b: node any from"))
     assert told_after < 3.0, (told_after, relay.log()[-2000:])
     assert good.returncode != 0, good_err[-2000:]
-    assert re.search(r"not all 2 nodes of run 'job-b' joined at the relay \S+ within 9 s \(--rdzv_conf join_timeout\); "
+    assert re.search(r"not all 2 nodes of run 'job-b' joined at the relay \S+ within 6 s \(--rdzv_conf join_timeout\); "
                      + re.escape(refusal) + r".*check TANDEM_RELAY_TOKEN_FILE", good_err), good_err[-3000:]
 
 
