@@ -245,8 +245,8 @@ def read_tensors(names: dict[str, str], index: dict[str, Path], dtype, device, b
 
     safetensors maps the file per open, and a tensor it reads on CPU is a view of that mapping, which
     keeps the mapping (with each page read so far) alive. Running from the mapping is also slower: on
-    the 2-core CPU of bench/README.md a matmul over the page cache's pages took ~15-20% longer than over
-    the process's own memory. So a tensor still on the mapping after its cast (same dtype, CPU) is
+    the 2-core CPU of bench/README.md a drafter step over the mapped pages took 1.21x the same step over
+    the process's own memory (bench/mapped_weights.py). So a tensor still on the mapping after its cast (same dtype, CPU) is
     copied, and the file is opened per tensor: the mapping and its pages go once the copy is made."""
     for name, ckpt in names.items():
         file = index[ckpt]
