@@ -87,16 +87,13 @@ def quantized_shape(module: nn.Module) -> tuple[int, ...] | None:
 
 def weight_bytes(module: nn.Module) -> int:
     """Bytes of a module's parameters and buffers, counting a 4-bit weight's packed data and its
-    quantization state (absmax, code tables), shared tensors once. A tensor is known by its address and
-    size: a CI run once saw a 32-byte absmax report the packed weight's address, and by address alone it
-    went uncounted."""
+    quantization state (absmax, code tables), shared tensors once."""
     seen, total = set(), 0
     def count(t: torch.Tensor | None) -> None:
         nonlocal total
-        key = None if t is None else (t.data_ptr(), t.numel() * t.element_size())
-        if key is not None and key not in seen:
-            seen.add(key)
-            total += key[1]
+        if t is not None and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
     for t in list(module.parameters()) + list(module.buffers()):
         count(t)
         state = getattr(t, "quant_state", None)
