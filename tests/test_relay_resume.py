@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import collections
 import signal
 import socket
 import struct
@@ -18,6 +19,7 @@ import pytest
 import torch
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
@@ -260,6 +262,35 @@ def test_a_frame_reflected_to_its_sender_is_refused():
     assert "\n" not in text and "refused a frame from rank 1 through the relay stand-in: tampered with" in text, text
 
 
+def rewrite_header_of(target: int, field: str):
+    """Rewrite one field of the clear 17-byte header (type, seq, ack) of rank 0's DATA frame number `target`, leaving
+    the ciphertext and tag as they were: the header is the AEAD's associated data, so the tag must no longer match."""
+    def mutate(direction, index, body):
+        if direction == 0 and index == target:
+            kind, seq, ack = secure.SEALED_HEADER.unpack_from(body)
+            header = {"type": (secure.CLOSE, seq, ack), "ack": (kind, seq, ack + 7)}[field]
+            return [secure.SEALED_HEADER.pack(*header) + body[secure.SEALED_HEADER.size:]]
+        return [body]
+    return mutate
+
+
+@pytest.mark.parametrize("field", ["ack", "type"])
+def test_a_rewritten_header_field_is_refused(field):
+    """docs/relay.md: the seq / ack / type header is authenticated. A relay that raises the ack (so the peer forgets
+    frames it may have to resend) or turns a message into a CLOSE must be refused as tampering, not obeyed."""
+    s = StandIn(rewrite_header_of(2, field))
+    try:
+        s.c0.send("ping", {"i": 0}, x=torch.arange(16))
+        assert s.c1.recv("ping").meta["i"] == 0
+        s.c0.send("ping", {"i": 1}, x=torch.arange(16))
+        with pytest.raises(PeerError) as caught:
+            s.c1.recv("ping")
+    finally:
+        s.close()
+    text = str(caught.value)
+    assert "\n" not in text and "refused a frame from rank 0 through the relay stand-in: tampered with" in text, text
+
+
 def test_the_relay_cannot_read_the_plaintext():
     s = StandIn()
     marker = torch.tensor([0x5EC12E7] * 64, dtype=torch.int32)  # 256 known bytes
@@ -352,6 +383,73 @@ def test_a_relay_with_its_token_and_a_recording_cannot_decrypt():
     for held in ([TOKEN], [TOKEN, PAIRING]):
         for key in keys_a_relay_can_derive(held, "e2e", hellos):
             assert not any(opens(key, e) for e in sealed), f"a key derived from {len(held)} secret(s) opened a frame"
+
+
+def hellos_of(s: StandIn) -> dict[int, bytes]:
+    """{rank: the ephemeral public key in its hello}, as the relay saw them."""
+    with s.lock:
+        envelopes = recorded_envelopes(bytes(s.seen))
+    fields = [hello_fields(e) for e in envelopes if secure.envelope_type(e) == secure.HELLO]
+    return {h.rank: h.public for h in fields}
+
+
+def test_every_pairing_has_fresh_ephemeral_keys():
+    """Forward secrecy needs key pairs that nothing can make again: two pairings with the same pairing secret and session
+    id (what an attacker holding the secret later can replay) must show four different public keys. A private key
+    derived from the pairing secret (or the session, or the rank) would give the same public key twice."""
+    publics = []
+    for _ in range(2):
+        s = StandIn()
+        try:
+            s.c0.send("ping", x=torch.arange(4))
+            s.c1.recv("ping")
+        finally:
+            s.close()
+        seen = hellos_of(s)
+        assert sorted(seen) == [0, 1]
+        publics += seen.values()
+    assert len(set(publics)) == 4, "an ephemeral public key was the same in two pairings with the same secret"
+
+
+def private_keys_reachable_from(root) -> list:
+    """Every X25519 private key reachable from `root` through attributes, containers and bound methods."""
+    found, seen, todo = [], set(), [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (str, bytes, bytearray, int, float, type(None))):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, X25519PrivateKey):
+            found.append(obj)
+            continue
+        if isinstance(obj, dict):
+            todo += list(obj.keys()) + list(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+            todo += list(obj)
+        if hasattr(obj, "__self__"):  # a bound method (a thread's target, a callback)
+            todo.append(obj.__self__)
+        if hasattr(obj, "__dict__") and not isinstance(obj, type):
+            todo += list(vars(obj).values())
+        for slot in getattr(type(obj), "__slots__", ()):
+            todo.append(getattr(obj, slot, None))
+    return found
+
+
+def test_no_private_key_is_kept_after_the_handshake():
+    """The ephemeral private key is dropped once the traffic keys are derived: a process whose memory is read later
+    (a core dump, a swap file) must not hold what re-derives the keys from recorded hellos."""
+    s = StandIn()
+    try:
+        assert private_keys_reachable_from(s.c0), "the walk does not reach the channel's key before the handshake"
+        s.c0.send("ping", x=torch.arange(4))
+        s.c1.recv("ping")
+        s.c1.send("pong", x=torch.arange(4))
+        s.c0.recv("pong")
+        for channel in (s.c0, s.c1):
+            assert channel.sealer is not None
+            assert not private_keys_reachable_from(channel), f"rank {channel.rank} still holds its private key"
+    finally:
+        s.close()
 
 
 def hello_fields(body: bytes) -> secure.Hello:
