@@ -29,7 +29,10 @@ BODY = {"prompt": [5, 6, 7], "max_tokens": 3}
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": f"Bearer {KEY}x"}, {"Authorization": KEY},
                                      {"Authorization": f"Basic {KEY}"}, {"Authorization": "Bearer "},
-                                     {"Authorization": f"bearer {KEY[:-1]}"}])
+                                     {"Authorization": f"bearer {KEY[:-1]}"},
+                                     # a check that compares prefixes (or stops at the shorter string) takes these:
+                                     {"Authorization": f"Bearer {KEY[:-1]}"}, {"Authorization": f"Bearer {KEY[:1]}"},
+                                     {"Authorization": f"Bearer {KEY}{KEY}"}, {"Authorization": f"Bearer {KEY.upper()}"}])
 def test_without_the_key_every_route_but_health_is_refused(server, headers):
     for method, path, body in (("POST", "/v1/completions", BODY), ("POST", "/v1/chat/completions", BODY),
                                ("GET", "/v1/models", None), ("POST", "/v1/completions", b"{not json")):
