@@ -4,6 +4,7 @@ Every stage is built here: the target's slices (one per rank) and the drafter's 
 `_load_stage`, with one rule for devices, dtypes and caches; the capacity rule is `check_capacity`."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -65,6 +66,9 @@ def resolve_models(cfg: TandemConfig, rank: int) -> list[str]:
     id its config, tokenizer and index are fetched now, its weights only when the stage is built, and only
     the stage's (model_parallel.hub). Returns the lines that say which was used."""
     from model_parallel.hub import resolve
+    here(cfg.model.target, "model.target", rank)
+    if rank == 0 and _drafting(cfg):
+        here(cfg.draft.model, "draft.model", rank)
     given = cfg.model.target
     cfg.model.target, line = resolve(given, "model.target", cfg.model.hub_cache, rank)
     if cfg.model.target != given and cfg.serve.model_name is None:
@@ -74,6 +78,22 @@ def resolve_models(cfg: TandemConfig, rank: int) -> list[str]:
         cfg.draft.model, line = resolve(cfg.draft.model, "draft.model", cfg.model.hub_cache, rank)
         lines.append(line)
     return lines
+
+
+def here(model: str, setting: str, rank: int) -> None:
+    """A local model folder this rank's role needs must be on this host: one line naming the role and the fix
+    (on several hosts, the fix may also be this host's node rank: each host fetches what its rank runs)."""
+    from model_parallel.hub import is_hub_id
+    from model_parallel.loader import fetch_hint
+    folder = Path(model)
+    if is_hub_id(model) or (folder / "config.json").is_file():
+        return
+    role = "rank 0 runs the drafter" if setting == "draft.model" else f"rank {rank} runs layers of the target"
+    hosts = os.environ.get("LOCAL_WORLD_SIZE", "1") != os.environ.get("WORLD_SIZE", "1")
+    other = (f"; or, if this host should run another rank, start it with that node rank (--rdzv_conf node_rank=R"
+             f"{', now ' + os.environ['TANDEM_NODE_RANK'] if 'TANDEM_NODE_RANK' in os.environ else ''})") if hosts else ""
+    raise ModelLoadError(f"{role} ({setting}) and its model folder {folder} has no config.json on this host "
+                         f"({'missing folder' if not folder.exists() else 'not a HF model folder'}); {fetch_hint(folder)}{other}")
 
 
 def resolve_split(cfg: TandemConfig, ranks: int = 2) -> str | None:
@@ -194,7 +214,9 @@ def describe_rank(cfg: TandemConfig, rank: int, costs: list, source: str, world:
     extras = (["embeddings"] + (["the drafter"] if _drafting(cfg) else []) if rank == 0 else []) + \
         (["norm + head"] if rank == world - 1 else [])
     held = f" + {' + '.join(extras)}" if extras else ""
-    line = (f"rank {rank}: layers {first}-{first + n - 1} ({n} of {num_layers}){held}; "
+    asked = os.environ.get("TANDEM_NODE_RANK")  # set by Tandem's rendezvous backends when a node rank was given
+    node = f" (this host: --rdzv_conf node_rank={asked}, as asked)" if asked is not None else ""
+    line = (f"rank {rank}{node}: layers {first}-{first + n - 1} ({n} of {num_layers}){held}; "
             f"{human(mine.bytes_for(n))} of {human(mine.budget)} ({source}); ")
     if mine.layer_ms <= 0:
         return line + "ms per round not timed (model.split was given)"

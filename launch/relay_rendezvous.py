@@ -157,6 +157,8 @@ class RelayRendezvousHandler(RendezvousHandler):
             raise RendezvousConnectionError(f"could not reach the rendezvous store of run {self.run_id!r} through the relay "
                                             f"{self.endpoint} ({str(e).splitlines()[0][:160]})") from None
         log.info("tandem-relay rendezvous: run %s node rank %d of %d via %s", self.run_id, rank, world, self.endpoint)
+        if self.node_rank is not None:
+            os.environ["TANDEM_NODE_RANK"] = str(self.node_rank)  # the workers inherit it: their start-up line names it
         return RendezvousInfo(store, rank, world, RendezvousStoreInfo("127.0.0.1", self._proxy.port))
 
     def _join(self) -> tuple[int, int, str]:
