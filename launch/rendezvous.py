@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import uuid
 from datetime import timedelta
 
 from torch.distributed import PrefixStore, TCPStore
@@ -70,6 +71,7 @@ class NodeRankRendezvous(RendezvousHandler):
         if self.join_timeout_s <= 0:
             raise RendezvousError(f"--rdzv_conf join_timeout={self.join_timeout_s:g} must be a positive number of seconds")
         self.me = f"{socket.gethostname()} (pid {os.getpid()})"
+        self.claim = f"{self.me}#{uuid.uuid4().hex}"  # unique even for two handlers in one process
         self._store: TCPStore | None = None
         self._closed = False
 
@@ -146,8 +148,9 @@ class NodeRankRendezvous(RendezvousHandler):
             time.sleep(POLL_S)
 
     def _claim(self, store: TCPStore) -> None:
-        holder = store.compare_set(_node_key(self.node_rank), "", self.me).decode()
-        if holder != self.me:
+        holder = store.compare_set(_node_key(self.node_rank), "", self.claim).decode()
+        if holder != self.claim:
+            holder = holder.partition("#")[0]
             message = (f"two hosts claim --rdzv_conf node_rank={self.node_rank}: {holder} and {self.me}; give each host "
                        f"its own node rank 0..{self.world - 1} and start again")
             if self._decide(store, message) != message:  # the others had all met already: they go on without this host
