@@ -8,11 +8,11 @@ import json
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, Gemma3TextConfig, GenerationConfig, Phi3Config, Qwen3Config,
-                          Qwen3MoeConfig, SmolLM3Config)
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, GenerationConfig, MistralConfig, Phi3Config,
+                          Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
 from model_parallel.loader import ModelLoadError, load_config
-from tests.tiny_models import ids_arg, reference_greedy, run_pair
+from tests.tiny_models import ids_arg, randomize_norms, reference_greedy, run_pair
 
 PROMPT = [11, 42, 7, 250, 3, 99, 180, 5, 42, 7]
 MAX_NEW = 14
@@ -23,7 +23,8 @@ COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_l
 FAMILIES = {
     "qwen3": lambda: Qwen3Config(head_dim=16, tie_word_embeddings=False, **COMMON),
     # transformers 5 fuses the experts' checkpoint tensors on load: the loader must apply its conversion
-    "qwen3_moe": lambda: Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    # 12 experts: ten or more, so experts ordered as strings ("10" < "2") land in the wrong place
+    "qwen3_moe": lambda: Qwen3MoeConfig(head_dim=16, num_experts=12, num_experts_per_tok=2, moe_intermediate_size=32,
                                         norm_topk_prob=True, tie_word_embeddings=False, **COMMON),
     # sliding and global layers with two rotary bases; a window shorter than prompt + output, so it bites.
     # (Untied and a smaller init: with Gemma's sqrt(hidden)-scaled embeddings tied to the head, each token's
@@ -33,6 +34,8 @@ FAMILIES = {
                                             layer_types=["sliding_attention", "full_attention"] * 2,
                                             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                                              "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
+    # one window for every layer (the cache's own mask), shorter than prompt + output so it bites
+    "mistral": lambda: MistralConfig(head_dim=16, sliding_window=6, tie_word_embeddings=False, **COMMON),
     "phi3": lambda: Phi3Config(tie_word_embeddings=False, **COMMON),
     # layer 2 runs without rotary embeddings (SmolLM3's NoPE layers)
     "smollm3": lambda: SmolLM3Config(no_rope_layers=[1, 1, 0, 1], tie_word_embeddings=True, **COMMON),
@@ -44,6 +47,7 @@ def family_model(request, tmp_path_factory):
     torch.manual_seed(3)
     config = FAMILIES[request.param]()
     model = AutoModelForCausalLM.from_config(config).eval()
+    randomize_norms(model)
     with torch.no_grad():  # decisive greedy choices (fewer near-ties): parity tests the code, not rounding
         model.get_output_embeddings().weight.mul_(4.0 if not config.tie_word_embeddings else 2.0)
     model.generation_config = GenerationConfig(eos_token_id=None, do_sample=False)

@@ -23,7 +23,7 @@ from launch.config import load_config
 from netbridge.protocol import Request
 from speculative.verify import target_probs, verify_sampled
 from tests.test_speculative import PROMPT, serve, session_args
-from tests.tiny_models import load_reference
+from tests.tiny_models import load_reference, save_tiny
 
 TEMPERATURE, TOP_P = 0.7, 0.8
 STATES = 6  # vocabulary of the Markov-chain target
@@ -174,6 +174,13 @@ def test_chi_square_rejects_the_drafters_distribution():
 
 
 # ---- the model drafter: its sampled tokens follow the q it reports --------------------------------
+@pytest.fixture(scope="module")
+def sampling_qwen(tmp_path_factory):
+    """A tiny qwen2 with the head as initialized (not sharpened for greedy parity): its next-token distributions are
+    spread enough that several tokens at every position, and their continuations, are drawn often."""
+    return save_tiny(tmp_path_factory.mktemp("sampling-qwen") / "model", "qwen2", seed=1, head_scale=0.75)
+
+
 DRAFT_RUNS, DRAFT_K = 200, 8
 
 
@@ -190,12 +197,12 @@ def pit(tokens, q_ids, q_probs, rng, sharpen: float = 1.0) -> list[float]:
     return out
 
 
-def test_model_drafter_samples_follow_the_q_it_reports(tiny_qwen):
+def test_model_drafter_samples_follow_the_q_it_reports(sampling_qwen):
     """Rejection sampling is exact only if the drafts really are drawn from the q sent with them. The target drafts
-    for itself here (its logits are the sharper of the tiny models), at TEMPERATURE; each run drafts DRAFT_K tokens
-    after the prompt with fresh noise, so the draws pool over many contexts."""
-    cfg = load_config(["prompt_ids=[1]", f"model.target={tiny_qwen}", "model.dtype=float32", "draft.kind=model",
-                       f"draft.model={tiny_qwen}", "draft.dtype=float32", f"spec.k={DRAFT_K}"])
+    for itself here, at TEMPERATURE; each run drafts DRAFT_K tokens after the prompt with fresh noise, so the draws
+    pool over many contexts."""
+    cfg = load_config(["prompt_ids=[1]", f"model.target={sampling_qwen}", "model.dtype=float32", "draft.kind=model",
+                       f"draft.model={sampling_qwen}", "draft.dtype=float32", f"spec.k={DRAFT_K}"])
     drafter = model_drafter(cfg)
     drafter.reset(0, TEMPERATURE, seed=0)
     rng = np.random.default_rng(0)
@@ -220,13 +227,38 @@ def test_model_drafter_samples_follow_the_q_it_reports(tiny_qwen):
 
 
 # ---- the whole loop ------------------------------------------------------------------------------
+def reference_next(model, contexts: list[tuple[int, ...]]) -> dict[tuple[int, ...], np.ndarray]:
+    """{context: the reference distribution of the token after PROMPT + context}, contexts of one length in one batch."""
+    contexts = sorted(set(contexts))
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + list(c) for c in contexts])).logits[:, -1].numpy()
+    return dict(zip(contexts, reference_probs(logits, TEMPERATURE, TOP_P)))
+
+
+def next_token_pvalue(model, samples: list[tuple[list[int], int]]) -> float:
+    """Chi-square of each sample's token against the reference distribution after its context, pooled over the
+    contexts (each context's reference computed once)."""
+    rows = reference_next(model, [tuple(c) for c, _ in samples])
+    cells = {(c, int(t)) for c in rows for t in np.flatnonzero(rows[c])}
+    if any((tuple(c), t) not in cells for c, t in samples):
+        return 0.0  # a token the target's distribution cannot produce there
+    cells = sorted(cells)
+    observed, expected = dict.fromkeys(cells, 0), dict.fromkeys(cells, 0.0)
+    for c, t in samples:
+        observed[(tuple(c), t)] += 1
+        for token in np.flatnonzero(rows[tuple(c)]):
+            expected[(tuple(c), int(token))] += rows[tuple(c)][token] / len(samples)
+    return chi2_pvalue(np.array([observed[c] for c in cells]), np.array([expected[c] for c in cells]))
+
+
 @pytest.mark.parametrize("overlap,ranks", [(True, 2), (True, 3)], ids=["overlap-on", "overlap-on-3-ranks"])  # overlap off: the verifier's tests above
-def test_sampled_generation_keeps_the_targets_joint_distribution(overlap, ranks, tiny_qwen):
+def test_sampled_generation_keeps_the_targets_joint_distribution(overlap, ranks, sampling_qwen):
     """Both ranks, sampled at (TEMPERATURE, TOP_P): the first two tokens' joint distribution is the reference's,
-    computed from the reference model's logits. The target drafts for itself, so drafts are often accepted and,
+    computed from the reference model's logits, and the third token, when it is the bonus after an accepted draft,
+    follows the reference given the first two. The target drafts for itself, so drafts are often accepted and,
     with spec.overlap, round 1 often runs from what was drafted ahead while round 0 was in flight. With three
     ranks the block crosses a middle rank (model.split=[1,3]) before the last one verifies it."""
-    overrides = session_args(tiny_qwen, tiny_qwen, max_new=3) + [f"spec.overlap={str(overlap).lower()}"]
+    overrides = session_args(sampling_qwen, sampling_qwen, max_new=3) + [f"spec.overlap={str(overlap).lower()}"]
     overrides += ["model.split=[1,3]"] if ranks == 3 else []
     n = 300
     gens = serve(overrides, [(PROMPT, Request(TEMPERATURE, TOP_P, seed)) for seed in range(n)], ranks)
@@ -234,19 +266,25 @@ def test_sampled_generation_keeps_the_targets_joint_distribution(overlap, ranks,
     for g in gens:
         pair = tuple(g.output.tokens[:2])
         observed[pair] = observed.get(pair, 0) + 1
-    reference = load_reference(tiny_qwen)
-    with torch.no_grad():
-        p1 = reference_probs(reference(torch.tensor([PROMPT])).logits[0, -1].numpy(), TEMPERATURE, TOP_P)
-        expected = {}
-        for t1 in np.flatnonzero(p1):
-            p2 = reference_probs(reference(torch.tensor([PROMPT + [int(t1)]])).logits[0, -1].numpy(), TEMPERATURE, TOP_P)
-            expected.update({(int(t1), int(t2)): p1[t1] * p2[t2] for t2 in np.flatnonzero(p2)})
+    reference = load_reference(sampling_qwen)
+    p1 = reference_next(reference, [()])[()]
+    expected = {}
+    for (t1,), p2 in reference_next(reference, [(int(t1),) for t1 in np.flatnonzero(p1)]).items():
+        expected.update({(t1, int(t2)): p1[t1] * p2[t2] for t2 in np.flatnonzero(p2)})
     assert set(observed) <= set(expected), "a pair the target's distribution cannot produce"
     cells = sorted(expected)
     pvalue = chi2_pvalue(np.array([observed.get(c, 0) for c in cells]), np.array([expected[c] for c in cells]))
     big = sum(expected[c] * n >= 5 for c in cells)
+    # the bonus token: round 1 drafted one token (one left of max_new after the two before it) and kept it
+    bonus = [(g.output.tokens[:2], g.output.tokens[2]) for g in gens
+             if len(g.rounds) == 2 and g.rounds[1].drafted == g.rounds[1].accepted == 1]
+    bonus_p = next_token_pvalue(reference, bonus)
+    early = next_token_pvalue(reference, [(tokens[:1], third) for tokens, third in bonus])  # power: one position early
     print(f"overlap={overlap}: {len(expected)} pairs, {big} cells expected >= 5, p={pvalue:.3f}, "
-          f"rounds from ahead {sum(r.from_ahead for g in gens for r in g.rounds)}")
+          f"rounds from ahead {sum(r.from_ahead for g in gens for r in g.rounds)}; {len(bonus)} bonus tokens: "
+          f"p={bonus_p:.3g}, against the distribution one position early p={early:.3g}")
     assert big >= 3 and pvalue > 0.001
+    assert len(bonus) > n / 2 and bonus_p > 0.001
+    assert early < 1e-6
     if overlap:
         assert sum(g.rounds[1].from_ahead for g in gens) > n / 5

@@ -31,14 +31,29 @@ def tiny_config(family: str, layers: int = 4, hidden: int = 64, seed_vocab: int 
     raise ValueError(family)
 
 
-def save_tiny(folder: Path, family: str, seed: int = 0, eos: int | None = None, **extra) -> Path:
+def randomize_norms(model) -> None:
+    """Every norm weight moved off its neutral value (1.0, or 0.0 where a family stores 1 + w) by a random amount per
+    channel: a loader that skips a norm weight, or puts one in another layer, then changes the output."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.empty_like(param).uniform_(-0.5, 0.5))
+
+
+def save_tiny(folder: Path, family: str, seed: int = 0, eos: int | None = None, head_scale: float | None = None,
+              **extra) -> Path:
+    """`head_scale`: what the head (or the tied embeddings) is multiplied by; the default makes greedy choices decisive,
+    a sampling test wants 1.0 (flatter distributions, so every token path is drawn often)."""
     torch.manual_seed(seed)
     cls, config = tiny_config(family, **extra)
     model = cls(config).eval()
+    randomize_norms(model)
     # Random weights of this size give flat logits; scaling the head makes greedy choices decisive
     # (fewer near-ties), so fp32 parity tests test the code, not rounding.
     with torch.no_grad():
-        model.lm_head.weight.mul_(4.0) if not config.tie_word_embeddings else model.model.embed_tokens.weight.mul_(2.0)
+        if head_scale is None:
+            head_scale = 4.0 if not config.tie_word_embeddings else 2.0
+        model.get_output_embeddings().weight.mul_(head_scale)
     model.generation_config = GenerationConfig(eos_token_id=eos, do_sample=False)
     model.save_pretrained(folder)
     return folder
