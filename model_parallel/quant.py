@@ -85,24 +85,31 @@ def quantized_shape(module: nn.Module) -> tuple[int, ...] | None:
     return None
 
 
-def weight_bytes(module: nn.Module) -> int:
-    """Bytes of a module's parameters and buffers, counting a 4-bit weight's packed data and its
-    quantization state (absmax, code tables), shared tensors once."""
-    seen, total = set(), 0
-    def count(t: torch.Tensor | None) -> None:
-        nonlocal total
-        if t is not None and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    for t in list(module.parameters()) + list(module.buffers()):
-        count(t)
+def stored_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """A module's parameters and buffers, and each 4-bit weight's quantization state (absmax, code tables,
+    offset, nested state)."""
+    tensors = []
+    for t in [*module.parameters(), *module.buffers()]:
+        tensors.append(t)
         state = getattr(t, "quant_state", None)
         while state is not None:
-            count(state.absmax)
-            count(state.code)
-            count(state.offset if isinstance(state.offset, torch.Tensor) else None)
+            tensors += [x for x in (state.absmax, state.code, state.offset) if isinstance(x, torch.Tensor)]
             state = state.state2
-    return total
+    return tensors
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters and buffers, counting a 4-bit weight's packed data and its
+    quantization state, shared tensors once.
+
+    A tensor is known by its storage, where in it it starts and how many bytes it spans: a bare address
+    (data_ptr) is shared by a view and its base, and by a tensor and whatever is later allocated where a
+    freed one was. Every tensor counted is held in `tensors` until the count is done, so no address can
+    be freed and reused while counting."""
+    tensors = stored_tensors(module)
+    spans = {(t.device, t.untyped_storage().data_ptr(), t.storage_offset() * t.element_size(), t.numel() * t.element_size())
+             for t in tensors}
+    return sum(span[-1] for span in spans)
 
 
 def return_freed_heap() -> None:
