@@ -349,6 +349,18 @@ def test_session_reuses_the_conversation_so_far(request_, tiny_qwen, tiny_qwen_d
     assert gens[1].rounds[0].committed == 1  # the (short) prefill still gave the first token
 
 
+def test_a_middle_rank_rewinds_for_a_chunked_prefill_after_an_earlier_request(tiny_qwen, tiny_qwen_draft):
+    """Three ranks, prompts crossing in chunks of 3: each later request starts inside what the one before left in
+    every cache (a shared prefix, or none), so the middle rank must rewind to each Prefill's start as the last rank
+    does; each answer is what generate gives for its prompt alone."""
+    overrides = session_args(tiny_qwen, tiny_qwen_draft) + ["model.split=[1,3]", "model.prefill_chunk=3"]
+    plan = [PROMPT + PROMPT_B, PROMPT[:4] + [17, 250, 4, 9, 31], PROMPT_B]
+    gens = serve(overrides, [(ids, Request()) for ids in plan], ranks=3)
+    for ids, gen in zip(plan, gens):
+        assert gen.output.tokens == reference_greedy(tiny_qwen, ids, MAX_NEW), ids
+    assert [g.reused for g in gens] == [0, 4, 0]
+
+
 # --- Output: stop strings, EOS and max cuts, streaming ------------------------------------------
 
 @pytest.fixture(scope="module")
