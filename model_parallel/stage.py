@@ -31,6 +31,7 @@ class Stage(nn.Module):
         self.layer_kinds = [kinds[i] for i in self.layer_ids] if kinds else None
         self.rotary_per_kind = "layer_type" in inspect.signature(rotary.forward).parameters
         self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.cache_kwarg = cache_kwarg(layers[0]) if layers else "cache"
 
     @property
     def layer_ids(self) -> range:
@@ -65,7 +66,7 @@ class Stage(nn.Module):
             masks[kind] = self.windowed(mask, positions) if kind == "sliding_attention" else mask
             cos_sin[kind] = self.rotary(h, positions, kind) if self.rotary_per_kind else self.rotary(h, positions)
         for layer, kind in zip(self.layers, kinds):
-            h = layer(h, attention_mask=masks[kind], position_ids=positions, cache=self.cache,
+            h = layer(h, attention_mask=masks[kind], position_ids=positions, **{self.cache_kwarg: self.cache},
                       use_cache=True, position_embeddings=cos_sin[kind])
         self.cache.advance(h.shape[1])
         if self.head is None:
@@ -82,3 +83,11 @@ class Stage(nn.Module):
             return mask
         slots = torch.arange(mask.shape[-1], device=mask.device)
         return mask & (slots[None, :] > positions[0][:, None] - window)[None, None]
+
+
+def cache_kwarg(layer: nn.Module) -> str:
+    """The name a decoder layer takes its KV cache by: `cache` in transformers 5.24, `past_key_values` in 5.17
+    (the lowest supported). The one place the two differ for us; a wrong name is worse than an error: the
+    layer swallows it in **kwargs and attends over the current block alone."""
+    parameters = inspect.signature(type(layer).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
