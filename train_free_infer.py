@@ -159,33 +159,46 @@ def rank0(cfg: TandemConfig, channel, listener=None, replies=None, ranks: int = 
         # keep what was generated: the tokens committed so far, the text, and why it stopped
         kept = {"token_ids": output.tokens, "text": output.text(), "error": _one_line(e)}
         write_output(cfg, kept)
-        print(f"[stopped after {len(output.tokens)} tokens]", file=sys.stderr, flush=True)
+        status(f"[stopped after {len(output.tokens)} tokens]")
         raise
     session.close()
     write_output(cfg, result)
+    if output.stop_reason == "stdout_closed":
+        raise StdoutClosed()
     return result
+
+
+class StdoutClosed(Exception):
+    """The reader of stdout left (`| head`): the answer ended there, as a Unix filter's does."""
+    exit_status = 128 + signal.SIGPIPE  # 141: what a shell shows for a filter a closed pipe stopped (SIGPIPE)
 
 
 def announce(lines: list[str]) -> None:
     for line in lines:
-        print(f"[{line}]", file=sys.stderr, flush=True)
+        status(f"[{line}]")
+
+
+def status(line: str) -> None:
+    """A line on stderr in one write: the ranks share the terminal, and print() writes the newline apart."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def answer(cfg: TandemConfig, session: Session, ids: list[int], output: Output, tokenizer) -> dict:
-    print(f"[prefill: {len(ids)} prompt tokens; k={cfg.spec.k}, drafter {cfg.draft.kind}]", file=sys.stderr, flush=True)
+    status(f"[prefill: {len(ids)} prompt tokens; k={cfg.spec.k}, drafter {cfg.draft.kind}]")
     telemetry = Telemetry(cfg, ids, tokenizer.decode(ids) if tokenizer else None) if cfg.log.dir else None
     request = Request(cfg.gen.temperature, cfg.gen.top_p, cfg.gen.seed)
     gen = session.generate(ids, output, request, on_round=telemetry.on_round if telemetry else None)
     stats = summarize(gen, cfg.spec.k, cfg.draft.kind if cfg.spec.k else "none")
     warning = broken_drafter_warning(stats)
     if warning:
-        print(warning, file=sys.stderr)
-    print(f"[{stats['tokens']} tokens, {stats['tokens_per_s']:.2f} tokens/s, {stats['tokens_per_round']:.2f} tokens/round, "
-          f"acceptance {stats['acceptance_rate']:.0%}, stop: {stats['stop_reason']}]", file=sys.stderr)
+        status(warning)
+    status(f"[{stats['tokens']} tokens, {stats['tokens_per_s']:.2f} tokens/s, {stats['tokens_per_round']:.2f} tokens/round, "
+           f"acceptance {stats['acceptance_rate']:.0%}, stop: {stats['stop_reason']}]")
     if telemetry:
         clock = telemetry.finish(gen, stats, output.text())
-        print(f"[log: {telemetry.dir}; rank {telemetry.last_rank}'s clock {clock['offset_ms']:+.3f} +/- {clock['uncertainty_ms']:.3f} ms "
-              f"from rank 0's over {clock['rounds']} round trips]", file=sys.stderr)
+        status(f"[log: {telemetry.dir}; rank {telemetry.last_rank}'s clock {clock['offset_ms']:+.3f} +/- {clock['uncertainty_ms']:.3f} ms "
+               f"from rank 0's over {clock['rounds']} round trips]")
     return {"token_ids": output.tokens, "text": output.text(), "stats": stats}
 
 
@@ -265,6 +278,10 @@ def main(argv: list[str] | None = None) -> None:
             rank1(cfg, prev, reply_to=next, ranks=ranks)
         else:
             middle(cfg, prev, next, rank, ranks)
+    except StdoutClosed as e:  # rank 1 had its Bye: it leaves as after any answer
+        _wait_for_peer_to_leave(links)
+        _drop_stdout()
+        sys.exit(e.exit_status)
     except EXPECTED as e:
         if _signalled and isinstance(e, PeerError):  # the peer left because the same Ctrl-C stopped it
             e = Interrupted(_signalled[0])
@@ -280,6 +297,24 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if links is not None:
             close_channel(*links)
+
+
+def _wait_for_peer_to_leave(links, wait_s: float = 2.0) -> None:
+    """Until the last rank, after its Bye, closes its end: torchrun stops the ranks still running as soon as one
+    exits with a failure status, and a rank stopped on its way out would print a cause of its own."""
+    channel = links[0]
+    try:
+        channel.timeout_s = min(channel.timeout_s, wait_s)
+        channel.recv()
+    except Exception:  # noqa: BLE001 - its leaving is what this waits for
+        pass
+
+
+def _drop_stdout() -> None:
+    """stdout to /dev/null: Python flushes it at exit, and the closed pipe would fail that flush too."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _one_line(e: BaseException) -> str:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -126,10 +127,13 @@ class TandemConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     log: LogConfig = field(default_factory=LogConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
-    prompt: str | None = None  # plain text; the chat template is applied when the model has one
-    prompt_ids: list[int] | None = None  # token ids, used as they are (tests)
+    prompt: str | None = None  # plain text, taken as typed (no YAML on the command line); the chat template is applied when the model has one
+    prompt_file: str | None = None  # the prompt from this UTF-8 file, as it is (- = stdin, read by rank 0)
+    prompt_ids: list[int] | None = None  # token ids, used as they are: a JSON list [1,2,3]
+    prompt_ids_file: str | None = None  # token ids from this file (a JSON list)
     chat: bool = True  # false: the prompt goes in as plain text, without the chat template
-    system: str | None = None  # system message for the chat template
+    system: str | None = None  # system message for the chat template, taken as typed
+    system_file: str | None = None  # the system message from this UTF-8 file, as it is
 
 
 def _valid_keys(node_cls, path: list[str]) -> list[str]:
@@ -145,14 +149,23 @@ def _expand(path: str | None) -> str | None:
     return None if path is None else os.path.expandvars(os.path.expanduser(path))
 
 
+# Text a person writes is taken from the command line as typed: omegaconf's dotlist would parse it as YAML
+# (`a: b` a mapping, `yes` True, ` #...` a comment, `${X}` an interpolation). A YAML file keeps YAML's rules.
+VERBATIM = ("prompt", "system", "prompt_file", "system_file", "prompt_ids_file", "serve.api_key", "transport.secret",
+            "transport.relay_token")
+TEXT_FILES = {"prompt_file": "prompt", "system_file": "system"}  # the file's text becomes that key's
+
 def load_config(overrides: list[str], config_file: str | Path | None = None) -> TandemConfig:
     """Defaults <- YAML file (if any) <- `key=value` overrides. `config=PATH` among the overrides picks the file."""
-    rest = []
+    rest, typed = [], {}
     for item in overrides:
+        key, _, value = item.partition("=")
         if item.startswith("config="):
-            config_file = item.split("=", 1)[1]
+            config_file = value
         elif item.startswith("--"):
             raise ConfigError(f"unexpected option {item!r}: settings are given as key=value (e.g. gen.max_new_tokens=64)")
+        elif key in VERBATIM or key == "prompt_ids":
+            typed[key] = value  # the last one given wins, as in the dotlist
         else:
             rest.append(item)
     layers = [OmegaConf.structured(TandemConfig)]
@@ -161,10 +174,10 @@ def load_config(overrides: list[str], config_file: str | Path | None = None) -> 
         config_file = Path(config_file)
         if not config_file.is_file():
             raise ConfigError(f"config file {config_file} not found; pass config=PATH to a YAML file such as configs/default.yaml")
-        layers.append(OmegaConf.load(config_file))
+        layers.append(_load_yaml(config_file))
         where = f"{config_file.name} or command line"
     try:
-        merged = OmegaConf.merge(*layers, OmegaConf.from_dotlist(rest))
+        merged = OmegaConf.merge(*layers, _dotlist(rest))
         cfg: TandemConfig = OmegaConf.to_object(merged)
     except ConfigKeyError as e:
         key = str(getattr(e, "full_key", "") or "")
@@ -175,6 +188,7 @@ def load_config(overrides: list[str], config_file: str | Path | None = None) -> 
     except OmegaConfBaseException as e:
         msg = str(e).splitlines()[0]
         raise ConfigError(f"bad config value: {msg} (full key: {getattr(e, 'full_key', '?')})") from None
+    _set_typed(cfg, typed)
     for name in ("target",):
         setattr(cfg.model, name, _expand(getattr(cfg.model, name)))
     cfg.draft.model = _expand(cfg.draft.model)
@@ -186,6 +200,86 @@ def load_config(overrides: list[str], config_file: str | Path | None = None) -> 
     cfg.draft.graph = {"True": "on", "False": "off"}.get(cfg.draft.graph, cfg.draft.graph)
     validate(cfg)
     return cfg
+
+
+def _dotlist(items: list[str]):
+    """The structured keys, through omegaconf; a value YAML cannot read is one line naming its key."""
+    try:
+        return OmegaConf.from_dotlist(items)
+    except yaml.YAMLError:
+        for item in items:  # which one
+            try:
+                OmegaConf.from_dotlist([item])
+            except yaml.YAMLError as e:
+                key, _, value = item.partition("=")
+                raise ConfigError(f"{key}={value!r} is not a value YAML can read ({_first_line(e)}); quote it as YAML "
+                                  f"does, e.g. {key}='\"...\"'") from None
+        raise
+
+
+def _load_yaml(path: Path):
+    try:
+        return OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(e).split())}") from None
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0]
+
+
+def _set_typed(cfg: TandemConfig, typed: dict[str, str]) -> None:
+    """The keys the dotlist does not parse: free text as typed, token ids as JSON (YAML's alias limit
+    refuses a list of more than 10,000); then the text and ids the *_file keys name."""
+    for key, value in typed.items():
+        if key == "prompt_ids":
+            cfg.prompt_ids = _token_ids(value, key)
+        else:
+            section, _, name = key.rpartition(".")
+            setattr(getattr(cfg, section) if section else cfg, name, value)
+    for key, text_key in TEXT_FILES.items():
+        path = getattr(cfg, key)
+        if path is not None:
+            if getattr(cfg, text_key) is not None:
+                raise ConfigError(f"give {text_key}=... or {key}=PATH, not both")
+            setattr(cfg, text_key, _read_text(key, path))
+    if cfg.prompt_ids_file is not None:
+        if cfg.prompt_ids is not None:
+            raise ConfigError("give prompt_ids=[...] or prompt_ids_file=PATH, not both")
+        cfg.prompt_ids = _token_ids(_read_file("prompt_ids_file", cfg.prompt_ids_file).decode("utf-8", "replace"),
+                                    f"prompt_ids_file={cfg.prompt_ids_file}")
+
+
+def _read_text(key: str, path: str) -> str:
+    """A file's text as it is (trailing newline and all); `-` is stdin, read by rank 0 alone: torchrun gives
+    every worker of a host the launcher's stdin, and only rank 0 tokenizes the prompt. The other ranks take
+    an empty text in its place (they never read it)."""
+    if path == "-" and os.environ.get("RANK", "0") != "0":
+        return ""
+    data = _read_file(key, path)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{key}={path}: not UTF-8 text (byte {e.start} is 0x{data[e.start]:02x}); save it as UTF-8") from None
+
+
+def _read_file(key: str, path: str) -> bytes:
+    if path == "-":
+        return sys.stdin.buffer.read()
+    try:
+        return Path(_expand(path)).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{key}={path}: cannot read it ({e.strerror or e})") from None
+
+
+def _token_ids(text: str, key: str) -> list[int]:
+    try:
+        ids = json.loads(text)
+    except ValueError:
+        ids = None
+    if not isinstance(ids, list) or not all(type(i) is int for i in ids):  # type(): a bool is not a token id
+        raise ConfigError(f"{key}: expected a JSON list of token ids such as [1,2,3]")
+    return ids
 
 
 def _choice(value, allowed, key):
@@ -203,14 +297,12 @@ def validate(cfg: TandemConfig) -> None:
     _choice(cfg.draft.graph, ("auto", "on", "off"), "draft.graph")
     _choice(cfg.transport.kind, ("gloo", "relay"), "transport.kind")
     _check_sizes(cfg.model.max_memory)
-    if cfg.model.prefill_chunk < 1:
-        raise ConfigError(f"model.prefill_chunk={cfg.model.prefill_chunk} must be >= 1")
-    if cfg.spec.k < 0:
-        raise ConfigError(f"spec.k={cfg.spec.k} must be >= 0")
+    for key, low, high in BOUNDS:
+        _bounded(cfg, key, low, high)
+    if cfg.draft.ngram_min > cfg.draft.ngram_max:
+        raise ConfigError(f"draft.ngram_min={cfg.draft.ngram_min} must be <= draft.ngram_max={cfg.draft.ngram_max}")
     if cfg.draft.kind == "model" and not cfg.draft.model:
         raise ConfigError("draft.kind=model needs draft.model=PATH or a Hub id (a model sharing the target's tokenizer)")
-    if cfg.gen.max_new_tokens < 1:
-        raise ConfigError("gen.max_new_tokens must be >= 1")
     if not cfg.gen.temperature >= 0 or cfg.gen.temperature == float("inf"):  # NaN fails every comparison
         raise ConfigError("gen.temperature must be a finite number >= 0 (0 = greedy)")
     if not 0 < cfg.gen.top_p <= 1:
@@ -223,10 +315,38 @@ def validate(cfg: TandemConfig) -> None:
         raise ConfigError(f"serve.port={cfg.serve.port} is not a TCP port (0..65535)")
     if cfg.serve.api_key is not None and cfg.serve.api_key_file is not None:
         raise ConfigError("give serve.api_key_file or serve.api_key, not both")
-    if cfg.serve.max_body_bytes < 1:
-        raise ConfigError("serve.max_body_bytes must be >= 1")
-    if cfg.draft.top_k < 1:
-        raise ConfigError("draft.top_k must be >= 1")
+    _check_room(cfg)
+
+
+# (key, least, most) of every numeric key: a value out of range, NaN or infinite is one line at start, before
+# anything is loaded or timed. The upper bounds are far beyond any real setting: past them it is a typo.
+MAX_TOKENS = 2**24  # a KV cache, a prompt chunk, an answer: 16M tokens
+BOUNDS = [("model.max_len", 1, MAX_TOKENS), ("draft.max_len", 1, MAX_TOKENS), ("model.prefill_chunk", 1, MAX_TOKENS),
+          ("spec.k", 0, 1024), ("draft.top_k", 1, 2**20), ("draft.ngram_max", 1, 1024), ("draft.ngram_min", 1, 1024),
+          ("gen.max_new_tokens", 1, MAX_TOKENS), ("serve.max_queue", 0, 2**20), ("serve.max_body_bytes", 1, 2**31),
+          ("transport.timeout_s", 0.001, 7 * 86400), ("transport.reconnect_s", 0, 7 * 86400),
+          ("transport.emulate_delay_ms", 0, 3600_000), ("transport.emulate_mbps", 0, 10**9)]
+
+
+def _bounded(cfg: TandemConfig, key: str, low, high) -> None:
+    value = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    if not low <= value <= high:  # NaN fails every comparison
+        raise ConfigError(f"{key}={value} must be between {low} and {high}")
+
+
+def _check_room(cfg: TandemConfig) -> None:
+    """The capacity rule (launch.build.check_capacity) for the shortest prompt, at start: before the split is
+    timed or a weight is read. One-shot runs need gen.max_new_tokens of room; a server at least one token
+    (each request's max_tokens is cut to the room its prompt leaves)."""
+    from launch.build import output_room
+    room, setting = output_room(cfg, 1)
+    need = 1 if cfg.serve.port is not None else cfg.gen.max_new_tokens
+    if room < need:
+        raise ConfigError(f"a 1-token prompt + {'one new token' if need == 1 else f'gen.max_new_tokens ({need})'} + spec.k "
+                          f"({cfg.spec.k}) exceed {setting}={room + 1 + cfg.spec.k}; raise {setting}, or lower spec.k"
+                          f"{'' if need == 1 else ' or gen.max_new_tokens'}")
 
 
 def _check_sizes(max_memory) -> None:

@@ -128,8 +128,9 @@ def report(message: str, rank: int | str | None = None, echo: bool = True) -> No
     file only (a line another rank of this host prints already)."""
     rank = os.environ.get("RANK") if rank is None else rank
     line = f"tandem[rank {rank}]: {message}" if rank is not None else f"tandem: {message}"
-    if echo:
-        print(line, file=sys.stderr, flush=True)
+    if echo:  # in one write: print() writes the newline apart, and another rank's line could come between
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
     record_for_torchrun(line)
 
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -246,4 +248,37 @@ def quiet_exit_barrier() -> None:
 
 def torchrun_handler():
     """Entry point of group `torchrun.handlers`: torchrun calls it and registers what it returns."""
+    quiet_launcher_exits()
     return create_rdzv_handler
+
+
+def quiet_launcher_exits() -> None:
+    """In torchrun's own process (it loads every `torchrun.handlers` entry point at start, whatever the backend):
+    Ctrl-C or SIGTERM ends it with 130 / 143 and no SignalException traceback (the ranks have said why they
+    stopped), and a run whose failed ranks all ended 141 (stdout closed: `| head`) ends 141 without its
+    ChildFailedError summary. Every other failure keeps torchrun's own report."""
+    if getattr(sys.excepthook, "tandem", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        status = launcher_exit_status(value)
+        if status is None:
+            return previous(kind, value, tb)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)  # after an uncaught exception Python's own exit status is always 1
+    hook.tandem = True
+    sys.excepthook = hook
+
+
+def launcher_exit_status(e: BaseException) -> int | None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    if isinstance(e, SignalException):
+        return 128 + int(e.sigval)
+    closed_pipe = 128 + signal.SIGPIPE
+    if isinstance(e, ChildFailedError) and e.failures and all(f.exitcode == closed_pipe for f in e.failures.values()):
+        return closed_pipe
+    return None

@@ -24,20 +24,25 @@ HEADROOM = 0.10  # of the free memory, left out of an unset budget
 NF4_BLOCK, NESTED_BLOCK = 64, 256  # bitsandbytes' blocksizes (weights; absmax under double quantization)
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+MAX_SIZE = 2**50  # 1 PiB: more than any host holds, so a larger model.max_memory is a typo, not a budget
 
 
 def parse_size(value, key: str = "model.max_memory") -> int:
     """Bytes from 123456, "500MB" (10^6), "6GiB" (2^30), "1.5 GB"; a ValueError naming `key` otherwise."""
     if isinstance(value, bool):
         raise ValueError(f"{key}={value!r} is not a size: give bytes or a size with a unit such as 500MB or 6GiB")
-    if isinstance(value, (int, float)) and value > 0:
-        return int(value)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    unit = match and match.group(2).lower()
-    if not match or unit not in UNITS or float(match.group(1)) <= 0:
-        raise ValueError(f"{key}={value!r} is not a size: give bytes or a size with a unit such as 500MB or 6GiB "
-                         f"(units: {', '.join(u for u in UNITS if u)}, case-insensitive)")
-    return int(float(match.group(1)) * UNITS[unit])
+    if isinstance(value, (int, float)):
+        nbytes = value
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        unit = match and match.group(2).lower()
+        if not match or unit not in UNITS:
+            raise ValueError(f"{key}={value!r} is not a size: give bytes or a size with a unit such as 500MB or 6GiB "
+                             f"(units: {', '.join(u for u in UNITS if u)}, case-insensitive)")
+        nbytes = float(match.group(1)) * UNITS[unit]
+    if not 0 < nbytes <= MAX_SIZE:  # NaN fails too; inf or 1e400 would reach int() as infinity
+        raise ValueError(f"{key}={value!r} is not a size between 1 byte and 1 PiB")
+    return int(nbytes)
 
 
 def human(nbytes: float) -> str:

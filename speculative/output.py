@@ -50,8 +50,10 @@ class Output:
         text = self.text()
         if text.endswith("\ufffd") and not self.done:  # an incomplete UTF-8 sequence: wait for its rest
             return
-        sys.stdout.write(text[self._printed:])
-        sys.stdout.flush()
+        try:
+            sys.stdout.write(text[self._printed:] + ("\n" if self.done else ""))
+            sys.stdout.flush()
+        except BrokenPipeError:  # the reader closed stdout (`| head`): a normal end, like a stop string
+            self.stop_reason, self.done, self.stream = "stdout_closed", True, False
+            return
         self._printed = len(text)
-        if self.done:
-            sys.stdout.write("\n")
