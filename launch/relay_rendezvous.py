@@ -271,6 +271,12 @@ def quiet_launcher_exits() -> None:
         os._exit(status)  # after an uncaught exception Python's own exit status is always 1
     hook.tandem = True
     sys.excepthook = hook
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_a_closed_pipe)
+
+
+def _not_a_closed_pipe(record: logging.LogRecord) -> bool:
+    """Drops torchrun's "failed (exitcode: 141) local_rank: 0 ..." line: a reader that left is no failure."""
+    return not (str(record.msg).startswith("failed (exitcode: %s)") and record.args and record.args[0] == 128 + signal.SIGPIPE)
 
 
 def launcher_exit_status(e: BaseException) -> int | None:
