@@ -19,6 +19,13 @@ from launch.rendezvous import create_rdzv_handler
 from tests.tiny_models import REPO, free_port, reference_greedy, save_tiny_tokenizer
 
 
+@pytest.fixture(autouse=True)
+def no_node_rank_left_behind(monkeypatch):
+    """The handler exports TANDEM_NODE_RANK for torchrun's workers; here it must not outlive the test."""
+    monkeypatch.setenv("TANDEM_NODE_RANK", "unset")
+    monkeypatch.delenv("TANDEM_NODE_RANK")
+
+
 def handler(port: int, node_rank: int | None, nnodes: int = 2, join_timeout: int = 10):
     conf = {"join_timeout": join_timeout} | ({} if node_rank is None else {"node_rank": node_rank})
     return create_rdzv_handler(RendezvousParameters("tandem", f"127.0.0.1:{port}", "run", nnodes, nnodes, **conf))
@@ -45,8 +52,7 @@ def meet(port: int, node_ranks: list, nnodes: int = 2, join_timeout: int = 10, s
     return dict(sorted(results.items()))
 
 
-def test_nodes_get_the_ranks_they_name_whatever_the_order_they_come_in(monkeypatch):
-    monkeypatch.delenv("TANDEM_NODE_RANK", raising=False)
+def test_nodes_get_the_ranks_they_name_whatever_the_order_they_come_in():
     results = meet(free_port(), [2, 1, 0], nnodes=3)
     assert [info.rank for info, _ in results.values()] == [2, 1, 0]
     assert all(info.world_size == 3 for info, _ in results.values())
