@@ -340,11 +340,11 @@ def _check_room(cfg: TandemConfig) -> None:
     """The capacity rule (launch.build.check_capacity) for the shortest prompt, at start: before the split is
     timed or a weight is read. One-shot runs need gen.max_new_tokens of room; a server at least one token
     (each request's max_tokens is cut to the room its prompt leaves)."""
-    from launch.build import output_room
+    from launch.build import CapacityError, output_room
     room, setting = output_room(cfg, 1)
     need = 1 if cfg.serve.port is not None else cfg.gen.max_new_tokens
     if room < need:
-        raise ConfigError(f"a 1-token prompt + {'one new token' if need == 1 else f'gen.max_new_tokens ({need})'} + spec.k "
+        raise CapacityError(f"a 1-token prompt + {'one new token' if need == 1 else f'gen.max_new_tokens ({need})'} + spec.k "
                           f"({cfg.spec.k}) exceed {setting}={room + 1 + cfg.spec.k}; raise {setting}, or lower spec.k"
                           f"{'' if need == 1 else ' or gen.max_new_tokens'}")
 

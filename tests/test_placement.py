@@ -150,7 +150,8 @@ def test_estimated_bytes_match_a_loaded_stage(family, dtype, quant, tiny_qwen, t
 
 def test_rank_costs_count_the_drafter_and_its_cache_on_rank_0(tiny_qwen, tiny_qwen_draft):
     args = [f"model.target={tiny_qwen}", "prompt=hi", "model.dtype=float32", "draft.kind=model",
-            f"draft.model={tiny_qwen_draft}", "draft.dtype=float32", "draft.max_len=200", "model.max_memory=[1GB,2GB]"]
+            f"draft.model={tiny_qwen_draft}", "draft.dtype=float32", "draft.max_len=200", "gen.max_new_tokens=64",
+            "model.max_memory=[1GB,2GB]"]
     cfg = load_tandem_config(args)
     (rank0, source0), (rank1, source1) = (rank_costs(cfg, r, timed=False) for r in (0, 1))
     assert (rank0.budget, source0, rank1.budget, source1) == (10**9, "model.max_memory[0]", 2 * 10**9, "model.max_memory[1]")
