@@ -170,3 +170,24 @@ def test_the_launcher_ends_quietly_on_a_signal_and_on_a_closed_pipe_only():
     assert launcher_exit_status(failed(141)) == 141
     assert launcher_exit_status(failed(141, 1)) is None and launcher_exit_status(failed(1)) is None
     assert launcher_exit_status(ValueError()) is None
+
+
+def test_each_status_line_reaches_stderr_in_one_write(monkeypatch):
+    """The ranks share stderr: a line written in two parts (print() writes the newline apart) could have another
+    rank's line between them ("[model.target: ...][draft.model: ...]")."""
+    from launch.distributed import report
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    train_free_infer.announce(["model.target: x", "draft.model: y"])
+    train_free_infer.status("[prefill: 3 prompt tokens]")
+    report("stopped by SIGINT", 1)
+    assert writes == ["[model.target: x]\n", "[draft.model: y]\n", "[prefill: 3 prompt tokens]\n",
+                      "tandem[rank 1]: stopped by SIGINT\n"]
