@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rounds", type=int, default=500)
+    ap.add_argument("--timing-rounds", type=int, default=50, help="rounds per K in the ms table (0: no table)")
     args = ap.parse_args()
     if args.tiny:
         folder = tiny_model(Path(tempfile.mkdtemp()) / "tiny")
@@ -74,11 +75,13 @@ def main() -> None:
         graphed, eager = make(graph_mode), make("off")
         n = drive([graphed, eager], args.rounds, graphed.vocab_size, seed=11)
         print(f"temperature {temperature}: {n} rounds, graph == eager token for token ({'graph' if on_gpu else 'DRY RUN: eager'} vs eager)")
+    if not args.timing_rounds:
+        return
     graphed, eager = make_drafter(folder, args.device, args.dtype, graph_mode), make_drafter(folder, args.device, args.dtype, "off")
     print(f"\n| K | eager ms/step | graph ms/step | eager/graph |\n|---|---|---|---|")
     context = list(range(1, 65))
     for k in (1, 4, 8):
-        e, g = ms_per_round(eager, k, 50, context) / k, ms_per_round(graphed, k, 50, context) / k
+        e, g = ms_per_round(eager, k, args.timing_rounds, context) / k, ms_per_round(graphed, k, args.timing_rounds, context) / k
         print(f"| {k} | {e:.2f} | {g:.2f} | {e / g:.2f}x |")
     print(f"\nmodel {folder}, {args.dtype}, device {args.device}"
           f" ({torch.cuda.get_device_name(args.device) if on_gpu else 'CPU: no graph, both eager'})")
