@@ -204,8 +204,8 @@ def answer(cfg: TandemConfig, session: Session, ids: list[int], output: Output, 
 
 def write_output(cfg: TandemConfig, result: dict) -> None:
     if cfg.output.json:
-        with open(cfg.output.json, "w") as f:
-            json.dump(result, f, indent=1)
+        from launch.private_files import write_private
+        write_private(cfg.output.json, json.dumps(result, indent=1))
 
 
 def rank1(cfg: TandemConfig, channel, reply_to=None, ranks: int = 2) -> None:

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from launch.private_files import private_dir, private_files, write_private
 from launch.timeline import alignment_dict, build_timeline, write_trace
 
 PROFILE_ROUNDS = dict(wait=1, warmup=1, active=3, repeat=1)  # skip the prefill, warm up, record 3 rounds
@@ -55,8 +56,7 @@ def _unique_dir(root: Path, name: str) -> Path:
     path, n = root / name, 2
     while path.exists():
         path, n = root / f"{name}-{n}", n + 1
-    path.mkdir(parents=True)
-    return path
+    return private_dir(path)
 
 
 class Telemetry:
@@ -67,6 +67,7 @@ class Telemetry:
         self.cfg = cfg
         self.dir = _unique_dir(Path(cfg.log.dir).expanduser(), run_name(cfg))
         self.writer = SummaryWriter(str(self.dir))
+        private_files(self.dir)  # the event file exists now; TensorBoard creates it with the umask's mode
         self.prompt_ids, self.prompt_text = prompt_ids, prompt_text
         self.rank1_marks: list[list[float]] = []  # the last rank's, with N > 2
         self.middle_marks: list[list[list[float]]] = []  # N > 2: per round, each middle rank's
@@ -142,7 +143,8 @@ class Telemetry:
                    "rounds": [asdict(r) for r in gen.rounds], "rank1_marks": self.rank1_marks,
                    **({"middle_marks": self.middle_marks} if self.last_rank > 1 else {}),
                    "t0_s": gen.t0_s}
-        (self.dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        write_private(self.dir / "summary.json", json.dumps(summary, indent=1))
+        private_files(self.dir)  # the profiler's traces too
         return alignment_dict(alignment)
 
     def _hparams(self, stats: dict) -> None:
@@ -174,12 +176,15 @@ def flat_config(cfg) -> dict:
     return out
 
 
+SECRETS = (("transport", "secret"), ("transport", "relay_token"), ("serve", "api_key"))  # never in a file we write
+
+
 def public_config(cfg) -> dict:
-    """The config as a plain dict, with the pairing secret and relay token blanked: never write a secret into a log."""
+    """The config as a plain dict, with every secret blanked: never write a secret into a log."""
     tree = OmegaConf.to_container(OmegaConf.structured(cfg))
-    for key in ("secret", "relay_token"):
-        if tree["transport"].get(key):
-            tree["transport"][key] = "(set)"
+    for section, key in SECRETS:
+        if tree[section].get(key):
+            tree[section][key] = "(set)"
     return tree
 
 

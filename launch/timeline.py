@@ -171,7 +171,8 @@ def build_timeline(gen, rank1_marks: list[list[float]], meta: dict | None = None
 
 
 def write_trace(path: Path, trace: dict) -> None:
-    Path(path).write_text(json.dumps(trace, separators=(",", ":")))
+    from launch.private_files import write_private
+    write_private(path, json.dumps(trace, separators=(",", ":")))
 
 
 def alignment_dict(alignment: ClockAlignment) -> dict:
