@@ -26,6 +26,7 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torc
         sorted_p, order = probs.sort(dim=-1, descending=True)
         # keep a token while the mass before it is < top_p (the most likely token is always kept)
         drop = sorted_p.cumsum(-1) - sorted_p >= top_p
+        drop[..., 0] = False  # also when top_p is below float32's range (1e-300 is a valid request) and compares as 0
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)

@@ -61,7 +61,7 @@ def chi2_pvalue(observed: np.ndarray, probs: np.ndarray) -> float:
     return float(chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
 
 
-@pytest.mark.parametrize("temperature,top_p", [(0.7, 0.8), (1.6, 0.5), (0.3, 1.0), (1.0, 0.9)])
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 0.8), (1.6, 0.5), (0.3, 1.0), (1.0, 0.9), (0.7, 1e-300)])
 def test_target_probs_is_softmax_over_temperature_within_the_nucleus(temperature, top_p):
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(1)) * 3
     got = target_probs(logits, temperature, top_p).double().numpy()
