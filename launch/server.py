@@ -166,12 +166,13 @@ def build_app(cfg: TandemConfig, engine: Engine, tokenizer, vocab_size: int, mod
         return JSONResponse(e.body(), status_code=e.status)
 
     if api_key is not None:
-        expected = f"Bearer {api_key}".encode()
+        expected = api_key.encode()
 
         @app.middleware("http")
         async def authenticate(http: HttpRequest, call_next):  # before the body is read
-            given = http.headers.get("authorization", "").encode("latin-1", "replace")
-            if http.url.path == "/health" or hmac.compare_digest(given, expected):
+            scheme, _, given = http.headers.get("authorization", "").encode("latin-1", "replace").partition(b" ")
+            # the scheme is case-insensitive (RFC 7235: "bearer" is Bearer); the key compares in constant time
+            if http.url.path == "/health" or (scheme.lower() == b"bearer" and hmac.compare_digest(given, expected)):
                 return await call_next(http)
             e = ApiError(401, "a valid API key is required: send Authorization: Bearer KEY (the key in the server's "
                               "serve.api_key_file)", code="invalid_api_key")
@@ -218,6 +219,47 @@ def build_app(cfg: TandemConfig, engine: Engine, tokenizer, vocab_size: int, mod
     return app
 
 
+HEADER_TIMEOUT_S = 10.0  # a request's headers must arrive within this (slowloris: half-sent requests held open)
+BODY_TIMEOUT_S = 30.0  # and its body within this once the headers are in (a 408 after)
+KEEP_ALIVE_S = 5.0  # an idle kept-alive connection is closed after this
+DRAIN_BYTES = 16 * 2**20  # of a refused body, read and dropped so the client can read its 413
+
+
+def headers_within_timeout():
+    """uvicorn's h11 protocol, closing a connection whose request headers have not all come within
+    HEADER_TIMEOUT_S of its opening or of its last response (uvicorn itself waits for them forever)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadersWithinTimeout(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def _arm(self) -> None:
+            self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._headers_late)
+
+        def _headers_late(self) -> None:
+            if self.cycle is None or self.cycle.response_complete:  # no request under way: its headers are late
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._header_timer.cancel()  # the headers are in; the body has its own timeout (read_body)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._header_timer.cancel()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._header_timer.cancel()
+            super().connection_lost(exc)
+
+    return HeadersWithinTimeout
+
+
 async def read_body(http: HttpRequest, limit: int) -> bytes:
     """The body, refused with a 413 as soon as it is known to exceed `limit` (its Content-Length, or
     the bytes received so far when it comes chunked)."""
@@ -226,15 +268,31 @@ async def read_body(http: HttpRequest, limit: int) -> bytes:
     declared = http.headers.get("content-length", "0")
     if not declared.isdigit():
         raise ApiError(400, "Content-Length is not a number")
-    if int(declared) > limit:
-        raise too_big
     chunks, size = [], 0
-    async for chunk in http.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            if int(declared) > limit:
+                await drain(http, DRAIN_BYTES)
+                raise too_big
+            async for chunk in http.stream():
+                size += len(chunk)
+                if size > limit:
+                    await drain(http, DRAIN_BYTES)
+                    raise too_big
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", code="request_timeout") from None
     return b"".join(chunks)
+
+
+async def drain(http: HttpRequest, most: int) -> None:
+    """Read and drop up to `most` bytes of a refused body: a server that closes while the client still sends
+    makes the kernel reset the connection, and the client sees the reset instead of the 413."""
+    dropped = 0
+    async for chunk in http.stream():
+        dropped += len(chunk)
+        if dropped > most:
+            return
 
 
 def check_prompt(cfg: TandemConfig, prompt: Prompt, vocab_size: int) -> None:
@@ -389,7 +447,8 @@ def serve(cfg: TandemConfig, session, tokenizer, eos_ids: set[int], vocab_size: 
                 engine.interrupt(f"stopped by {signal.Signals(sig).name}")
             super().handle_exit(sig, frame)
     server = Server(uvicorn.Config(app, host=cfg.serve.host, port=cfg.serve.port, log_level="warning",
-                                   lifespan="off", timeout_graceful_shutdown=2))
+                                   lifespan="off", timeout_graceful_shutdown=2, http=headers_within_timeout(),
+                                   timeout_keep_alive=KEEP_ALIVE_S))
     engine.on_fatal = lambda: setattr(server, "should_exit", True)
     if threading.current_thread() is threading.main_thread():
         # uvicorn restores the handlers it found and re-raises the signal it caught once it has shut
