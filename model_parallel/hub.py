@@ -22,10 +22,19 @@ Partial shards never go into huggingface_hub's blobs/snapshots: a library readin
 would take a partial file for a whole one. A shard the standard cache already holds whole (e.g. after
 from_pretrained) is linked instead of fetched. An interrupted fetch keeps what arrived (recorded every
 few MiB) and resumes there; a second launch finds every range present and fetches nothing.
+
+What is checked (nothing that arrives is trusted): every range response must name the commit and the file
+version (ETag) the shard's first range named, or the ranges held are dropped; the header is bounded (100 MB,
+safetensors' own limit) before it is fetched and every tensor's dtype, shape and offsets are checked
+against it and the file's size before any tensor byte is asked for; a shard held whole (a link into
+huggingface_hub's cache, or every range fetched) is checked against the digest the tree API lists for it
+(an LFS file's sha256) before use. The bytes of a partial shard are not: no per-range digest is published.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import re
 import struct
@@ -33,7 +42,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from model_parallel.loader import ModelLoadError, one_line
+from model_parallel.loader import ModelLoadError, one_line, read_weight_map
 
 # org/name[@revision]; a revision may hold slashes (refs/pr/1)
 HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?")
@@ -44,6 +53,11 @@ SMALL_FILES = ["config.json", "generation_config.json", "model.safetensors.index
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 RECORD_EVERY = 8 * 2 ** 20  # bytes between progress records while a range streams in: what a resume may redo
+MAX_HEADER = 100_000_000  # safetensors' own limit on a header's length (it refuses a longer one)
+# Bits per element of each safetensors dtype (the format's list, sub-byte floats included).
+DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E5M2FNUZ": 8, "F8_E4M3FNUZ": 8,
+              "F8_E8M0": 8, "E8M0": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+              "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 
 
 class HubError(ModelLoadError):
@@ -91,7 +105,8 @@ def resolve(spec: str, setting: str, cache_dir: str | None = None, rank: int = 0
     for file in snapshot.iterdir():
         link(view / file.name, Path("..") / ".." / "snapshots" / commit / file.name)
     source = {"spec": spec, "repo_id": repo_id, "revision": revision, "commit": commit,
-              "cache_dir": str(snapshot.parent.parent.parent)}
+              "cache_dir": str(snapshot.parent.parent.parent),
+              "digests": file_digests(spec, repo_id, commit, cache_dir, view / "source.json")}
     write_json(view / "source.json", source)
     if not (view / "config.json").exists():
         raise HubError(f"{spec} has no config.json at revision {revision}; is it a transformers model?")
@@ -129,6 +144,36 @@ def download_small_files(spec: str, repo_id: str, revision: str, cache_dir: str 
                        f"HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to run from the cache") from None
 
 
+def file_digests(spec: str, repo_id: str, commit: str, cache_dir: str | None, known: Path) -> dict[str, list[str]]:
+    """file -> [kind, digest] from the Hub's tree API: an LFS file's sha256 ("sha256"), else its git blob
+    id ("git-sha1"). What a whole shard is checked against. Offline: what an earlier run recorded."""
+    from huggingface_hub import HfApi, constants
+    if constants.is_offline_mode():
+        return json.loads(known.read_text()).get("digests", {}) if known.is_file() else {}
+    try:
+        entries = list(HfApi().list_repo_tree(repo_id, revision=commit, expand=False))
+    except Exception as e:  # noqa: BLE001 - the network or the Hub, in one line
+        raise HubError(f"{spec}: cannot list its files at {constants.ENDPOINT} ({one_line(e, 160)}); check the network "
+                       f"or HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to run from the cache") from None
+    digests = {}
+    for entry in entries:
+        lfs = getattr(entry, "lfs", None)
+        if lfs is not None:
+            digests[entry.path] = ["sha256", lfs.sha256]
+        elif getattr(entry, "blob_id", None):
+            digests[entry.path] = ["git-sha1", entry.blob_id]
+    return digests
+
+
+def file_digest(path: Path, kind: str) -> str:
+    """The file's sha256, or its git blob id (sha1 of "blob <size>\0" + content), read in 8 MiB pieces."""
+    digest = hashlib.sha256() if kind == "sha256" else hashlib.sha1(b"blob %d\0" % os.path.getsize(path))
+    with open(path, "rb") as f:
+        while piece := f.read(8 * 2 ** 20):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
 def source_of(folder: str | Path) -> dict | None:
     """The Hub id a loader folder stands for (written by `resolve`), or None for a local folder."""
     path = Path(folder) / "source.json"
@@ -160,8 +205,9 @@ def checkpoint_files(folder: Path) -> tuple[dict[str, str], int]:
     """(tensor name -> shard file, the checkpoint's size in bytes as its index states it, 0 if unknown)."""
     index = folder / INDEX
     if index.exists():
-        data = json.loads(index.read_text())
-        return data["weight_map"], int((data.get("metadata") or {}).get("total_size") or 0)
+        metadata = json.loads(index.read_text()).get("metadata")
+        total = metadata.get("total_size") if isinstance(metadata, dict) else 0
+        return read_weight_map(index), total if isinstance(total, int) and total > 0 else 0
     from model_parallel.loader import checkpoint_index
     return {name: SINGLE for name in checkpoint_index(folder)}, 0
 
@@ -180,6 +226,7 @@ class Shard:
         """Make the header and `tensors` present. Returns (bytes fetched now, bytes that were present)."""
         whole = self.whole_in_standard_cache()
         if whole is not None:
+            self.check_cached_whole(Path(whole))
             link(self.path, whole)
             self.record_path.unlink(missing_ok=True)
             self.size = os.path.getsize(whole)
@@ -190,20 +237,56 @@ class Shard:
         with FileLock(str(self.path) + ".lock"):  # ranks sharing one cache extend the same file in turn
             record = self.read_record()
             fetched = self.get_missing(record, [(0, 8)], bar)
-            header_end = 8 + struct.unpack("<Q", self.read(0, 8))[0]
-            fetched += self.get_missing(record, [(8, header_end)], bar)
-            fetched += self.get_missing(record, self.tensor_ranges(tensors, header_end), bar)
             self.size = record["size"]
+            header_end = self.header_end()  # bounded before any range of the header is asked for
+            fetched += self.get_missing(record, [(8, header_end)], bar)
+            fetched += self.get_missing(record, self.tensor_ranges(tensors), bar)
+            if missing(record["ranges"], [(0, record["size"])]) == []:
+                self.check_fetched_whole(record)
         share = self.share(tensors)
         return fetched, share - fetched
 
     def share(self, tensors: list[str]) -> int:
-        header_end = 8 + struct.unpack("<Q", self.read(0, 8))[0]
-        return header_end + sum(b - a for a, b in self.tensor_ranges(tensors, header_end))
+        return self.header_end() + sum(b - a for a, b in self.tensor_ranges(tensors))
 
-    def tensor_ranges(self, tensors: list[str], header_end: int) -> list[tuple[int, int]]:
+    # --- the header: bounded and checked before a byte it points to is fetched ---------------------
+    def broken(self, what: str) -> HubError:
+        return HubError(f"{self.file} of {self.source['spec']} (commit {self.source['commit'][:12]}): {what}; the "
+                        f"checkpoint itself is broken, not the network (running again cannot help): use another revision")
+
+    def header_end(self) -> int:
+        """8 + the header's length, which must be within safetensors' limit and the file."""
+        length = struct.unpack("<Q", self.read(0, 8))[0]
+        size = self.size if self.size is not None else os.path.getsize(self.path)
+        if length > MAX_HEADER:
+            raise self.broken(f"its safetensors header claims {length:,} bytes, over safetensors' limit of {MAX_HEADER:,}")
+        if 8 + length > size:
+            raise self.broken(f"its safetensors header claims {length:,} bytes, past the file's end ({size:,} bytes)")
+        return 8 + length
+
+    def header(self) -> dict[str, dict]:
+        """tensor name -> its entry, each dtype, shape and data_offsets checked against the file's size."""
+        header_end = self.header_end()
+        size = self.size if self.size is not None else os.path.getsize(self.path)
+        try:
+            header = json.loads(self.read(8, header_end - 8))
+        except ValueError as e:
+            raise self.broken(f"its safetensors header is not valid JSON ({one_line(e, 100)})") from None
+        if not isinstance(header, dict):
+            raise self.broken(f"its safetensors header is a JSON {type(header).__name__}, not an object")
+        header.pop("__metadata__", None)
+        for name, entry in header.items():
+            problem = tensor_entry_problem(entry, size - header_end)
+            if problem:
+                raise self.broken(f"tensor {name!r} in its header {problem}")
+        return header
+
+    def tensor_ranges(self, tensors: list[str]) -> list[tuple[int, int]]:
         """The byte ranges of `tensors` in the file, adjacent ones merged (one request each)."""
-        header = json.loads(self.read(8, header_end - 8))
+        header_end, header = self.header_end(), self.header()
+        absent = [t for t in tensors if t not in header]
+        if absent:
+            raise self.broken(f"its header lacks tensor {absent[0]!r}, which model.safetensors.index.json places in it")
         spans = sorted((header_end + header[t]["data_offsets"][0], header_end + header[t]["data_offsets"][1])
                        for t in tensors)
         merged: list[tuple[int, int]] = []
@@ -220,11 +303,55 @@ class Shard:
                                        revision=self.source["commit"])
         return found if isinstance(found, str) else None
 
+    # --- a whole shard: checked against the tree API's digest before use ---------------------------
+    def expected_digest(self) -> tuple[str, str] | None:
+        kind_digest = (self.source.get("digests") or {}).get(self.file)
+        return tuple(kind_digest) if kind_digest else None
+
+    def check_cached_whole(self, blob: Path) -> None:
+        """huggingface_hub's copy, hashed once (a marker beside the view remembers the blob it checked)."""
+        expected = self.expected_digest()
+        if expected is None:
+            return
+        marker = self.folder / f"{self.file}.verified.json"
+        stat = blob.stat()
+        seen = {"blob": str(blob.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "digest": list(expected)}
+        if marker.is_file() and json.loads(marker.read_text()) == seen:
+            return
+        actual = file_digest(blob, expected[0])
+        if actual != expected[1]:
+            raise HubError(f"{self.file} of {self.source['spec']} in huggingface_hub's cache ({blob.resolve()}) has "
+                           f"{expected[0]} {actual[:16]}..., the Hub lists {expected[1][:16]}...: the cached copy is damaged; "
+                           f"delete it (`hf cache delete`) and run again")
+        write_json(marker, seen)
+
+    def check_fetched_whole(self, record: dict) -> None:
+        """Every range held: the file must be the one the Hub lists, else it is dropped."""
+        expected = self.expected_digest()
+        if expected is None or record.get("verified") == list(expected):
+            return
+        actual = file_digest(self.path, expected[0])
+        if actual != expected[1]:
+            self.discard()
+            raise HubError(f"{self.file} of {self.source['spec']} arrived whole with {expected[0]} {actual[:16]}... but "
+                           f"the Hub lists {expected[1][:16]}...: bytes were altered in transit (a proxy or a "
+                           f"faulty mirror?); what was fetched is discarded: run again to fetch it anew")
+        record["verified"] = list(expected)
+        write_json(self.record_path, record)
+
     # --- the partial file and its record ---------------------------------------------------------
     def read_record(self) -> dict:
+        """What is held, and what it was checked against (the commit and ETag of the first range). A record
+        without them (older than the check) is not trusted: the shard is fetched anew."""
         if self.record_path.exists() and self.path.exists():
-            return json.loads(self.record_path.read_text())
+            record = json.loads(self.record_path.read_text())
+            if record.get("etag") and record.get("commit"):
+                return record
         return {"size": None, "ranges": []}
+
+    def discard(self) -> None:
+        self.path.unlink(missing_ok=True)
+        self.record_path.unlink(missing_ok=True)
 
     def read(self, offset: int, length: int) -> bytes:
         with open(self.path, "rb") as f:
@@ -259,6 +386,7 @@ class Shard:
         try:
             with get_session().stream("GET", url, headers=headers, follow_redirects=True, timeout=60) as response:
                 self.check_response(response, start)
+                self.check_identity(record, response)
                 self.ensure_size(record, response)
                 with open(self.path, "r+b") as f:
                     for chunk in response.iter_bytes():
@@ -297,6 +425,28 @@ class Shard:
             raise HubError(f"{self.source['spec']}: the server at {response.url.host} does not serve byte ranges of "
                            f"{self.file} (HTTP {response.status_code}); Tandem fetches only each rank's share")
 
+    def check_identity(self, record: dict, response) -> None:
+        """The range must come from the file version the shard's first range came from: the commit and ETag
+        of the Hub's own answer (before any redirect to storage, whose URL the Hub signs for that version)."""
+        hub = (list(response.history) or [response])[0]
+        commit = hub.headers.get("X-Repo-Commit")
+        etag = (hub.headers.get("X-Linked-Etag") or hub.headers.get("ETag") or "").removeprefix("W/").strip('"') or None
+        if record.get("etag") is None:
+            expected = self.expected_digest()
+            if commit == self.source["commit"] and etag is not None and (expected is None or expected[0] != "sha256"
+                                                                          or etag == expected[1]):
+                record.update(commit=commit, etag=etag)
+                return
+            was = (self.source["commit"], expected[1] if expected and expected[0] == "sha256" else "as the tree lists")
+        elif (commit, etag) == (record["commit"], record["etag"]):
+            return
+        else:
+            was = (record["commit"], record["etag"])
+        self.discard()
+        raise HubError(f"{self.file} of {self.source['spec']} changed on the server while it was fetched (this range: "
+                       f"commit {str(commit)[:12]}, ETag {str(etag)[:16]}; expected commit {was[0][:12]}, ETag {was[1][:16]}): "
+                       f"the ranges held are discarded; fetch again")
+
     def ensure_size(self, record: dict, response) -> None:
         """The file at its full size (the total of Content-Range) before the first write: safetensors checks
         that the data covers every tensor of the header. Unwritten parts are holes, not disk."""
@@ -305,7 +455,7 @@ class Shard:
             raise HubError(f"{self.path} was started from a file of {record['size']} bytes but {self.source['spec']} "
                            f"now serves {size}; delete {self.folder} and run again")
         if record["size"] is None or not self.path.exists():
-            with open(self.path, "ab") as f:
+            with open(self.path, "wb") as f:  # nothing of an earlier, untrusted file is kept
                 f.truncate(size)
             record.update(size=size, ranges=[])
             write_json(self.record_path, record)
@@ -313,6 +463,27 @@ class Shard:
     def add_range(self, record: dict, start: int, end: int) -> None:
         record["ranges"] = union(record["ranges"] + [[start, end]])
         write_json(self.record_path, record)
+
+
+def tensor_entry_problem(entry, data_size: int) -> str | None:
+    """What is wrong with one tensor's header entry, given the data's size after the header (None: nothing)."""
+    if not isinstance(entry, dict):
+        return "is not an object"
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPE_BITS:
+        return f"has dtype {dtype!r}, not one of safetensors'"
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        return f"has shape {shape!r}, not a list of non-negative integers"
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+        return f"has data_offsets {offsets!r}, not two integers"
+    start, end = offsets
+    if not 0 <= start <= end <= data_size:
+        return f"has data_offsets {offsets} outside the file's {data_size:,} bytes of data"
+    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    if bits % 8 or end - start != bits // 8:
+        return f"has data_offsets {offsets} ({end - start:,} bytes) for {dtype} {shape} ({bits / 8:,.0f} bytes)"
+    return None
 
 
 def missing(have: list[list[int]], wanted: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -145,10 +145,27 @@ def checkpoint_index(folder: Path) -> dict[str, Path]:
 def sharded_index(folder: Path, index: Path) -> dict[str, Path]:
     """The index's weight_map. The shards it names are not checked here but when a stage opens them:
     a host may hold only the shards its own stage reads."""
+    return {name: folder / file for name, file in read_weight_map(index).items()}
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """tensor name -> shard file, each file a plain name in the index's own folder. Every reader of the index
+    comes here: a name is joined to a folder and the file opened (and, for a Hub id, created and written at
+    offsets the server gives), so `../x` or `/abs/x` would reach outside the checkpoint."""
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
         raise ModelLoadError(f"{index} has no \"weight_map\" object (tensor name -> file name); the file is damaged: {REFETCH}")
-    return {name: folder / file for name, file in weight_map.items()}
+    for name, file in weight_map.items():
+        if not is_plain_shard_name(file):
+            raise ModelLoadError(f"{index}: weight_map entry {name!r} names {file!r}, not a plain *.safetensors file name in "
+                                 f"the checkpoint's folder (no '/', '\\', '..' or absolute path); the index is broken or "
+                                 f"hostile: refusing it")
+    return weight_map
+
+
+def is_plain_shard_name(file: str) -> bool:
+    """A file name the Hub's repo root can hold and the index's folder joins to a file inside itself."""
+    return file.endswith(".safetensors") and not file.startswith(".") and not any(c in file for c in "/\\\0")
 
 
 @contextmanager

@@ -2,19 +2,23 @@
 2.4 speaks to download (see /work/shared/reference/FACTS.md), reached through HF_ENDPOINT.
 
     GET  /api/models/{org}/{name}/revision/{rev}      model info: {"id", "sha", "siblings"}
-    GET  /api/models/{org}/{name}/tree/{rev}          the file list: [{"type": "file", "path", "size", "oid"}]
-    HEAD /{org}/{name}/resolve/{rev}/{file}           X-Repo-Commit, ETag, Content-Length
+    GET  /api/models/{org}/{name}/tree/{rev}          the file list: [{"type": "file", "path", "size", "oid"}],
+                                                      *.safetensors as LFS files ("lfs": {"oid": sha256, ...})
+    HEAD /{org}/{name}/resolve/{rev}/{file}           X-Repo-Commit, ETag, Content-Length (LFS: X-Linked-Etag
+                                                      = the sha256, X-Linked-Size)
     GET  /{org}/{name}/resolve/{rev}/{file}           the file, or one byte range of it (Range: bytes=a-b)
 
 Repositories are local folders, one per revision (a branch or tag name; its commit id answers too).
 Every request is logged with what was sent, so a test asserts from the server's side which files and
-bytes each client fetched.
+bytes each client fetched. `Hostile` makes it lie: in what the files hold (served consistently: the
+tree's sha256 is that of the hostile file) or in what one range carries (flipped bytes, another ETag).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import re
+import struct
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,6 +26,41 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from tests.tiny_models import free_port
+
+
+@dataclass
+class Hostile:
+    """What a hostile or broken Hub does. The file changes (header_length, bad_json_header, tensor_offsets,
+    weight_map) are the repository's content: tree, HEAD and every range agree on them. flip_data and
+    etag_per_range lie in transit: the tree and HEAD describe the honest file."""
+    flip_data: bool = False  # each range of tensor bytes (past the header) arrives with every 4th byte's top bit flipped
+    etag_per_range: bool = False  # each GET of a .safetensors carries another ETag (bytes of another file behind one header)
+    header_length: int | None = None  # the first 8 bytes of every .safetensors say this
+    bad_json_header: bool = False  # every .safetensors header is not JSON (its length kept)
+    tensor_offsets: dict[str, list] | None = None  # tensor name -> the data_offsets its header claims
+    weight_map: dict[str, str] | None = None  # tensor name -> the file model.safetensors.index.json names for it
+
+    def content(self, name: str, data: bytes) -> bytes:
+        """The file as this Hub stores it."""
+        if name == "model.safetensors.index.json" and self.weight_map:
+            index = json.loads(data)
+            index["weight_map"].update(self.weight_map)
+            return json.dumps(index).encode()
+        if not name.endswith(".safetensors"):
+            return data
+        n = struct.unpack("<Q", data[:8])[0]
+        header, rest = data[8:8 + n], data[8 + n:]
+        if self.tensor_offsets:
+            parsed = json.loads(header)
+            for tensor, offsets in self.tensor_offsets.items():
+                if tensor in parsed:
+                    parsed[tensor]["data_offsets"] = offsets
+            header = json.dumps(parsed).encode()
+            header += b" " * (-len(header) % 8)
+        if self.bad_json_header:
+            header = b'{"model.norm.weight": {"dtype": "F32", ' + b" " * max(0, len(header) - 39)
+        length = struct.pack("<Q", self.header_length if self.header_length is not None else len(header))
+        return length + header + rest
 
 
 @dataclass
@@ -40,11 +79,14 @@ class Logged:
 
 
 class StandInHub:
-    def __init__(self, repos: dict[str, dict[str, Path]], fail_after_bytes: int | None = None, token: str | None = None):
+    def __init__(self, repos: dict[str, dict[str, Path]], fail_after_bytes: int | None = None, token: str | None = None,
+                 hostile: Hostile | None = None):
         """repos: repo id -> {revision name: folder}. fail_after_bytes: drop the connection once this many
         file bytes were sent in all (an interrupted download), then serve normally again. token: every
-        request must carry it (a gated model), else 401 GatedRepo as the Hub answers."""
+        request must carry it (a gated model), else 401 GatedRepo as the Hub answers. hostile: how it lies."""
         self.token = token
+        self.hostile = hostile or Hostile()
+        self.gets = 0  # GETs of .safetensors so far: etag_per_range numbers its ETags with it
         self.repos = {repo: {rev: Path(folder) for rev, folder in revs.items()} for repo, revs in repos.items()}
         self.commits = {repo: {rev: commit_id(folder) for rev, folder in revs.items()} for repo, revs in self.repos.items()}
         self.log: list[Logged] = []
@@ -53,7 +95,7 @@ class StandInHub:
         self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), self.handler())
         self.server.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self.server.server_port}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
 
     def __enter__(self) -> "StandInHub":
         self.thread.start()
@@ -120,8 +162,7 @@ class StandInHub:
                     code = "RepoNotFound" if repo not in hub.repos else "RevisionNotFound"
                     return self.reply(404, json.dumps({"error": code}).encode(), {"X-Error-Code": code})
                 folder, commit = found
-                files = [{"type": "file", "path": p.name, "size": p.stat().st_size, "oid": blob_id(p)}
-                         for p in sorted(folder.iterdir()) if p.is_file()]
+                files = [hub.tree_entry(p) for p in sorted(folder.iterdir()) if p.is_file()]
                 body = {"id": repo, "sha": commit, "siblings": [{"rfilename": f["path"]} for f in files]} \
                     if kind == "revision" else files
                 hub.record(Logged("GET", repo, revision, None, 0, 0, self.client()))
@@ -133,15 +174,21 @@ class StandInHub:
                 if path is None or not path.is_file():
                     code = "EntryNotFound" if found else "RevisionNotFound"
                     return self.reply(404, b"", {"X-Error-Code": code, "X-Repo-Commit": found[1] if found else ""})
-                data = path.read_bytes()
+                data = hub.hostile.content(file, path.read_bytes())
                 start, end = 0, len(data)
                 status = 200
                 asked = self.headers.get("Range")
                 if asked and not head:
                     a, _, b = asked.removeprefix("bytes=").partition("-")
                     start, end, status = int(a), min(len(data), int(b) + 1 if b else len(data)), 206
-                headers = {"X-Repo-Commit": found[1], "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
-                           "Accept-Ranges": "bytes"}
+                headers = {"X-Repo-Commit": found[1], "ETag": f'"{git_blob_id(data)}"', "Accept-Ranges": "bytes"}
+                if file.endswith(".safetensors"):  # an LFS file: the Hub's ETag for it is its sha256
+                    etag = f'"{hashlib.sha256(data).hexdigest()}"'
+                    if hub.hostile.etag_per_range and not head:
+                        with hub.lock:
+                            hub.gets += 1
+                            etag = f'"{hashlib.sha256(data + bytes([hub.gets % 256])).hexdigest()}"'
+                    headers.update({"X-Linked-Etag": etag, "X-Linked-Size": str(len(data)), "ETag": etag})
                 if status == 206:
                     headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
                 if head:
@@ -149,6 +196,11 @@ class StandInHub:
                     hub.record(Logged("HEAD", repo, revision, file, 0, 0, self.client()))
                     return self.reply(200, None, headers)
                 body = data[start:end]
+                if hub.hostile.flip_data and file.endswith(".safetensors") and start >= 8 + struct.unpack("<Q", data[:8])[0]:
+                    flipped = bytearray(body)
+                    for i in range(3, len(flipped), 4):  # the sign bit of each little-endian float32
+                        flipped[i] ^= 0x80
+                    body = bytes(flipped)
                 cut = hub.cut(len(body))
                 hub.record(Logged("GET", repo, revision, file, start, start + (cut if cut is not None else len(body)),
                                   self.client()))
@@ -174,6 +226,16 @@ class StandInHub:
                     self.wfile.write(body)
 
         return Handler
+
+    def tree_entry(self, path: Path) -> dict:
+        """The tree API's entry for a file: an LFS file's oid is its pointer's, the sha256 is under "lfs"."""
+        data = self.hostile.content(path.name, path.read_bytes())
+        if not path.name.endswith(".safetensors"):
+            return {"type": "file", "path": path.name, "size": len(data), "oid": git_blob_id(data)}
+        sha = hashlib.sha256(data).hexdigest()
+        pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha}\nsize {len(data)}\n".encode()
+        return {"type": "file", "path": path.name, "size": len(data), "oid": git_blob_id(pointer),
+                "lfs": {"oid": sha, "size": len(data), "pointerSize": len(pointer)}}
 
     def record(self, entry: Logged) -> None:
         with self.lock:
@@ -201,6 +263,5 @@ def commit_id(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def blob_id(path: Path) -> str:
-    data = path.read_bytes()
+def git_blob_id(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()

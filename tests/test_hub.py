@@ -3,9 +3,12 @@
 server's own log says which files and bytes each fetched: rank 0 the small files, the embeddings' and
 layers [0, split)'s bytes and the drafter; rank 1 the small files, layers [split, L)'s bytes, the norm
 and (tied embeddings) the embedding matrix as its head; nothing else. Output equals generate."""
+import hashlib
 import json
 import re
+import shutil
 import struct
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -15,8 +18,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from model_parallel.hub import HubError, fetch_stage, resolve
-from model_parallel.loader import load_stage
-from tests.stand_in_hub import StandInHub
+from model_parallel.loader import ModelLoadError, load_stage
+from tests.stand_in_hub import Hostile, StandInHub
 from tests.tiny_models import ids_arg, reference_greedy, run_pair, run_tandem, save_tiny, save_tiny_tokenizer
 
 PROMPT = [11, 42, 7, 250, 3, 99, 180, 5, 42, 7]
@@ -220,3 +223,129 @@ def test_torchrun_reads_the_hub_environment(hub, repos, tmp_path):
         union[f] -= n - headers[f]
     assert fetched == union
     assert any(cache.glob("models--org--tiny/tandem/*/model-*.safetensors.ranges.json"))
+
+
+# --- a hostile or broken Hub: nothing that arrives is trusted (issue 25) ----------------------------
+
+@contextmanager
+def lying_hub(monkeypatch, repo: Path, **lies):
+    """The stand-in serving `repo` as org/x, lying as `lies` says (see tests/stand_in_hub.Hostile)."""
+    with StandInHub({"org/x": {"main": repo}}, hostile=Hostile(**lies)) as server:
+        monkeypatch.setattr(constants, "ENDPOINT", server.endpoint)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+        yield server
+
+
+def fetch_all(cache: Path, layers: int = 2) -> str:
+    """Resolve org/x and fetch every tensor of it, as rank 0 of a one-stage run would."""
+    folder, _ = resolve("org/x", "model.target", str(cache), 0)
+    fetch_stage(folder, 0, layers, embed=True, head=True, rank=0)
+    return folder
+
+
+def refused(error: pytest.ExceptionInfo, *words: str) -> str:
+    message = str(error.value)
+    assert "\n" not in message and all(w in message for w in words), message
+    return message
+
+
+def test_a_range_with_flipped_bytes_is_refused_once_the_shard_is_whole(repos, tmp_path, monkeypatch):
+    with lying_hub(monkeypatch, repos["draft"], flip_data=True) as server:
+        with pytest.raises(HubError) as caught:
+            fetch_all(tmp_path)
+        assert any(e.start > 8 for e in server.log if e.file == "model.safetensors")  # tensor bytes did arrive
+    refused(caught, "model.safetensors", "org/x", "sha256", "altered in transit", "run again")
+    kept = [p.name for p in tmp_path.glob("models--org--x/tandem/*/model.safetensors*") if p.suffix != ".lock"]
+    assert kept == []  # the altered bytes are not kept
+
+
+def test_a_partial_shard_records_the_commit_and_sha256_its_ranges_came_with(hub, repos, tmp_path):
+    folder, _ = resolve("org/tiny", "model.target", str(tmp_path), 1)
+    fetch_stage(folder, 2, 4, embed=False, head=True, rank=1)
+    records = {p.name.removesuffix(".ranges.json"): json.loads(p.read_text()) for p in Path(folder).glob("*.ranges.json")}
+    assert records
+    for file, record in records.items():
+        assert record["commit"] == hub.commits["org/tiny"]["main"]
+        assert record["etag"] == hashlib.sha256((repos["main"] / file).read_bytes()).hexdigest()
+
+
+def test_a_range_of_another_file_version_is_refused_and_the_shard_dropped(repos, tmp_path, monkeypatch):
+    with lying_hub(monkeypatch, repos["main"], etag_per_range=True):
+        folder, _ = resolve("org/x", "model.target", str(tmp_path), 1)
+        with pytest.raises(HubError) as caught:
+            fetch_stage(folder, 2, 4, embed=False, head=True, rank=1)
+    refused(caught, "org/x", "changed on the server", "fetch again")
+    assert [p.name for p in Path(folder).glob("model-*.safetensors*") if p.suffix != ".lock"] == []
+
+
+@pytest.mark.parametrize("length, words", [(2 ** 40, "over safetensors' limit of 100,000,000"),
+                                           (100_000_001, "over safetensors' limit"),
+                                           (10 ** 6, "past the file's end")])
+def test_a_header_length_past_the_limit_or_the_file_is_refused_before_it_is_asked_for(repos, tmp_path, monkeypatch,
+                                                                                     length, words):
+    with lying_hub(monkeypatch, repos["draft"], header_length=length) as server:
+        with pytest.raises(HubError) as caught:
+            fetch_all(tmp_path)
+        assert server.ranges("rank0", "model.safetensors") == [(0, 8)]
+    message = refused(caught, "model.safetensors", "org/x", f"{length:,}", words, "broken, not the network")
+    assert "resume" not in message
+
+
+def test_a_header_that_is_not_json_is_the_checkpoints_fault_in_one_line(repos, tmp_path, monkeypatch):
+    with lying_hub(monkeypatch, repos["draft"], bad_json_header=True) as server:
+        with pytest.raises(HubError) as caught:
+            fetch_all(tmp_path)
+        header_end = 8 + struct.unpack("<Q", (repos["draft"] / "model.safetensors").read_bytes()[:8])[0]
+        assert max(b for _, b in server.ranges("rank0", "model.safetensors")) <= header_end  # no tensor byte
+    assert "resume" not in refused(caught, "model.safetensors", "not valid JSON", "broken, not the network")
+
+
+@pytest.mark.parametrize("offsets", [[0, 10 ** 12], [-8, 4], [8, 4], [0, 3], "0-4"])
+def test_tensor_offsets_outside_the_file_or_the_shape_are_refused_before_any_tensor_byte(repos, tmp_path, monkeypatch, offsets):
+    with lying_hub(monkeypatch, repos["draft"], tensor_offsets={"model.norm.weight": offsets}) as server:
+        with pytest.raises(HubError) as caught:
+            fetch_all(tmp_path)
+        raw = server.hostile.content("model.safetensors", (repos["draft"] / "model.safetensors").read_bytes())
+        header_end = 8 + struct.unpack("<Q", raw[:8])[0]
+        assert max(b for _, b in server.ranges("rank0", "model.safetensors")) <= header_end
+    assert "resume" not in refused(caught, "model.safetensors", "'model.norm.weight'", "data_offsets", "broken, not the network")
+
+
+HOSTILE_NAMES = ["../../x.safetensors", "/tmp/tandem-abs.safetensors", "sub/x.safetensors", "sub\\x.safetensors",
+                 "..", "config.json", "x.safetensors\0"]
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES)
+def test_a_weight_map_naming_a_file_outside_the_repo_is_refused_from_the_hub(repos, tmp_path, monkeypatch, name):
+    with lying_hub(monkeypatch, repos["main"], weight_map={"model.norm.weight": name}):
+        with pytest.raises(ModelLoadError) as caught:
+            fetch_all(tmp_path / "cache", layers=4)
+    refused(caught, "weight_map entry 'model.norm.weight'", repr(name), "not a plain")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"] and not Path("/tmp/tandem-abs.safetensors").exists()
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES[:3])
+def test_a_weight_map_naming_a_file_outside_the_folder_is_refused_locally(repos, tmp_path, name):
+    local = tmp_path / "model"
+    shutil.copytree(repos["main"], local)
+    index = json.loads((local / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = name
+    (local / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError) as caught:
+        load_stage(local, 2, 4, embed=False, head=True)
+    refused(caught, "weight_map entry 'model.norm.weight'", repr(name), "not a plain")
+
+
+def test_a_damaged_whole_shard_in_the_standard_cache_is_refused(hub, repos, tmp_path):
+    from huggingface_hub import hf_hub_download
+    blob = Path(hf_hub_download("org/draft", "model.safetensors", cache_dir=str(tmp_path))).resolve()
+    folder = fetch_draft = resolve("org/draft", "draft.model", str(tmp_path), 0)[0]
+    fetch_stage(fetch_draft, 0, 2, embed=True, head=True, rank=0)  # intact: linked, nothing fetched
+    assert not hub.ranges("rank0", "model.safetensors")
+    raw = bytearray(blob.read_bytes())
+    raw[-1] ^= 0x80
+    blob.chmod(0o644)
+    blob.write_bytes(bytes(raw))
+    with pytest.raises(HubError) as caught:
+        fetch_stage(folder, 0, 2, embed=True, head=True, rank=0)
+    refused(caught, "model.safetensors", "org/draft", "huggingface_hub's cache", "damaged")
