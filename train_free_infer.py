@@ -34,7 +34,7 @@ from kvcache.static_cache import CacheOverflowError
 from model_parallel.loader import ModelLoadError, load_config
 from model_parallel.split import RankCosts
 from netbridge import protocol
-from netbridge.channel import PeerError
+from netbridge.channel import PeerError, leave_last_words
 from netbridge.frames import FrameError
 from netbridge.protocol import Hello, Request
 from speculative.output import Output
@@ -266,12 +266,17 @@ def main(argv: list[str] | None = None) -> None:
     try:
         rank, ranks = torchrun_rank()
         skip_the_final_collections_at_exit()
-        listener = None
+        listener, refused = None, None
         if rank == 0 and cfg.serve.port is not None:
             from launch.server import load_api_key, reserve_port
-            load_api_key(cfg)  # an unreadable key file fails now, not after the weights load
-            listener = reserve_port(cfg)  # before the process group opens ports of its own
+            try:
+                load_api_key(cfg)  # an unreadable key file fails now, not after the weights load
+                listener = reserve_port(cfg)  # before the process group opens ports of its own
+            except EXPECTED as e:
+                refused = e  # raised once the links are open: the other ranks, waiting to meet, hear it at once
         links = prev, next = open_links(cfg, rank, ranks)  # one channel both ways with two ranks
+        if refused is not None:
+            raise refused
         if rank == 0:
             rank0(cfg, next, listener, replies=prev, ranks=ranks)
         elif rank == ranks - 1:
@@ -327,6 +332,8 @@ def _tell_peer(links, message: str, ranks: int = 2, wait_s: float = 5.0) -> None
     FrameError) leaves the peer there, waiting for the reason. With N > 2 the rank after this one on the
     ring, which passes it on (every rank waits on the one before it), whatever the cause."""
     cause = sys.exc_info()[1]
+    if not isinstance(cause, PeerError):  # this rank's own cause, for a peer that is sending, not receiving
+        leave_last_words(message)
     if links is None or (ranks == 2 and isinstance(cause, PeerError) and not isinstance(cause, FrameError)):
         return
     channel = links[1]

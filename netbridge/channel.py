@@ -86,14 +86,63 @@ class GlooChannel(Channel):
         return payload.numpy().tobytes()
 
     def _wait(self, start_op) -> None:
-        """Start a gloo operation and wait for it, turning gloo's errors into one PeerError line."""
+        """Start a gloo operation and wait for it, turning gloo's errors into one PeerError line: the peer's own
+        cause when it left one (leave_last_words), else what gloo saw."""
         try:
             start_op().wait(timeout=timedelta(seconds=self.timeout_s))
         except RuntimeError as e:
+            words = last_words(self.peer)
+            if words:
+                raise PeerError(f"rank {self.peer} failed: {words}") from None
             cause = gloo_cause(str(e)) or type(e).__name__
             if "timed out" in cause.lower() or "timeout" in cause.lower():
                 raise PeerError(f"rank {self.peer} sent nothing for {self.timeout_s:.0f} s (transport.timeout_s); is it still running? (gloo: {cause})") from None
             raise PeerError(f"lost rank {self.peer} (gloo: {cause}); the other process died or its host dropped off the network") from None
+
+
+# A rank that fails says why in torchrun's store as well as on its channel: a gloo send completes only when the
+# peer receives, so a rank that is itself sending (or loading) when its peer fails never reads the peer's Error
+# frame; it sees only "Connection closed by peer". The store outlives the worker (torchrun's agent serves it).
+LAST_WORDS = "tandem/last-words/rank{}"
+LAST_WORDS_WAIT_S = 1.0  # a peer that is leaving writes its words before it closes its sockets
+
+
+def leave_last_words(message: str) -> None:
+    """Best effort: this rank's cause, for its peers' lines (last_words)."""
+    store = _store()
+    if store is not None:
+        try:
+            import torch.distributed as dist
+            store.set(LAST_WORDS.format(dist.get_rank()), message)
+        except Exception:  # noqa: BLE001 - the store may be gone too; the channel's Error is still tried
+            pass
+
+
+def last_words(rank: int) -> str | None:
+    store = _store()
+    if store is None:
+        return None
+    key = LAST_WORDS.format(rank)
+    try:
+        deadline = time.monotonic() + LAST_WORDS_WAIT_S
+        while not store.check([key]):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+        return store.get(key).decode("utf-8", "replace")
+    except Exception:  # noqa: BLE001 - no store, or its host is gone: gloo's own cause stands
+        return None
+
+
+def _store():
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+        return _get_default_store()
+    except Exception:  # noqa: BLE001 - a private helper: if it moves, the lines lose the peer's cause, nothing else
+        return None
 
 
 # gloo prefixes its errors with the C++ source location: "[/__w/pytorch/.../tcp/pair.cc:553] "

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from netbridge.channel import PeerError
 from netbridge.relay_channel import RefusedFrame
-from tests.tiny_models import ids_arg, run_entry_pair, save_tiny
+from tests.tiny_models import free_port, ids_arg, run_entry_pair, save_tiny
 
 
 def overflowing_head(folder):
@@ -81,3 +81,47 @@ def test_a_refused_frame_on_rank1_reaches_rank0(tmp_path, monkeypatch, reports):
     assert len(lines) == 2 and all("altered or replayed" in line for line in lines), lines
     assert "altered or replayed" in json.loads((tmp_path / "out.json").read_text())["error"]
     assert issubclass(RefusedFrame, PeerError)
+
+
+@pytest.mark.parametrize("problem", ["empty key file", "port in use"])
+def test_a_check_only_rank_0_makes_reaches_every_rank_at_once(tmp_path, monkeypatch, reports, tiny_qwen, problem):
+    """serve.api_key_file and serve.port are rank 0's alone: a failure there ends every rank with its line,
+    at once (not rank 1 waiting to meet a rank 0 that has gone, until torchrun kills it)."""
+    import socket
+    import time
+    args = [f"model.target={tiny_qwen}", "model.dtype=float32", "draft.kind=none", "spec.k=0"]
+    if problem == "empty key file":
+        (tmp_path / "key").write_text("")
+        args += [f"serve.api_key_file={tmp_path / 'key'}", "serve.port=0"]
+        needle = "is empty"
+    else:
+        busy = socket.socket()
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        args += [f"serve.port={busy.getsockname()[1]}"]
+        needle = "cannot serve on"
+    t0 = time.monotonic()
+    outcome = run_entry_pair(monkeypatch, *args, timeout_s=20)
+    assert time.monotonic() - t0 < 5
+    assert outcome == {0: 1, 1: 1}
+    lines = rank_lines(reports)
+    assert len(lines) == 2 and all(needle in line for line in lines), lines
+
+
+def test_a_rank_that_fails_while_its_peer_sends_is_named_by_its_cause(tmp_path):
+    """gloo: a send completes only when the peer receives, so rank 0, sending its prompt while rank 1 fails to
+    load, never reads rank 1's Error frame; rank 1's cause reaches it through torchrun's store instead."""
+    import subprocess
+    import sys
+    from tests.tiny_models import REPO
+    broken = save_tiny(tmp_path / "target", "qwen2", seed=1)
+    weights = load_file(broken / "model.safetensors")
+    del weights["model.layers.3.mlp.down_proj.weight"]  # rank 1's layer: rank 0 loads and sends, rank 1 fails
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+                           f"--master_port={free_port()}", str(REPO / "train_free_infer.py"), *one_shot(broken, out),
+                           "model.split=2", "transport.timeout_s=20"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    rank0 = [line for line in proc.stderr.splitlines() if line.startswith("tandem[rank 0]")]
+    assert proc.returncode != 0 and rank0, proc.stderr[-3000:]
+    assert "down_proj" in rank0[0] and "lost rank 1" not in rank0[0], rank0
