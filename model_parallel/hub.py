@@ -205,9 +205,10 @@ def checkpoint_files(folder: Path) -> tuple[dict[str, str], int]:
     """(tensor name -> shard file, the checkpoint's size in bytes as its index states it, 0 if unknown)."""
     index = folder / INDEX
     if index.exists():
+        weight_map = read_weight_map(index)  # checked names; a damaged file is one line there
         metadata = json.loads(index.read_text()).get("metadata")
         total = metadata.get("total_size") if isinstance(metadata, dict) else 0
-        return read_weight_map(index), total if isinstance(total, int) and total > 0 else 0
+        return weight_map, total if isinstance(total, int) and total > 0 else 0
     from model_parallel.loader import checkpoint_index
     return {name: SINGLE for name in checkpoint_index(folder)}, 0
 

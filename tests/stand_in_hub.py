@@ -30,14 +30,14 @@ from tests.tiny_models import free_port
 
 @dataclass
 class Hostile:
-    """What a hostile or broken Hub does. The file changes (header_length, bad_json_header, tensor_offsets,
+    """What a hostile or broken Hub does. The file changes (header_length, bad_json_header, tensor_entries,
     weight_map) are the repository's content: tree, HEAD and every range agree on them. flip_data and
     etag_per_range lie in transit: the tree and HEAD describe the honest file."""
     flip_data: bool = False  # each range of tensor bytes (past the header) arrives with every 4th byte's top bit flipped
     etag_per_range: bool = False  # each GET of a .safetensors carries another ETag (bytes of another file behind one header)
     header_length: int | None = None  # the first 8 bytes of every .safetensors say this
     bad_json_header: bool = False  # every .safetensors header is not JSON (its length kept)
-    tensor_offsets: dict[str, list] | None = None  # tensor name -> the data_offsets its header claims
+    tensor_entries: dict[str, dict] | None = None  # tensor name -> fields its header entry claims (dtype, shape, data_offsets)
     weight_map: dict[str, str] | None = None  # tensor name -> the file model.safetensors.index.json names for it
 
     def content(self, name: str, data: bytes) -> bytes:
@@ -50,11 +50,11 @@ class Hostile:
             return data
         n = struct.unpack("<Q", data[:8])[0]
         header, rest = data[8:8 + n], data[8 + n:]
-        if self.tensor_offsets:
+        if self.tensor_entries:
             parsed = json.loads(header)
-            for tensor, offsets in self.tensor_offsets.items():
+            for tensor, fields in self.tensor_entries.items():
                 if tensor in parsed:
-                    parsed[tensor]["data_offsets"] = offsets
+                    parsed[tensor].update(fields)
             header = json.dumps(parsed).encode()
             header += b" " * (-len(header) % 8)
         if self.bad_json_header:

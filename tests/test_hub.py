@@ -300,15 +300,23 @@ def test_a_header_that_is_not_json_is_the_checkpoints_fault_in_one_line(repos, t
     assert "resume" not in refused(caught, "model.safetensors", "not valid JSON", "broken, not the network")
 
 
-@pytest.mark.parametrize("offsets", [[0, 10 ** 12], [-8, 4], [8, 4], [0, 3], "0-4"])
-def test_tensor_offsets_outside_the_file_or_the_shape_are_refused_before_any_tensor_byte(repos, tmp_path, monkeypatch, offsets):
-    with lying_hub(monkeypatch, repos["draft"], tensor_offsets={"model.norm.weight": offsets}) as server:
+@pytest.mark.parametrize("entry, words", [({"data_offsets": [0, 10 ** 12]}, "outside the file"),
+                                          ({"data_offsets": [-8, 4]}, "outside the file"),
+                                          ({"data_offsets": [8, 4]}, "outside the file"),
+                                          ({"data_offsets": "0-4"}, "not two integers"),
+                                          ({"data_offsets": [0, 3]}, "(3 bytes) for F32"),  # not the shape's bytes
+                                          ({"shape": [-1, 16]}, "not a list of non-negative"),
+                                          ({"shape": [10 ** 9]}, "for F32 [1000000000]"),
+                                          ({"dtype": "F128"}, "dtype 'F128'")])
+def test_a_tensor_entry_outside_the_file_or_its_shape_is_refused_before_any_tensor_byte(repos, tmp_path, monkeypatch,
+                                                                                       entry, words):
+    with lying_hub(monkeypatch, repos["draft"], tensor_entries={"model.norm.weight": entry}) as server:
         with pytest.raises(HubError) as caught:
             fetch_all(tmp_path)
         raw = server.hostile.content("model.safetensors", (repos["draft"] / "model.safetensors").read_bytes())
         header_end = 8 + struct.unpack("<Q", raw[:8])[0]
         assert max(b for _, b in server.ranges("rank0", "model.safetensors")) <= header_end
-    assert "resume" not in refused(caught, "model.safetensors", "'model.norm.weight'", "data_offsets", "broken, not the network")
+    assert "resume" not in refused(caught, "model.safetensors", "'model.norm.weight'", words, "broken, not the network")
 
 
 HOSTILE_NAMES = ["../../x.safetensors", "/tmp/tandem-abs.safetensors", "sub/x.safetensors", "sub\\x.safetensors",
