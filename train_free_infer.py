@@ -274,9 +274,9 @@ def main(argv: list[str] | None = None) -> None:
                 listener = reserve_port(cfg)  # before the process group opens ports of its own
             except EXPECTED as e:
                 refused = e  # raised once the links are open: the other ranks, waiting to meet, hear it at once
-        links = prev, next = open_links(cfg, rank, ranks)  # one channel both ways with two ranks
         if refused is not None:
-            raise refused
+            _refuse(cfg, rank, ranks, refused)
+        links = prev, next = open_links(cfg, rank, ranks)  # one channel both ways with two ranks
         if rank == 0:
             rank0(cfg, next, listener, replies=prev, ranks=ranks)
         elif rank == ranks - 1:
@@ -320,6 +320,27 @@ def _drop_stdout() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
+
+
+REFUSAL_WAIT_S = 30.0  # at most this (and transport.timeout_s) rank 0 waits for the others to meet, to tell them why it stops
+
+
+def _refuse(cfg: TandemConfig, rank: int, ranks: int, error: BaseException) -> None:
+    """A check only rank 0 makes failed: its line at once, then, if the others come to meet it within
+    REFUSAL_WAIT_S, the same line to them (they would otherwise wait at the rendezvous for a rank 0 that is
+    gone until torchrun kills them), then exit 1."""
+    report(str(error), rank)
+    opened: list = []
+    opener = threading.Thread(target=lambda: opened.append(open_links(cfg, rank, ranks)), daemon=True)
+    opener.start()
+    opener.join(min(REFUSAL_WAIT_S, cfg.transport.timeout_s))
+    if opened:
+        try:
+            raise error  # _tell_peer reads the cause it sends from the exception being handled
+        except type(error):
+            _tell_peer(opened[0], str(error), ranks)
+        close_channel(*opened[0])
+    sys.exit(1)
 
 
 def _one_line(e: BaseException) -> str:

@@ -178,10 +178,11 @@ def test_peer_never_joins():
 
 def test_a_serve_port_in_use_is_found_before_the_group_forms():
     """Rank 0 binds serve.port first (the process group then opens ephemeral ports of its own, which
-    could take it): taken, it stops at once with one line, not after waiting for its peer."""
+    could take it): taken, it says so at once with one line, then waits for its peer only to tell it
+    (at most transport.timeout_s: here the peer never comes)."""
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        proc = run_plain(f"serve.port={port}", "model.target=/nonexistent", "transport.timeout_s=120", timeout=45,
+        proc = run_plain(f"serve.port={port}", "model.target=/nonexistent", "transport.timeout_s=2", timeout=45,
                          env=dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                                   MASTER_PORT=str(free_port())))
     assert_one_line_error(proc, f"cannot serve on 127.0.0.1:{port}", "pick another serve.port")
