@@ -60,7 +60,7 @@ def test_cache_rewind_matches_from_scratch(family, tiny_qwen, tiny_llama):
 def drafter_for(folder, max_len: int, max_k: int = 8) -> ModelDrafter:
     """A greedy fp32 drafter built the way the entry builds it (launch.build)."""
     cfg = load_config([f"model.target={folder}", f"draft.model={folder}", "draft.dtype=float32",
-                       f"draft.max_len={max_len}", f"spec.k={max_k}", "prompt_ids=[1]"])
+                       f"draft.max_len={max_len}", f"spec.k={max_k}", "prompt_ids=[1]", "gen.max_new_tokens=16"])
     drafter = model_drafter(cfg)
     drafter.reset(0, temperature=0.0, seed=0)
     return drafter
