@@ -42,6 +42,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
+from launch.rendezvous import FixedGroup
 from netbridge import auth
 from netbridge.link import RDZV_BODY, RDZV_DONE, LinkClosed, LinkGarbage, LinkSocket, LinkTimeout, NoticeBoard, UnexpectedFrame
 
@@ -113,7 +114,9 @@ def _pump(src: socket.socket, dst: socket.socket) -> None:
                 pass
 
 
-class RelayRendezvousHandler(RendezvousHandler):
+class RelayRendezvousHandler(FixedGroup):
+    backend = BACKEND
+
     def __init__(self, params: RendezvousParameters):
         if params.min_nodes != params.max_nodes:
             raise RendezvousError(f"--rdzv_backend={BACKEND} is not elastic: give --nnodes=N, not {params.min_nodes}:{params.max_nodes}")
@@ -138,13 +141,6 @@ class RelayRendezvousHandler(RendezvousHandler):
         self._proxy: StoreProxy | None = None
         self._closed = False
         os.environ.setdefault("TANDEM_RELAY", self.endpoint)  # workers inherit it: transport.relay's default
-
-    def get_backend(self) -> str:
-        return BACKEND
-
-    @property
-    def use_agent_store(self) -> bool:
-        return True
 
     def next_rendezvous(self) -> RendezvousInfo:
         if self._closed:
@@ -199,20 +195,8 @@ class RelayRendezvousHandler(RendezvousHandler):
             return missing + notices.suffix()
         return missing + ": start torchrun on the other node(s) with the same --rdzv_endpoint, --rdzv_id, --nnodes and relay token"
 
-    def is_closed(self) -> bool:
-        return self._closed
-
-    def set_closed(self) -> None:
-        self._closed = True
-
-    def num_nodes_waiting(self) -> int:
-        return 0  # a fixed group: nobody waits to be admitted
-
-    def get_run_id(self) -> str:
-        return self.run_id
-
     def shutdown(self) -> bool:
-        self._closed = True
+        super().shutdown()
         if self._proxy is not None:
             self._proxy.close()
             self._proxy = None

@@ -53,7 +53,40 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class NodeRankRendezvous(RendezvousHandler):
+class FixedGroup(RendezvousHandler):
+    """What torchrun asks of a rendezvous beyond meeting, for a fixed group of nodes (--nnodes=N, not elastic):
+    the same for Tandem's two backends (this one and launch/relay_rendezvous.py's)."""
+    backend = ""
+    run_id = ""
+    _closed = False
+
+    def get_backend(self) -> str:
+        return self.backend
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True
+
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def set_closed(self) -> None:
+        self._closed = True
+
+    def num_nodes_waiting(self) -> int:
+        return 0  # a fixed group: nobody waits to be admitted
+
+    def get_run_id(self) -> str:
+        return self.run_id
+
+    def shutdown(self) -> bool:
+        self._closed = True
+        return True
+
+
+class NodeRankRendezvous(FixedGroup):
+    backend = BACKEND
+
     def __init__(self, params: RendezvousParameters):
         if params.min_nodes != params.max_nodes:
             raise RendezvousError(f"--rdzv_backend={BACKEND} is not elastic: give --nnodes=N, not {params.min_nodes}:{params.max_nodes}")
@@ -73,14 +106,6 @@ class NodeRankRendezvous(RendezvousHandler):
         self.me = f"{socket.gethostname()} (pid {os.getpid()})"
         self.claim = f"{self.me}#{uuid.uuid4().hex}"  # unique even for two handlers in one process
         self._store: TCPStore | None = None
-        self._closed = False
-
-    def get_backend(self) -> str:
-        return BACKEND
-
-    @property
-    def use_agent_store(self) -> bool:
-        return True
 
     def next_rendezvous(self) -> RendezvousInfo:
         try:
@@ -195,22 +220,6 @@ class NodeRankRendezvous(RendezvousHandler):
                     f"{self.join_timeout_s:g} s (--rdzv_conf join_timeout): node rank {', '.join(missing)} never came; "
                     "start torchrun there with the same --rdzv_endpoint and --nnodes")
             time.sleep(POLL_S)
-
-    def is_closed(self) -> bool:
-        return self._closed
-
-    def set_closed(self) -> None:
-        self._closed = True
-
-    def num_nodes_waiting(self) -> int:
-        return 0  # a fixed group: nobody waits to be admitted
-
-    def get_run_id(self) -> str:
-        return self.run_id
-
-    def shutdown(self) -> bool:
-        self._closed = True
-        return True
 
 
 def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
