@@ -194,8 +194,9 @@ def replay(target: int):
     return mutate
 
 
-def test_a_flipped_ciphertext_byte_is_refused():
-    s = StandIn(flip_byte_of(2))
+def second_frame_refusal(tamper) -> str:
+    """The line rank 1 refuses the second frame with, the relay stand-in applying `tamper` to it."""
+    s = StandIn(tamper)
     try:
         s.c0.send("ping", {"i": 0}, x=torch.arange(16))
         assert s.c1.recv("ping").meta["i"] == 0
@@ -204,7 +205,11 @@ def test_a_flipped_ciphertext_byte_is_refused():
             s.c1.recv("ping")
     finally:
         s.close()
-    text = str(caught.value)
+    return str(caught.value)
+
+
+def test_a_flipped_ciphertext_byte_is_refused():
+    text = second_frame_refusal(flip_byte_of(2))
     assert "\n" not in text and "relay stand-in" in text and "tampered with" in text, text
 
 
@@ -278,16 +283,7 @@ def rewrite_header_of(target: int, field: str):
 def test_a_rewritten_header_field_is_refused(field):
     """docs/relay.md: the seq / ack / type header is authenticated. A relay that raises the ack (so the peer forgets
     frames it may have to resend) or turns a message into a CLOSE must be refused as tampering, not obeyed."""
-    s = StandIn(rewrite_header_of(2, field))
-    try:
-        s.c0.send("ping", {"i": 0}, x=torch.arange(16))
-        assert s.c1.recv("ping").meta["i"] == 0
-        s.c0.send("ping", {"i": 1}, x=torch.arange(16))
-        with pytest.raises(PeerError) as caught:
-            s.c1.recv("ping")
-    finally:
-        s.close()
-    text = str(caught.value)
+    text = second_frame_refusal(rewrite_header_of(2, field))
     assert "\n" not in text and "refused a frame from rank 0 through the relay stand-in: tampered with" in text, text
 
 
