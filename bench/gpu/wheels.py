@@ -1,12 +1,11 @@
 """The Python packages the GPU machine lacks, carried with the tree as wheels (nothing can be downloaded there).
 
-Build the folder here, once (about 0.3 MiB; git-ignored, so `run` must name it in `carry`):
+Build the folder here, once (about 0.25 MiB; git-ignored, so `run` must name it in `carry`):
 
     .venv/bin/python -m bench.gpu.wheels
 
 The GPU machine's image has torch 2.11, transformers 5.17, huggingface_hub, safetensors, tokenizers, tqdm,
-numpy, PyYAML and tensorboard, but not omegaconf (and so not its parser runtime, antlr4). Those two are pure
-Python. `use_wheels()` unpacks every wheel of the folder into a temporary site folder and puts it first on
+numpy, PyYAML and tensorboard, but not omegaconf (pure Python). `use_wheels()` unpacks every wheel of the folder into a temporary site folder and puts it first on
 sys.path and on PYTHONPATH, so torchrun's workers find it too.
 """
 from __future__ import annotations
@@ -19,19 +18,15 @@ import zipfile
 from pathlib import Path
 
 FOLDER = Path(__file__).resolve().parent / "wheels"
-# omegaconf 2.4.0 is what constraints.txt pins; it needs antlr4-python3-runtime 4.9.* (its own requirement)
-WHEELS = ["omegaconf==2.4.0", "antlr4-python3-runtime==4.9.3"]
-MODULES = ["omegaconf", "antlr4"]  # what the run imports from them
+# omegaconf 2.4.0 is what constraints.txt pins; it needs only PyYAML, which the GPU machine has (2.3 needed antlr4)
+WHEELS = ["omegaconf==2.4.0"]
+MODULES = ["omegaconf"]  # what the run imports from them
 
 
 def build(folder: Path = FOLDER) -> list[Path]:
     """Download the wheels (no dependencies: the rest is on the GPU machine) into `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--dest", str(folder), *WHEELS], check=True)
-    # antlr4's runtime comes as an sdist; a wheel of it unpacks as plain files, so build one here once
-    for sdist in folder.glob("*.tar.gz"):
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(folder), str(sdist)], check=True)
-        sdist.unlink()
     return sorted(folder.glob("*.whl"))
 
 
