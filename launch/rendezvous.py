@@ -223,7 +223,10 @@ class NodeRankRendezvous(FixedGroup):
 
 
 def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
-    return NodeRankRendezvous(params)
+    try:
+        return NodeRankRendezvous(params)
+    except RendezvousError as e:  # a bad --rdzv_* option: its line, not torchrun's traceback
+        raise SystemExit(f"[rendezvous: {e}]") from None
 
 
 def torchrun_handler():

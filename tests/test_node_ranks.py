@@ -85,7 +85,7 @@ def test_a_node_that_never_comes_is_named_within_join_timeout():
 
 
 def test_the_node_rank_is_required():
-    with pytest.raises(Exception, match="needs --rdzv_conf node_rank=R on every host"):
+    with pytest.raises(SystemExit, match="needs --rdzv_conf node_rank=R on every host"):
         handler(free_port(), None)
 
 
