@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu.models import SHAPES, TINY, random_model, save, stage_of
+from bench.gpu.models import SHAPES, TINY, layers_stage, random_model, save
 
 
 def sync(device: str) -> None:
@@ -73,7 +73,7 @@ def layer_ms(shape_name: str, device: str, k: int, chunk: int, layers: int, repe
     """ms per layer of a stage over 1, K+1 and `chunk` tokens, and of the norm + head over K+1 positions."""
     shape = TINY if dry_run else SHAPES[shape_name]
     model = random_model(shape, layers, device, torch.bfloat16)
-    stage = stage_of(model, embed=False, head=True)
+    stage = layers_stage(model)  # the head is timed apart, below
     stage.allocate_cache(chunk + 2 * (k + 1) + 8, torch.bfloat16)
     hidden = model.config.hidden_size
     row = {"layers_timed": layers, "real_layers": shape["num_hidden_layers"]}
@@ -82,11 +82,11 @@ def layer_ms(shape_name: str, device: str, k: int, chunk: int, layers: int, repe
 
         def forward():
             stage.cache.rewind(0)
-            stage(h, num_logits=1, live=tokens)
+            stage(h, live=tokens)
         row[f"per_layer_ms_{tokens}"] = timed_ms(forward, device, repeats) / layers
     h = torch.randn(1, k + 1, hidden, device=device, dtype=torch.bfloat16)
     with torch.inference_mode():
-        row[f"head_ms_{k + 1}"] = timed_ms(lambda: stage.head(stage.norm(h)), device, repeats)
+        row[f"head_ms_{k + 1}"] = timed_ms(lambda: model.lm_head(model.model.norm(h)), device, repeats)
     del model, stage
     if device.startswith("cuda"):
         torch.cuda.empty_cache()

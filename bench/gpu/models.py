@@ -57,9 +57,7 @@ def save(model, folder: Path) -> str:
     return str(folder)
 
 
-def stage_of(model, embed: bool, head: bool):
-    """The product's Stage over all of `model`'s layers (what model_parallel.loader builds from a checkpoint)."""
+def layers_stage(model):
+    """The product's Stage over `model`'s layers alone (as model_parallel.loader builds a middle rank's)."""
     from model_parallel.stage import Stage
-    inner = model.model
-    return Stage(model.config, list(inner.layers), 0, inner.rotary_emb, embed=inner.embed_tokens if embed else None,
-                 norm=inner.norm if head else None, head=model.lm_head if head else None)
+    return Stage(model.config, list(model.model.layers), 0, model.model.rotary_emb)
