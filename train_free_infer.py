@@ -335,10 +335,7 @@ def _refuse(cfg: TandemConfig, rank: int, ranks: int, error: BaseException) -> N
     opener.start()
     opener.join(min(REFUSAL_WAIT_S, cfg.transport.timeout_s))
     if opened:
-        try:
-            raise error  # _tell_peer reads the cause it sends from the exception being handled
-        except type(error):
-            _tell_peer(opened[0], str(error), ranks)
+        _tell_peer(opened[0], str(error), ranks, cause=error)
         close_channel(*opened[0])
     sys.exit(1)
 
@@ -347,12 +344,12 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if not isinstance(e, EXPECTED) else str(e)
 
 
-def _tell_peer(links, message: str, ranks: int = 2, wait_s: float = 5.0) -> None:
+def _tell_peer(links, message: str, ranks: int = 2, wait_s: float = 5.0, cause: BaseException | None = None) -> None:
     """Best effort: let the other rank exit with the cause instead of waiting out its timeout. Not after a
     PeerError that means the peer is gone; a frame this rank refused (tampered, replayed: a PeerError and a
     FrameError) leaves the peer there, waiting for the reason. With N > 2 the rank after this one on the
     ring, which passes it on (every rank waits on the one before it), whatever the cause."""
-    cause = sys.exc_info()[1]
+    cause = cause or sys.exc_info()[1]  # by default the exception being handled
     if not isinstance(cause, PeerError):  # this rank's own cause, for a peer that is sending, not receiving
         leave_last_words(message)
     if links is None or (ranks == 2 and isinstance(cause, PeerError) and not isinstance(cause, FrameError)):
