@@ -39,7 +39,7 @@ from netbridge.frames import FrameError
 from netbridge.protocol import Hello, Request
 from speculative.output import Output
 from speculative.rounds import NonFiniteLogits, run_middle, run_rank1
-from speculative.session import Session
+from speculative.session import Session, SpecSettings
 from speculative.stats import broken_drafter_warning, summarize
 
 
@@ -146,8 +146,8 @@ def rank0(cfg: TandemConfig, channel, listener=None, replies=None, ranks: int = 
     ids = prompt_ids(cfg, tokenizer, target_config.vocab_size) if cfg.serve.port is None else None
     stage = build_stage(cfg, 0, ranks)
     drafter = build_drafter(cfg, tokenizer, stage.config)
-    session = Session(stage, drafter, channel, cfg.spec.k, cfg.spec.adaptive, cfg.spec.overlap, cfg.model.prefill_chunk,
-                      cfg.spec.k_from_costs, replies)
+    spec = SpecSettings(cfg.spec.k, cfg.spec.adaptive, cfg.spec.overlap, cfg.spec.k_from_costs, cfg.model.prefill_chunk)
+    session = Session(stage, drafter, channel, spec, replies)
     if cfg.serve.port is not None:
         from launch.server import serve
         serve(cfg, session, tokenizer, eos_ids(cfg.model.target), stage.config.vocab_size, listener)

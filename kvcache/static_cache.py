@@ -16,6 +16,12 @@ from __future__ import annotations
 import torch
 
 
+def within_window(slot_ids: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:
+    """[T, S]: which slots a sliding-window layer at each of `positions` may still see (at most
+    `window` behind it; the causal part is the caller's mask)."""
+    return slot_ids[None, :] > positions[:, None] - window
+
+
 class CacheOverflowError(RuntimeError):
     """More tokens than the cache was allocated for; the message names the setting to raise."""
 
@@ -47,7 +53,7 @@ class StaticKVCache:
         slot_ids = self.slot_ids if live is None else self.slot_ids[:live]
         visible = slot_ids[None, :] <= positions[:, None]
         if self.sliding_window:
-            visible &= slot_ids[None, :] > positions[:, None] - self.sliding_window
+            visible &= within_window(slot_ids, positions, self.sliding_window)
         return positions[None, :], visible[None, None]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):

@@ -12,7 +12,7 @@ import inspect
 import torch
 from torch import nn
 
-from kvcache.static_cache import StaticKVCache
+from kvcache.static_cache import StaticKVCache, within_window
 
 
 class Stage(nn.Module):
@@ -50,6 +50,15 @@ class Stage(nn.Module):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
+    def run(self, start: int, x: torch.Tensor, num_logits: int = 0) -> torch.Tensor:
+        """The forward of a block that begins at position `start`: the cache is rewound there first (rank 0
+        is the authority on the committed length; slots of rejected drafts are simply overwritten) and
+        checked for room, so a block that would not fit is one clear error, not a device assert."""
+        live = start + x.shape[1]
+        self.cache.rewind(start)
+        self.cache.check_room(live)
+        return self(x, num_logits=num_logits, live=live)
+
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, num_logits: int = 0, live: int | None = None) -> torch.Tensor:
         """x: token ids [1, T] when this stage has the embeddings, else hidden states [1, T, H].
@@ -82,7 +91,7 @@ class Stage(nn.Module):
         if not window:
             return mask
         slots = torch.arange(mask.shape[-1], device=mask.device)
-        return mask & (slots[None, :] > positions[0][:, None] - window)[None, None]
+        return mask & within_window(slots, positions[0], window)[None, None]
 
 
 def cache_kwarg(layer: nn.Module) -> str:

@@ -17,6 +17,11 @@ round then tries the best K's neighbour (one more draft, or one where K=0 wins),
 positions not yet measured get measured, and a change (a repetitive stretch, a faster link) is seen.
 An acceptance rate with few samples leans on the pooled rate of all positions, not on a fixed prior.
 Any K is lossless: this decides speed only.
+
+Three policies share one small interface (`k_policy` picks one from the settings): `first()` is a
+generation's K, `bet(k_now, drafted)` the K of the round prepared ahead on the bet that this one is fully
+accepted, `after(k_now, record, decode)` the K after a round (`decode`: not a generation's first round, which
+carries the prompt and says nothing about K).
 """
 from __future__ import annotations
 
@@ -33,6 +38,48 @@ def _at(points: dict[int, float], n: int) -> float:
     a, b = (below[-1], above[0]) if below and above else (sizes[-2], sizes[-1]) if below else (sizes[0], sizes[1])
     slope = max(0.0, (points[b] - points[a]) / (b - a))
     return max(0.0, points[a] + slope * (n - a))
+
+
+class FixedK:
+    """K drafts every round (spec.k)."""
+
+    def __init__(self, k_max: int):
+        self.k_max = k_max
+
+    def first(self) -> int:
+        return self.k_max
+
+    def bet(self, k_now: int, drafted: int) -> int:
+        return k_now
+
+    def after(self, k_now: int, record, decode: bool) -> int:
+        return k_now
+
+
+def next_k(k: int, drafted: int, accepted: int, k_max: int) -> int:
+    """Draft more after a full hit, less after a miss (transformers' assisted-generation schedule):
+    a miss means the later drafts were wasted work. Any K is lossless; only speed depends on it."""
+    if drafted == 0:
+        return k
+    return min(k + 2, k_max) if accepted == drafted else max(k - 1, 1)
+
+
+class AdaptiveK(FixedK):
+    """spec.adaptive: K follows acceptance within 1..k (next_k), from spec.k at each generation's start."""
+
+    def bet(self, k_now: int, drafted: int) -> int:
+        return next_k(k_now, drafted, drafted, self.k_max)
+
+    def after(self, k_now: int, record, decode: bool) -> int:
+        return next_k(k_now, record.drafted, record.accepted, self.k_max)
+
+
+def k_policy(k_max: int, adaptive: bool, from_costs: bool, overlap: bool):
+    """The K policy the settings name (from_costs wins over adaptive); KFromCosts's estimates carry over
+    generations, so a session keeps one policy for its life."""
+    if from_costs and k_max > 0:
+        return KFromCosts(k_max, overlap)
+    return AdaptiveK(k_max) if adaptive else FixedK(k_max)
 
 
 class KFromCosts:
@@ -105,3 +152,16 @@ class KFromCosts:
         if self.chosen % self.explore_every == 0:
             return best + 1 if best < self.k_max else best - 1
         return best
+
+    # --- the K policy interface (FixedK) ---------------------------------------------------------
+    def first(self) -> int:
+        return self.choose()
+
+    def bet(self, k_now: int, drafted: int) -> int:
+        return k_now
+
+    def after(self, k_now: int, record, decode: bool) -> int:
+        if not decode:
+            return k_now
+        self.observe(record)
+        return self.choose()
