@@ -4,6 +4,7 @@ they differ only in how bytes reach the peer: gloo point-to-point here, the rela
 """
 from __future__ import annotations
 
+import math
 import re
 import time
 from abc import ABC, abstractmethod
@@ -11,7 +12,11 @@ from datetime import timedelta
 
 import torch
 
+from netbridge.delay import WireSchedule
 from netbridge.frames import MAX_FRAME_BYTES, Message, decode, encode
+
+# The meta field carrying a message's send time while a link is emulated; Channel.recv removes it
+SENT_AT = "_sent_at"
 
 
 class PeerError(RuntimeError):
@@ -19,22 +24,29 @@ class PeerError(RuntimeError):
 
 
 class Channel(ABC):
-    """`send(kind, meta, **tensors)` / `recv(expect)`; with an emulated one-way delay and bandwidth."""
+    """`send(kind, meta, **tensors)` / `recv(expect)`; with an emulated one-way delay and bandwidth.
+
+    The emulation holds no sender (netbridge.delay): `send` stamps the message with the time it was handed
+    over and returns; `recv` holds the message until its arrival on the emulated wire of its direction."""
 
     peer_name = "the other rank"  # in error lines; "rank 2" where there are more than two
 
     def __init__(self, timeout_s: float, emulate_delay_ms: float = 0.0, emulate_mbps: float = 0.0):
         self.timeout_s = timeout_s
-        self.emulate_delay_s = emulate_delay_ms / 1000
-        self.emulate_bytes_per_s = emulate_mbps * 1e6 / 8
+        self.incoming = WireSchedule(emulate_delay_ms, emulate_mbps)  # the wire from the peer to this end
 
     def send(self, kind: str, meta: dict | None = None, **tensors: torch.Tensor) -> None:
-        frame = encode(Message(kind, meta or {}, tensors))
-        self._emulate_wire(len(frame))
-        self.send_frame(frame)
+        meta = dict(meta or {})
+        if self.incoming.active:  # both ends emulate the same link: the peer schedules this message
+            meta[SENT_AT] = time.time()  # a clock both ends read alike on one host (and, NTP-synced, on two)
+        self.send_frame(encode(Message(kind, meta, tensors)))
 
     def recv(self, expect: str | tuple[str, ...] | None = None) -> Message:
-        msg = decode(self.recv_frame())
+        frame = self.recv_frame()
+        msg = decode(frame)
+        sent = msg.meta.pop(SENT_AT, None)
+        if isinstance(sent, (int, float)) and math.isfinite(sent) and self.incoming.active:
+            self._until_arrival(float(sent), len(frame))
         kinds = (expect,) if isinstance(expect, str) else expect
         if expect is not None and msg.kind not in kinds:
             if msg.kind == "error":
@@ -43,12 +55,12 @@ class Channel(ABC):
                             "Tandem version and config?")
         return msg
 
-    def _emulate_wire(self, nbytes: int) -> None:
-        # EMULATION (this kernel has no netem): the sender waits out the one-way delay and the
-        # serialization time of a capped link before the frame leaves. In a request/response
-        # protocol that is exactly what the receiver would see from a slow link.
-        wait = self.emulate_delay_s + (nbytes / self.emulate_bytes_per_s if self.emulate_bytes_per_s else 0.0)
-        if wait:
+    def _until_arrival(self, sent: float, nbytes: int) -> None:
+        """EMULATION: wait until the message sent at `sent` has crossed the emulated wire. Never longer than
+        its own transit from now: a peer clock running ahead cannot hold this end for longer."""
+        arrival = self.incoming.arrival(sent, nbytes)
+        wait = min(arrival - time.time(), arrival - sent)
+        if wait > 0:
             time.sleep(wait)
 
     @abstractmethod

@@ -7,6 +7,8 @@ import asyncio
 from collections import deque
 from typing import TYPE_CHECKING
 
+from netbridge.delay import WireSchedule
+
 if TYPE_CHECKING:
     from netbridge.relay.connection import Connection
 
@@ -16,20 +18,17 @@ class EmulatedLink:
 
     def __init__(self, sender: Connection, delay_s: float, bytes_per_s: float, high_water: int):
         self.sender = sender
-        self.delay_s, self.bytes_per_s = delay_s, bytes_per_s
+        self.wire = WireSchedule(delay_s * 1000, bytes_per_s * 8 / 1e6)  # the Channel's own emulation schedules alike
         self.high_water = high_water  # bytes on the line before the sender is paused, like a real socket's buffer
         self.line: deque = deque()  # (due time, bytes | None = close the receiver), in order
         self.line_bytes = 0
         self.timer = None
-        self.wire_free_at = 0.0  # when the last byte queued has been serialized
 
     def send(self, chunk: bytes) -> None:
         loop = asyncio.get_running_loop()
         now = loop.time()
         size = len(chunk)
-        wire_done = max(now, self.wire_free_at) + (size / self.bytes_per_s if self.bytes_per_s else 0.0)
-        self.wire_free_at = wire_done
-        self.line.append((wire_done + self.delay_s, chunk))
+        self.line.append((self.wire.arrival(now, size), chunk))
         self.line_bytes += size
         if self.line_bytes > self.high_water:
             self.sender.throttle("emulated-link", True)
