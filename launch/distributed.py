@@ -13,7 +13,8 @@ import time
 from datetime import timedelta
 
 from launch.config import TandemConfig
-from netbridge.channel import Channel, GlooChannel
+from launch.transport import gloo_link, relay_link, transport_settings
+from netbridge.channel import Channel
 
 
 class LaunchError(RuntimeError):
@@ -59,10 +60,9 @@ def open_links(cfg: TandemConfig, rank: int, ranks: int) -> tuple[Channel, Chann
         return channel, channel
     if cfg.transport.kind == "relay":
         return _open_relay_links(cfg, rank, ranks)
-    t = cfg.transport
     _init_gloo(cfg, rank)
-    links = [GlooChannel((rank + step) % ranks, t.timeout_s, emulate_delay_ms=t.emulate_delay_ms,
-                         emulate_mbps=t.emulate_mbps) for step in (-1, 1)]
+    settings = transport_settings(cfg.transport)
+    links = [gloo_link(settings, (rank + step) % ranks) for step in (-1, 1)]
     for link in links:
         link.peer_name = f"rank {link.peer}"
     return links[0], links[1]
@@ -71,15 +71,13 @@ def open_links(cfg: TandemConfig, rank: int, ranks: int) -> tuple[Channel, Chann
 def _open_relay_links(cfg: TandemConfig, rank: int, ranks: int) -> tuple[Channel, Channel]:
     """One two-member relay session per ring link (netbridge.relay_channel.ring_link). Dialling waits for the
     peer, so the order breaks the cycle: rank 0 dials rank 1 first, every other rank its predecessor first."""
-    from netbridge.relay_channel import RelayChannel
-    t = cfg.transport
-    emulation = dict(emulate_delay_ms=t.emulate_delay_ms, emulate_mbps=t.emulate_mbps)
+    settings = transport_settings(cfg.transport)
     prev_rank, next_rank = (rank - 1) % ranks, (rank + 1) % ranks
     order = (next_rank, prev_rank) if rank == 0 else (prev_rank, next_rank)
     links: dict[int, Channel] = {}
     try:
         for peer in order:
-            links[peer] = RelayChannel.from_config(cfg, rank, peer, ranks, **emulation)
+            links[peer] = relay_link(settings, rank, peer, ranks)
             links[peer].peer_name = f"rank {peer}"
     except BaseException:
         for link in links.values():
@@ -89,13 +87,11 @@ def _open_relay_links(cfg: TandemConfig, rank: int, ranks: int) -> tuple[Channel
 
 
 def open_channel(cfg: TandemConfig, rank: int) -> Channel:
-    t = cfg.transport
-    emulation = dict(emulate_delay_ms=t.emulate_delay_ms, emulate_mbps=t.emulate_mbps)
-    if t.kind == "relay":
-        from netbridge.relay_channel import RelayChannel
-        return RelayChannel.from_config(cfg, rank, **emulation)
+    settings = transport_settings(cfg.transport)
+    if settings.kind == "relay":
+        return relay_link(settings, rank)
     _init_gloo(cfg, rank)
-    return GlooChannel(peer=1 - rank, timeout_s=t.timeout_s, **emulation)
+    return gloo_link(settings, 1 - rank)
 
 
 def _init_gloo(cfg: TandemConfig, rank: int) -> None:
