@@ -1,0 +1,301 @@
+"""One rank's slice of the KV cache for a token prefix, kept on disk across requests and restarts.
+
+In a layer-split launch no rank holds the whole KV: each saves exactly its own layers' part. A prefix is
+stored in blocks of `block_tokens` tokens, one safetensors file per block, named by a chained hash:
+
+    h_0 = sha256(key)            key: the weights' identity, dtype, layer range, KV shape, device kind, role
+    h_k = sha256(h_{k-1} + the token ids of block k)      file of block k: <k>-<h_k hex>.kv.safetensors
+
+so block k's name stands for the key and every token before the block's end. Why blocks rather than one file
+per prompt: two requests that share a system prompt and differ after it share the blocks of the system
+prompt, and the longest saved prefix of any token list is found by walking its blocks from the first until a
+file is missing (a stat each). Only whole blocks are saved; a prompt's last partial block is prefilled again.
+256 tokens a block (the default) loses at most 255 tokens of reuse and keeps a 40k-token prompt at ~160 files.
+
+What makes a stale file impossible to load: a changed key (another model, dtype, split, device) gives other
+file names, and the header repeats the key, the block's hash and a sha256 of its tensors, all checked on read.
+A file that fails any check (corrupt, truncated, foreign) is refused in one warning line and removed; its
+tokens are then prefilled like any others. Nothing is wrong because of the cache, at worst slower.
+
+Writes never run on the round loop: `save` snapshots the new blocks (a copy on the cache's own device, which on
+CPU is the host copy itself) and a background thread moves them to the host, checksums and writes them
+(through a temporary file and an atomic rename, so a reader never sees half a file). The folder is bounded
+by `max_bytes`: after each write the least recently used blocks go, a chain's later blocks before its earlier
+ones (a chain's files share one timestamp, set on every read and save), since block k is useless without 0..k-1.
+The bound is the folder's, whichever process writes there.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from array import array
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from kvcache.static_cache import StaticKVCache
+
+FORMAT = "tandem-kv/1"
+BLOCK_TOKENS = 256
+SUFFIX = ".kv.safetensors"
+STALE_TMP_S = 3600  # a temporary file this old was left by a writer that died mid-write
+
+
+@dataclass(frozen=True)
+class SliceKey:
+    """What a slice's KV depends on besides its tokens. `model` must cover every weight the KV depends on:
+    the embeddings and every layer before `last`, i.e. every earlier rank's weights too (pipeline_identity)."""
+    model: str
+    dtype: str  # "float32", "bfloat16", ...
+    first: int  # the layers [first, last)
+    last: int
+    kv_heads: int
+    head_dim: int
+    device: str = "cpu"  # device kind: other kernels give other last bits, so fp32 parity would not hold
+    role: str = "target"  # "target", or "drafter" for rank 0's drafter
+
+    @classmethod
+    def of_cache(cls, cache: StaticKVCache, model: str, role: str = "target") -> SliceKey:
+        layers = sorted(cache.keys)
+        if layers != list(range(layers[0], layers[-1] + 1)):
+            raise ValueError(f"the cache's layers {layers} are not one contiguous range")
+        _, heads, _, head_dim = cache.keys[layers[0]].shape
+        return cls(model, str(cache.keys[layers[0]].dtype).removeprefix("torch."), layers[0], layers[-1] + 1, heads,
+                   head_dim, cache.keys[layers[0]].device.type, role)
+
+    def text(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    def tensor_names(self) -> list[str]:
+        return sorted(f"{kind}.{layer}" for layer in range(self.first, self.last) for kind in "kv")
+
+
+class BadBlock(Exception):
+    """A block file that must not be used; the message says why."""
+
+
+@dataclass
+class SavedPrefix:
+    """Blocks read and checked (host tensors), ready to be copied into a cache: the first `tokens` tokens."""
+    block_tokens: int
+    blocks: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.blocks) * self.block_tokens
+
+    def load_into(self, cache: StaticKVCache, n: int) -> None:
+        """Write the first `n` tokens (n <= self.tokens; the ranks agree on it) at positions [0, n)."""
+        if not 0 <= n <= self.tokens:
+            raise ValueError(f"{n} tokens asked of a saved prefix of {self.tokens}")
+        for k, block in enumerate(self.blocks[:-(-n // self.block_tokens)]):
+            start = k * self.block_tokens
+            width = min(self.block_tokens, n - start)
+            for name, tensor in block.items():
+                kind, layer = name.split(".")
+                dest = (cache.keys if kind == "k" else cache.values)[int(layer)]
+                dest[0, :, start:start + width].copy_(tensor[:, :width], non_blocking=True)
+        cache.rewind(n)
+
+
+def chain_hashes(key: SliceKey, tokens: list[int], block_tokens: int) -> list[str]:
+    """h_1..h_m for the m whole blocks of `tokens` (see the module's docstring)."""
+    digest = hashlib.sha256(key.text().encode()).digest()
+    hashes = []
+    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        digest = hashlib.sha256(digest + array("q", tokens[start:start + block_tokens]).tobytes()).digest()
+        hashes.append(digest.hex())
+    return hashes
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].contiguous().view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def block_index(path: Path) -> int:
+    return int(path.name.split("-", 1)[0])
+
+
+def read_block(path: Path, key: SliceKey, chain: str, block_tokens: int) -> dict[str, torch.Tensor]:
+    """The block's tensors, or BadBlock naming the first check it fails."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            expected = {"format": FORMAT, "key": key.text(), "chain": chain, "block_tokens": str(block_tokens)}
+            wrong = [name for name, value in expected.items() if meta.get(name) != value]
+            if wrong:
+                raise BadBlock(f"its header's {wrong[0]} is not this cache's (a foreign or stale file)")
+            if sorted(f.keys()) != key.tensor_names():
+                raise BadBlock("it holds other layers than this rank's")
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except SafetensorError as e:
+        raise BadBlock(f"not a readable safetensors file ({' '.join(str(e).split())})") from None
+    shape, dtype = (key.kv_heads, block_tokens, key.head_dim), getattr(torch, key.dtype)
+    odd = [n for n, t in tensors.items() if tuple(t.shape) != shape or t.dtype != dtype]
+    if odd:
+        raise BadBlock(f"tensor {odd[0]} is {tuple(tensors[odd[0]].shape)} {tensors[odd[0]].dtype}, not {shape} {dtype}")
+    if tensors_digest(tensors) != meta.get("sha256"):
+        raise BadBlock("its tensors do not match the checksum in its header (corrupt)")
+    return tensors
+
+
+@dataclass
+class WriteJob:
+    paths: list[Path]  # the whole chain so far: each is stamped as just used
+    new: dict[Path, dict[str, torch.Tensor]]  # the blocks to write (device snapshots)
+    ready: torch.cuda.Event | None  # set once the snapshots are complete (CUDA)
+
+
+class KVDiskStore:
+    """Saved prefixes of one slice (one rank's layers, or the drafter), in `folder`."""
+
+    def __init__(self, folder: str | Path, key: SliceKey, max_bytes: int, block_tokens: int = BLOCK_TOKENS,
+                 warn=None):
+        if max_bytes <= 0 or block_tokens <= 0:
+            raise ValueError(f"cache.max_bytes ({max_bytes}) and the block size ({block_tokens}) must be positive")
+        self.folder, self.key, self.max_bytes, self.block_tokens = Path(folder), key, max_bytes, block_tokens
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.warn = warn or (lambda line: print(f"warning: {line}", file=sys.stderr, flush=True))
+        self.jobs: queue.Queue[WriteJob | None] = queue.Queue()
+        self.pending: set[Path] = set()  # queued, not yet on disk (only the writer thread discards)
+        self.writer: threading.Thread | None = None
+        self.write_failed = False  # warn once, not at every block
+
+    def paths(self, tokens: list[int]) -> list[Path]:
+        hashes = chain_hashes(self.key, tokens, self.block_tokens)
+        return [self.folder / f"{k}-{h}{SUFFIX}" for k, h in enumerate(hashes)]
+
+    # --- reading ------------------------------------------------------------------------------
+    def held(self, tokens: list[int]) -> int:
+        """Tokens of the longest prefix of `tokens` whose block files exist (not yet read nor checked)."""
+        paths = self.paths(tokens)
+        have = next((k for k, p in enumerate(paths) if not p.is_file()), len(paths))
+        return have * self.block_tokens
+
+    def read(self, tokens: list[int]) -> SavedPrefix:
+        """The longest saved prefix of `tokens`, read and checked; a bad file ends it (one warning, removed)."""
+        prefix = SavedPrefix(self.block_tokens)
+        paths = self.paths(tokens)
+        for path in paths:
+            try:
+                prefix.blocks.append(read_block(path, self.key, path.name.split("-", 1)[1].removesuffix(SUFFIX),
+                                                self.block_tokens))
+            except FileNotFoundError:
+                break
+            except BadBlock as e:
+                self.warn(f"kv cache file {path} refused: {e}; its tokens are prefilled again and the file removed")
+                path.unlink(missing_ok=True)
+                break
+        stamp(paths[:len(prefix.blocks)])
+        return prefix
+
+    # --- writing (off the round loop) -----------------------------------------------------------
+    def save(self, cache: StaticKVCache, tokens: list[int]) -> int:
+        """Queue the whole blocks of `tokens` (which `cache` holds at [0, len)) that are not on disk yet;
+        returns how many. Costs the round loop a device copy of the new blocks, never a disk write."""
+        paths = self.paths(tokens)
+        new = {}
+        for k, path in enumerate(paths):
+            if path in self.pending or path.is_file():
+                continue
+            a, b = k * self.block_tokens, (k + 1) * self.block_tokens
+            new[path] = {f"{kind}.{layer}": store[layer][0, :, a:b].clone()
+                         for kind, store in (("k", cache.keys), ("v", cache.values)) for layer in store}
+        if not paths:
+            return 0
+        ready = None
+        if cache.length.device.type == "cuda" and new:
+            ready = torch.cuda.Event()
+            ready.record()
+        self.pending.update(new)
+        if self.writer is None:
+            self.writer = threading.Thread(target=self.write_loop, name="kv-disk-writer", daemon=True)
+            self.writer.start()
+        self.jobs.put(WriteJob(paths, new, ready))
+        return len(new)
+
+    def flush(self) -> None:
+        """Wait until every queued block is on disk (a one-shot run calls this before it exits)."""
+        if self.writer is not None:
+            self.jobs.join()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.jobs.put(None)
+            self.writer.join()
+            self.writer = None
+
+    def write_loop(self) -> None:
+        side = torch.cuda.Stream() if torch.cuda.is_available() else None
+        while (job := self.jobs.get()) is not None:
+            try:
+                self.write(job, side)
+            except Exception as e:  # a full disk or a removed folder must not end the launch: the cache is optional
+                if not self.write_failed:
+                    self.warn(f"kv cache: writing to {self.folder} failed ({' '.join(str(e).split())}); "
+                              "prefixes are not saved until it works again")
+                self.write_failed = True
+            finally:
+                self.pending.difference_update(job.new)
+                self.jobs.task_done()
+        self.jobs.task_done()
+
+    def write(self, job: WriteJob, side) -> None:
+        for path, snapshot in job.new.items():
+            if job.ready is not None:  # the copy to the host on a side stream: rounds keep the default one
+                with torch.cuda.stream(side):
+                    side.wait_event(job.ready)
+                    snapshot = {name: t.to("cpu") for name, t in snapshot.items()}
+            meta = {"format": FORMAT, "key": self.key.text(), "chain": path.name.split("-", 1)[1].removesuffix(SUFFIX),
+                    "block_tokens": str(self.block_tokens), "sha256": tensors_digest(snapshot)}
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            save_file(snapshot, str(tmp), metadata=meta)
+            os.replace(tmp, path)
+            self.write_failed = False
+        stamp(job.paths)
+        self.evict()
+
+    def evict(self) -> None:
+        """Remove least recently used blocks until the folder is within max_bytes."""
+        files, now = [], time.time()
+        with os.scandir(self.folder) as entries:
+            for entry in entries:
+                try:
+                    st = entry.stat()
+                    if entry.name.endswith(SUFFIX):
+                        files.append((st.st_mtime_ns, -block_index(Path(entry.name)), st.st_size, entry.path))
+                    elif entry.name.endswith(".tmp") and now - st.st_mtime > STALE_TMP_S:
+                        os.unlink(entry.path)
+                except (OSError, ValueError):  # removed meanwhile by another process, or not one of ours
+                    continue
+        total = sum(f[2] for f in files)
+        for _, _, size, path in sorted(files):
+            if total <= self.max_bytes:
+                break
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            total -= size
+
+
+def stamp(paths: list[Path]) -> None:
+    """Mark a chain as just used: one timestamp for all its files (eviction then takes later blocks first)."""
+    now = time.time_ns()
+    for path in paths:
+        try:
+            os.utime(path, ns=(now, now))
+        except FileNotFoundError:
+            pass

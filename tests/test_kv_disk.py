@@ -1,0 +1,204 @@
+"""kvcache.disk: one rank's KV slice of a token prefix saved in blocks and read back (in-process, fast)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+
+import kvcache.disk as disk
+from kvcache.disk import KVDiskStore, SliceKey
+from kvcache.static_cache import StaticKVCache
+
+B = 8  # tokens a block
+LAYERS = range(2, 5)  # a middle rank's layers
+
+
+def filled_cache(seed: int, dtype=torch.float32, layers=LAYERS) -> StaticKVCache:
+    cache = StaticKVCache(layers, capacity=64, num_kv_heads=2, head_dim=4, dtype=dtype, device="cpu")
+    gen = torch.Generator().manual_seed(seed)
+    for store in (cache.keys, cache.values):
+        for t in store.values():
+            t.copy_(torch.randn(t.shape, generator=gen))
+    return cache
+
+
+def empty_like(cache: StaticKVCache) -> StaticKVCache:
+    first = next(iter(cache.keys.values()))
+    return StaticKVCache(list(cache.keys), cache.capacity, first.shape[1], first.shape[3], first.dtype, "cpu")
+
+
+def store(folder, cache, model="weights-A", max_bytes=10 ** 9, warnings=None) -> KVDiskStore:
+    return KVDiskStore(folder, SliceKey.of_cache(cache, model), max_bytes, block_tokens=B,
+                       warn=(warnings.append if warnings is not None else None))
+
+
+def saved(folder, cache, tokens, **kw) -> KVDiskStore:
+    s = store(folder, cache, **kw)
+    s.save(cache, tokens)
+    s.flush()
+    return s
+
+
+def tokens(*blocks: int) -> list[int]:
+    """One block of B token ids per argument, each block's ids derived from its argument."""
+    return [blk * 100 + i for blk in blocks for i in range(B)]
+
+
+def block_files(folder) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if n.endswith(disk.SUFFIX))
+
+
+def test_round_trip_restores_keys_and_values_at_their_positions(tmp_path):
+    cache = filled_cache(0)
+    prompt = tokens(1, 2) + [7, 7, 7]  # two whole blocks and a partial one, which is not saved
+    saved(tmp_path, cache, prompt)
+    restarted = store(tmp_path, cache)  # a new store over the same folder: what a restart sees
+    prefix = restarted.read(prompt)
+    assert prefix.tokens == 2 * B
+    into = empty_like(cache)
+    prefix.load_into(into, 2 * B)
+    assert int(into.length) == 2 * B
+    for layer in LAYERS:
+        assert torch.equal(into.keys[layer][:, :, :2 * B], cache.keys[layer][:, :, :2 * B])
+        assert torch.equal(into.values[layer][:, :, :2 * B], cache.values[layer][:, :, :2 * B])
+        assert not into.keys[layer][:, :, 2 * B:].any()  # nothing past the prefix written
+
+
+def test_load_into_takes_a_prefix_shorter_than_what_was_read(tmp_path):
+    cache = filled_cache(1)
+    prefix = saved(tmp_path, cache, tokens(1, 2, 3)).read(tokens(1, 2, 3))
+    into = empty_like(cache)
+    prefix.load_into(into, B + 3)  # the ranks agreed on less than this rank holds
+    assert int(into.length) == B + 3
+    assert torch.equal(into.values[3][:, :, :B + 3], cache.values[3][:, :, :B + 3])
+    assert not into.values[3][:, :, B + 3:].any()
+
+
+def test_longest_saved_prefix_of_another_token_list(tmp_path):
+    cache = filled_cache(2)
+    s = saved(tmp_path, cache, tokens(1, 2, 3))
+    assert s.held(tokens(1, 2, 9, 9)) == 2 * B  # shares two blocks
+    assert s.read(tokens(1, 2, 9, 9)).tokens == 2 * B
+    assert s.held(tokens(1, 2, 3) + [5]) == 3 * B
+    assert s.held(tokens(9, 2, 3)) == 0  # a different first block: nothing after it is the same prefix
+
+
+def test_a_block_is_keyed_by_every_token_before_it(tmp_path):
+    """Block 1 of (b0 a1) is not block 1 of (a0 a1): its KV was computed after other tokens."""
+    cache = filled_cache(3)
+    s = saved(tmp_path, cache, tokens(1, 2))
+    s.save(cache, tokens(5, 6))
+    s.flush()
+    assert s.held(tokens(5, 2)) == B
+
+
+def test_a_shared_prefix_is_stored_once(tmp_path):
+    cache = filled_cache(4)
+    s = saved(tmp_path, cache, tokens(1, 2, 3))
+    s.save(cache, tokens(1, 2, 4))
+    s.flush()
+    assert len(block_files(tmp_path)) == 4
+
+
+@pytest.mark.parametrize("change", [dict(first=3, last=6), dict(dtype="bfloat16"), dict(model="weights-B"),
+                                    dict(device="cuda"), dict(role="drafter")])
+def test_another_key_never_reaches_the_old_files(tmp_path, change):
+    cache = filled_cache(5)
+    old = saved(tmp_path, cache, tokens(1, 2))
+    other = KVDiskStore(tmp_path, dataclasses.replace(old.key, **change), 10 ** 9, block_tokens=B)
+    assert not set(other.paths(tokens(1, 2))) & set(old.paths(tokens(1, 2)))
+    assert other.held(tokens(1, 2)) == 0 and other.read(tokens(1, 2)).tokens == 0
+
+
+def test_a_file_under_another_keys_name_is_refused_by_its_header(tmp_path):
+    cache = filled_cache(6)
+    old = saved(tmp_path, cache, tokens(1))
+    warnings = []
+    new = store(tmp_path, cache, model="weights-B", warnings=warnings)
+    shutil.copy(old.paths(tokens(1))[0], new.paths(tokens(1))[0])  # a foreign file where the new key looks
+    assert new.read(tokens(1)).tokens == 0
+    assert len(warnings) == 1 and "refused" in warnings[0] and "\n" not in warnings[0]
+    assert not new.paths(tokens(1))[0].exists()  # removed: the next save writes it afresh
+
+
+def flip_last_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated"])
+def test_a_damaged_block_is_refused_in_one_line_and_the_prefix_ends_before_it(tmp_path, damage):
+    cache = filled_cache(7)
+    s = saved(tmp_path, cache, tokens(1, 2, 3))
+    second = s.paths(tokens(1, 2, 3))[1]
+    if damage == "corrupt":  # a flipped bit in the tensor data, the header intact
+        flip_last_byte(second)
+    else:
+        second.write_bytes(second.read_bytes()[:-10])
+    warnings = []
+    restarted = store(tmp_path, cache, warnings=warnings)
+    assert restarted.read(tokens(1, 2, 3)).tokens == B
+    assert len(warnings) == 1 and str(second) in warnings[0] and "\n" not in warnings[0]
+    assert not second.exists()
+    restarted.save(cache, tokens(1, 2, 3))  # recomputed KV saved again
+    restarted.flush()
+    assert restarted.read(tokens(1, 2, 3)).tokens == 3 * B and len(warnings) == 1
+
+
+def test_save_copies_the_slice_before_the_cache_moves_on(tmp_path, monkeypatch):
+    """The round after a save may overwrite the slots while the writer thread has yet to write."""
+    go = threading.Event()
+    real_save_file = disk.save_file
+    monkeypatch.setattr(disk, "save_file", lambda *a, **kw: (go.wait(5), real_save_file(*a, **kw)))
+    cache = filled_cache(8)
+    expected = cache.keys[2][:, :, :B].clone()
+    s = store(tmp_path, cache)
+    assert s.save(cache, tokens(1)) == 1
+    cache.keys[2].zero_()  # the next rounds write here while the block waits for the disk
+    go.set()
+    s.flush()
+    into = empty_like(cache)
+    s.read(tokens(1)).load_into(into, B)
+    assert torch.equal(into.keys[2][:, :, :B], expected)
+
+
+def block_bytes(folder) -> int:
+    return max(os.path.getsize(os.path.join(folder, n)) for n in block_files(folder))
+
+
+def test_eviction_bounds_the_folder_and_takes_least_recently_used_first(tmp_path):
+    cache = filled_cache(9)
+    size = block_bytes(saved(tmp_path / "probe", cache, tokens(1)).folder)
+    s = saved(tmp_path, cache, tokens(1, 2), max_bytes=int(4.5 * size))
+    s.save(cache, tokens(3, 4))
+    s.flush()
+    s.read(tokens(1, 2))  # (1 2) is now used more recently than (3 4)
+    s.save(cache, tokens(5, 6))
+    s.flush()
+    assert sum(os.path.getsize(tmp_path / n) for n in block_files(tmp_path)) <= 4.5 * size
+    assert s.held(tokens(1, 2)) == 2 * B and s.held(tokens(5, 6)) == 2 * B and s.held(tokens(3, 4)) == 0
+
+
+def test_eviction_takes_a_chains_later_blocks_first(tmp_path):
+    """Block k is useless without blocks 0..k-1: a bound that fits two blocks keeps the first two."""
+    cache = filled_cache(10)
+    size = block_bytes(saved(tmp_path / "probe", cache, tokens(1)).folder)
+    s = saved(tmp_path, cache, tokens(1, 2, 3), max_bytes=int(2.5 * size))
+    assert len(block_files(tmp_path)) == 2 and s.held(tokens(1, 2, 3)) == 2 * B
+
+
+def test_stage_identity_follows_the_weights_a_rank_loads(tmp_path):
+    from kvcache.identity import pipeline_identity, stage_identity
+    from tests.support.tiny_models import save_tiny
+    folder = save_tiny(tmp_path / "m", "llama", seed=0)
+    first = stage_identity(folder, 0, 2, embed=True, head=False)
+    assert stage_identity(folder, 0, 2, embed=True, head=False) == first  # stable across starts
+    assert stage_identity(folder, 0, 2, embed=True, head=False, extra={"quant": "nf4"}) != first
+    save_tiny(folder, "llama", seed=1)  # other weights in the same folder
+    assert stage_identity(folder, 0, 2, embed=True, head=False) != first
+    assert pipeline_identity(["a", "b"]) != pipeline_identity(["b", "a"])
