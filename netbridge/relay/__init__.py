@@ -12,20 +12,22 @@ Every connection starts with the HMAC handshake of netbridge.auth and then is on
          relay gives each its node rank and the token of a fresh store
   store  a byte pipe to that run's c10d TCPStore, which listens on the relay's loopback only
 
-The parts, each one concern:
-  admission.py   who may start a handshake (per-source bounds, shedding), the handshake, --max-connections
-  notices.py     a refused claim told to the members of its session that wait
-  sessions.py    data sessions (two ranks paired) and rendezvous groups (a run's agents gathered)
-  connection.py  the per-connection protocol: link frames, heartbeats, forwarding, PEER_LEFT
+The parts, layered one way (each imports only the ones above it in this list):
+  scanner.py     pure: a client's stream of link frames followed without holding a body
+  handshake.py   pure: the HMAC handshake as decisions (Claim, Refusal), source_of, the refusal notices' texts
+  admission.py   decisions: the table of unfinished handshakes (whom to shed), --max-connections
   emulation.py   EMULATION of a WAN link between paired ranks (--emulate-delay-ms, --emulate-mbps)
-  store.py       the rendezvous stores and the pipes to them
-  server.py      Relay: the listening socket, the sweep timer, a claim routed to its part by role
+  notices.py     a refused claim told to the members of its session that wait (rate-limited tables)
+  sessions.py    bookkeeping: data sessions (two ranks paired), rendezvous groups (a run's agents gathered)
+  store.py       the rendezvous stores and the byte pipes to them
+  connection.py  the one owner of a connection's state and writer to the transports; asks its Host
+  server.py      Relay, the Host: the listening socket, the sweep timer; asks the parts, tells the connections
   cli.py         main(): flags, event loop, signals
 
 No torch import unless the rendezvous store is enabled (then torch.distributed, CPU is enough).
 """
-from netbridge.relay.admission import claimed_session, source_of
 from netbridge.relay.cli import main, peak_rss_mb
+from netbridge.relay.handshake import claimed_session, source_of
 from netbridge.relay.server import Relay
 
 __all__ = ["Relay", "claimed_session", "main", "peak_rss_mb", "source_of"]

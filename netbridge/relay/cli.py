@@ -111,7 +111,7 @@ async def _serve(relay: Relay, loop_name: str = "asyncio") -> None:
     await relay.start()
     extras = []
     if relay.emulating:
-        extras.append(f"EMULATING delay {relay.delay_s * 1000:g} ms, {relay.bytes_per_s * 8 / 1e6:g} Mbit/s per direction")
+        extras.append(f"EMULATING delay {relay.limits.emulate_delay_ms:g} ms, {relay.limits.emulate_mbps:g} Mbit/s per direction")
     extras.append("rendezvous store on" if relay.store_enabled else "no store")
     extras.append(loop_name)
     print(f"tandem-relay listening on {relay.host}:{relay.port} ({', '.join(extras)})", flush=True)

@@ -1,6 +1,8 @@
-"""The per-connection protocol: one client's connection through its life.
+"""The per-connection protocol: one client's connection through its life. The one module that writes a
+connection's state and writes to the connections' transports; the server above decides (admission,
+sessions, rendezvous, stores) and calls the methods here.
 
-    hello    the HMAC handshake (admission); then by role:
+    hello    the HMAC handshake (netbridge.relay.handshake); then by role:
     waiting  a data rank whose peer has not come; only heartbeats may arrive
     paired   a data rank with its peer: link frames checked and forwarded cut-through both ways
     rdzv     a torchrun agent waiting for the rest of its run; only heartbeats
@@ -12,93 +14,54 @@ against the bound before any body byte is read; a bad type, an oversized or empt
 before the peer has joined closes that connection with one log line, and its session with it. When one
 side of a pair leaves, the other gets PEER_LEFT at a frame boundary and is closed, so both re-dial and
 resume through a fresh pairing.
+
+It imports only the pure parts below it; what it needs from the server is the `Host` protocol.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import NamedTuple, Protocol
 
 from netbridge import auth
-from netbridge.link import DATA, HEADER, HEARTBEAT, PEER_LEFT
-from netbridge.relay.admission import ROLE_NAMES, Handshake, source_of
+from netbridge.link import HEADER, PAIRED, PEER_LEFT
 from netbridge.relay.emulation import EmulatedLink
-
-if TYPE_CHECKING:
-    from netbridge.relay.server import Relay
-    from netbridge.relay.store import StoreProxy
+from netbridge.relay.handshake import ROLE_NAMES, STATUS_NAMES, Claim, Handshake, Refusal, source_of
+from netbridge.relay.scanner import LinkFrameScanner
 
 log = logging.getLogger("tandem.relay")
 
 HIGH_WATER = 1024 * 1024  # bytes queued towards a receiver before the sender is paused
 
 
-class LinkFrameScanner:
-    """Follows one client's stream of link frames without ever holding a body: checks each header once it
-    is complete, and says which byte ranges go on to the peer (a header only once complete and checked)."""
+class Limits(NamedTuple):
+    max_frame_bytes: int
+    handshake_timeout_s: float
+    idle_timeout_s: float
+    emulate_delay_ms: float = 0.0  # EMULATION (netbridge.relay.emulation)
+    emulate_mbps: float = 0.0
 
-    def __init__(self, max_frame_bytes: int):
-        self.max_frame_bytes = max_frame_bytes
-        self.hdr = bytearray()  # header bytes seen so far
-        self.body_left = 0  # body bytes of the current frame still to come
-        self.fwd = False  # the current frame goes to the peer
 
-    def scan(self, data: bytes, paired: bool) -> tuple[list, int, str | None]:
-        """(pieces for the peer: (start, end) into data, or bytes; bytes of the frames begun; an error that
-        ends the connection, or None). The pieces stop at the frame in error."""
-        mv = memoryview(data)
-        n, i = len(mv), 0
-        out: list = []
-        forwarded = 0
-        while i < n:
-            if self.body_left:
-                k = min(self.body_left, n - i)
-                if self.fwd:
-                    out.append((i, i + k))
-                self.body_left -= k
-                i += k
-                continue
-            start, hdr_was = i, len(self.hdr)
-            k = min(HEADER.size - hdr_was, n - i)
-            self.hdr += mv[i:i + k]
-            i += k
-            if len(self.hdr) < HEADER.size:
-                break
-            kind, length = HEADER.unpack(self.hdr)
-            whole_header = bytes(self.hdr)
-            self.hdr.clear()
-            error = self._check(kind, length, paired)
-            if error:
-                return out, forwarded, error
-            self.fwd = paired
-            if self.fwd:
-                out.append((start, i) if hdr_was == 0 else whole_header)
-                forwarded += length + HEADER.size
-            self.body_left = length
-        return out, forwarded, None
+class Host(Protocol):
+    """What a connection asks of the server that owns it."""
+    secret: bytes
 
-    def _check(self, kind: int, length: int, paired: bool) -> str | None:
-        if kind == HEARTBEAT:
-            return None if length == 0 else f"heartbeat with a {length}-byte body"
-        if kind == DATA:
-            if not paired:
-                return "sent data before its peer joined"
-            if not 0 < length <= self.max_frame_bytes:
-                return f"frame of {length} bytes outside the bound (1..{self.max_frame_bytes})"
-            return None
-        return f"unknown frame type {kind}"
-
-    def at_boundary(self) -> bool:
-        """True when the bytes forwarded so far end at a frame boundary of the peer's stream."""
-        return not (self.fwd and self.body_left)  # header bytes are forwarded only once complete
+    def make_room_for(self, conn: Connection) -> bool: ...  # a handshake slot (False: turned away)
+    def handshake_over(self, conn: Connection) -> None: ...  # out of the handshake table
+    def is_full(self) -> bool: ...  # --max-connections authenticated connections open
+    def admit(self, conn: Connection) -> int: ...  # an authenticated claim: a status of netbridge.auth
+    def joined(self, conn: Connection) -> None: ...  # after OK went out
+    def refused(self, conn: Connection, claim: Claim | None, status: int, session: str | None) -> None: ...  # notices
+    def left(self, conn: Connection) -> None: ...  # a counted connection ended
+    def count(self, stat: str, n: int = 1) -> None: ...
 
 
 class Connection(asyncio.Protocol):
     """One client connection: the handshake, then link frames (data, rendezvous) or a store pipe."""
 
-    def __init__(self, relay: Relay):
-        self.relay = relay
+    def __init__(self, host: Host, limits: Limits):
+        self.host, self.limits = host, limits
         self.transport = None
         self.name = "?"
         self.source = "?"
@@ -106,23 +69,29 @@ class Connection(asyncio.Protocol):
         self.role = self.rank = self.world = 0
         self.session = ""
         self.handshake: Handshake | None = None
-        self.pending = False  # in the admission's handshake table
+        self.counted = False  # holds a place among the server's connections, until it ends
+        self.pending = False  # in the handshake table
         self.peer: Connection | None = None
-        self.frames = LinkFrameScanner(relay.max_frame_bytes)
-        self.link = EmulatedLink(self, relay.delay_s, relay.bytes_per_s, HIGH_WATER) if relay.emulating else None
-        self.store_proxy: StoreProxy | None = None
+        self.frames = LinkFrameScanner(limits.max_frame_bytes)
+        emulating = limits.emulate_delay_ms or limits.emulate_mbps
+        self.link = EmulatedLink(limits.emulate_delay_ms, limits.emulate_mbps, HIGH_WATER, self._arrived,
+                                 lambda on: self.throttle("emulated-link", on)) if emulating else None
+        self.store_proxy = None  # store.StoreProxy, in state "store"
         self.counted_store = False  # holds one of its store's pipe counts
         self.paused: set[str] = set()  # why reading from this client is paused
         self.silent = False  # dropped for silence (see check_timers)
         now = time.monotonic()
         self.born = now
-        self.deadline = now + relay.handshake_timeout_s
+        self.deadline = now + limits.handshake_timeout_s
         self.last_rx = now
 
     @property
-    def host(self) -> str:
+    def host_name(self) -> str:
         """The client's address without the port."""
         return self.name.rpartition(":")[0] or self.name
+
+    def is_open(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
 
     # ---- asyncio callbacks ---------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -130,25 +99,23 @@ class Connection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.name = f"{peer[0]}:{peer[1]}" if peer else "?"
         self.source = source_of(peer[0]) if peer else "?"
-        relay = self.relay
-        if not relay.admission.make_room_for(self):
+        if not self.host.make_room_for(self):
             # no slot, no timer; a short greeting says why, so a client behind a crowded NAT learns what to raise
             self.state = "closed"
             _say_and_close(self.transport, auth.busy_greeting(auth.SOURCE_LIMIT))
             return
-        self.pending = True
-        relay.conns.add(self)
+        self.counted = self.pending = True
         sock = transport.get_extra_info("socket")
         if sock is not None:
             auth.tune(sock)
         transport.set_write_buffer_limits(high=HIGH_WATER, low=HIGH_WATER // 4)
-        self.handshake = Handshake(self, relay)
+        self.handshake = Handshake(self.host.secret)
         transport.write(self.handshake.hello)
 
     def data_received(self, data: bytes) -> None:
         self.last_rx = time.monotonic()
         if self.state == "hello":
-            self.handshake.feed(data)
+            self._handshake_step(self.handshake.feed(data))
         elif self.state == "store":
             self.store_proxy.from_client(data)
         elif self.state in ("waiting", "paired", "rdzv"):
@@ -172,11 +139,41 @@ class Connection(asyncio.Protocol):
         elif self.store_proxy is not None:
             self.store_proxy.resume_reading()
 
-    # ---- admission ----------------------------------------------------------------------------
+    # ---- the handshake -------------------------------------------------------------------------
+    def _handshake_step(self, outcome: Claim | Refusal | None) -> None:
+        if isinstance(outcome, Refusal):
+            log.warning("%s: handshake refused: %s", self.name, outcome.why)
+            self.host.count("refused")
+            self.end_pending()
+            self._answer_and_close(auth.REFUSED)
+            self.host.refused(self, None, auth.REFUSED, outcome.session)
+        elif isinstance(outcome, Claim):
+            self.role, self.rank, self.world, self.session = outcome.role, outcome.rank, outcome.world, outcome.session
+            full = self.host.is_full()  # counted while this one is still pending
+            self.end_pending()
+            status = auth.FULL if full else self.host.admit(self)
+            if status != auth.OK:
+                log.warning("%s: %s of %s refused: %s", self.name, ROLE_NAMES.get(self.role), self.session, STATUS_NAMES.get(status))
+                self.host.count("refused")
+                self._answer_and_close(status)
+                self.host.refused(self, outcome, status, self.session)
+                return
+            self.counted_store = self.role == auth.ROLE_STORE
+            self.host.count("accepted")
+            self.transport.write(self.handshake.accept(outcome))
+            self.host.joined(self)
+            if outcome.rest:
+                self.data_received(outcome.rest)
+
+    def _answer_and_close(self, status: int) -> None:
+        self.state = "closed"
+        self.transport.write(bytes([status]))
+        self.close_soon()
+
     def end_pending(self) -> None:
         if self.pending:
             self.pending = False
-            self.relay.admission.handshakes.remove(self)
+            self.host.handshake_over(self)
 
     def shed(self) -> None:
         """Make room for a newer connection: this one is told SHED (an honest client retries) and its slot
@@ -184,23 +181,51 @@ class Connection(asyncio.Protocol):
         _say_and_close(self.transport, bytes([auth.SHED]))
         self._finish()
 
+    # ---- what the server decided ---------------------------------------------------------------
+    def pair_with(self, other: Connection) -> None:
+        """Both ranks of a session are here: each is the other's peer, and both are told PAIRED."""
+        self.peer, other.peer = other, self
+        for c in (other, self):
+            c.state = "paired"
+            c.transport.write(HEADER.pack(PAIRED, 0))
+
+    def wait_for_peer(self) -> None:
+        self.state = "waiting"
+
+    def enter_rendezvous(self) -> None:
+        self.state = "rdzv"
+
+    def finish_rendezvous(self, answer: bytes) -> None:
+        """The run's rendezvous is complete: `answer` (its node rank, the store's token) and close."""
+        self.state = "done"
+        self.transport.write(answer)
+        self.close_soon()
+
+    def pipe_to(self, proxy) -> None:
+        """From now on this connection is a byte pipe to its store (store.StoreProxy)."""
+        self.state = "store"
+        self.store_proxy = proxy
+
+    def tell(self, frame: bytes) -> None:
+        """A link frame of the relay's own (a NOTICE) to this client, if it is still connected."""
+        if self.is_open():
+            self.transport.write(frame)
+
+    write = tell  # the store pipe's bytes back to the client
+
     # ---- link frames, towards the peer ---------------------------------------------------------
     def _forward_frames(self, data: bytes) -> None:
         """Check the link frames in `data`; forward the bytes of frames that go to the peer."""
         out, forwarded, error = self.frames.scan(data, self.state == "paired")
-        self.relay.stats["bytes"] += forwarded
-        self._send(out, data)
+        self.host.count("bytes", forwarded)
+        if out and self.peer is not None:
+            if len(out) == 1 and out[0] == (0, len(data)):
+                chunk = data
+            else:
+                chunk = b"".join(p if isinstance(p, bytes) else memoryview(data)[p[0]:p[1]] for p in out)
+            self._to_peer(chunk)
         if error:
             self.drop(error)
-
-    def _send(self, out: list, data: bytes) -> None:
-        if not out or self.peer is None:
-            return
-        if len(out) == 1 and out[0] == (0, len(data)):
-            chunk = data
-        else:
-            chunk = b"".join(p if isinstance(p, bytes) else memoryview(data)[p[0]:p[1]] for p in out)
-        self._to_peer(chunk)
 
     def _to_peer(self, chunk: bytes) -> None:
         if self.link is None:
@@ -208,13 +233,22 @@ class Connection(asyncio.Protocol):
         else:
             self.link.send(chunk)
 
+    def _arrived(self, chunk: bytes | None) -> None:
+        """EMULATION: `chunk` crossed the emulated wire to the peer (None: the sender left, close the peer)."""
+        peer = self.peer
+        if peer is None:
+            return
+        if chunk is None:
+            peer.close_soon()
+        else:
+            peer.tell(chunk)
+
     def forward_end(self) -> None:
         """This side left: tell the peer (after what is still on the emulated wire) and close it."""
         peer = self.peer
         if peer is None:
             return
-        if self.frames.at_boundary() and not self.silent and peer.transport is not None \
-                and not peer.transport.is_closing():
+        if self.frames.at_boundary() and not self.silent and peer.is_open():
             self._to_peer(HEADER.pack(PEER_LEFT, 0))  # its connection closed: the peer gives it a short grace, not reconnect_s
         if self.link is not None and self.link.is_busy():
             self.link.close_receiver_after_queued()
@@ -228,7 +262,7 @@ class Connection(asyncio.Protocol):
         store pipe not up yet); the idle timer does not run while paused."""
         was = bool(self.paused)
         (self.paused.add if on else self.paused.discard)(reason)
-        if self.transport is None or self.transport.is_closing():
+        if not self.is_open():
             return
         if self.paused and not was:
             self.transport.pause_reading()
@@ -239,32 +273,32 @@ class Connection(asyncio.Protocol):
     # ---- ending --------------------------------------------------------------------------------
     def check_timers(self, now: float) -> None:
         if self.state == "hello" and now > self.deadline:
-            self.drop(f"no complete handshake within {self.relay.handshake_timeout_s:.0f} s (slow or silent client)")
-        elif self.state in ("waiting", "paired", "rdzv") and not self.paused and now - self.last_rx > self.relay.idle_timeout_s:
+            self.drop(f"no complete handshake within {self.limits.handshake_timeout_s:.0f} s (slow or silent client)")
+        elif self.state in ("waiting", "paired", "rdzv") and not self.paused and now - self.last_rx > self.limits.idle_timeout_s:
             self.silent = True  # its peer is not told it left: a silent node may still come back within reconnect_s
-            self.drop(f"silent for {self.relay.idle_timeout_s:.0f} s, not even heartbeats (--idle-timeout-s)")
+            self.drop(f"silent for {self.limits.idle_timeout_s:.0f} s, not even heartbeats (--idle-timeout-s)")
 
     def drop(self, why: str | None) -> None:
         """Close this connection now, with one log line."""
         if why:
             log.warning("%s (%s %s): %s; closing it", self.name, ROLE_NAMES.get(self.role, "client"), self.session or "-", why)
-            self.relay.stats["dropped"] += 1
+            self.host.count("dropped")
         if self.transport is not None:
             self.transport.abort()
         self._finish()
 
     def close_soon(self) -> None:
         """Flush what we wrote, then close; abort if the client does not read it within a few seconds."""
-        if self.transport is None or self.transport.is_closing():
+        if not self.is_open():
             return
         self.transport.close()
         asyncio.get_running_loop().call_later(5.0, self.transport.abort)
 
     def _finish(self) -> None:
-        if self in self.relay.conns:
-            self.relay.conns.discard(self)
+        if self.counted:
+            self.counted = False
             self.end_pending()
-            self.relay.left(self)
+            self.host.left(self)
             if self.store_proxy is not None:
                 self.store_proxy.close()
             self.state = "closed"

@@ -1,37 +1,36 @@
 """EMULATION: a WAN link between the two ranks of a session, on one host, for measuring (--emulate-delay-ms,
 --emulate-mbps). Each direction is its own link: bytes serialize at the bandwidth, then propagate for the
-delay, and arrive in order."""
+delay, and arrive in order (netbridge.delay.WireSchedule, the Channel's own emulation schedules alike).
+
+It knows no connection: chunks go out through the `deliver` callback its owner gives it, and `hold(True)`
+asks the owner to stop reading from the sender while too much is on the line."""
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from netbridge.delay import WireSchedule
 
-if TYPE_CHECKING:
-    from netbridge.relay.connection import Connection
-
 
 class EmulatedLink:
-    """The emulated link from one connection (the sender) to its peer."""
+    """One direction of an emulated link. `deliver(chunk)` at each chunk's arrival (None: close the receiver)."""
 
-    def __init__(self, sender: Connection, delay_s: float, bytes_per_s: float, high_water: int):
-        self.sender = sender
-        self.wire = WireSchedule(delay_s * 1000, bytes_per_s * 8 / 1e6)  # the Channel's own emulation schedules alike
+    def __init__(self, delay_ms: float, mbps: float, high_water: int, deliver: Callable[[bytes | None], None],
+                 hold: Callable[[bool], None]):
+        self.wire = WireSchedule(delay_ms, mbps)
         self.high_water = high_water  # bytes on the line before the sender is paused, like a real socket's buffer
+        self.deliver, self.hold = deliver, hold
         self.line: deque = deque()  # (due time, bytes | None = close the receiver), in order
         self.line_bytes = 0
         self.timer = None
 
     def send(self, chunk: bytes) -> None:
         loop = asyncio.get_running_loop()
-        now = loop.time()
-        size = len(chunk)
-        self.line.append((self.wire.arrival(now, size), chunk))
-        self.line_bytes += size
+        self.line.append((self.wire.arrival(loop.time(), len(chunk)), chunk))
+        self.line_bytes += len(chunk)
         if self.line_bytes > self.high_water:
-            self.sender.throttle("emulated-link", True)
+            self.hold(True)
         if self.timer is None:
             self.timer = loop.call_at(self.line[0][0], self._deliver)
 
@@ -46,17 +45,12 @@ class EmulatedLink:
         self.timer = None
         loop = asyncio.get_running_loop()
         now = loop.time()
-        peer = self.sender.peer
         while self.line and self.line[0][0] <= now:
             _, chunk = self.line.popleft()
-            if chunk is None:
-                if peer is not None:
-                    peer.close_soon()
-                continue
-            self.line_bytes -= len(chunk)
-            if peer is not None and peer.transport is not None and not peer.transport.is_closing():
-                peer.transport.write(chunk)
+            if chunk is not None:
+                self.line_bytes -= len(chunk)
+            self.deliver(chunk)
         if self.line_bytes <= self.high_water // 4:
-            self.sender.throttle("emulated-link", False)
+            self.hold(False)
         if self.line:
             self.timer = loop.call_at(self.line[0][0], self._deliver)

@@ -12,12 +12,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 from netbridge.link import notice_frame
 
-if TYPE_CHECKING:
-    from netbridge.relay.connection import Connection
+Member = Any  # a connection of the relay: told a notice through its .tell(frame)
 
 log = logging.getLogger("tandem.relay")
 
@@ -44,11 +43,11 @@ class RefusalNotices:
             self.last_refusal.popitem(last=False)
         self.notify_waiting(session, text)
 
-    def tell_recent_refusal(self, conn: Connection) -> None:
+    def tell_recent_refusal(self, conn: Member) -> None:
         """A member starts waiting: if a claim for its session was refused lately, it hears of it now."""
         when, text = self.last_refusal.get(conn.session, (None, ""))
         if when is not None and time.monotonic() - when <= REFUSAL_MEMORY_S:
-            conn.transport.write(notice_frame(f"{text} ({time.monotonic() - when:.0f} s before this node came)"))
+            conn.tell(notice_frame(f"{text} ({time.monotonic() - when:.0f} s before this node came)"))
 
     def notify_waiting(self, session: str, text: str) -> None:
         """Send `text` as a NOTICE to the members of `session` that still wait (for their peer or for the
@@ -61,7 +60,7 @@ class RefusalNotices:
         self.notice_due[session] = now + NOTICE_INTERVAL_S
         frame = notice_frame(text)
         for member in waiting:
-            member.transport.write(frame)
+            member.tell(frame)
         log.info("session %s: told %d waiting member(s): %s", session, len(waiting), text)
 
     def sweep(self, now: float) -> None:

@@ -10,12 +10,11 @@ import asyncio
 import logging
 import socket
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from netbridge import auth
 
-if TYPE_CHECKING:
-    from netbridge.relay.connection import Connection
+Client = Any  # the relay's connection of a store pipe: .session read; .write, .drop, .throttle, .close_soon called
 
 log = logging.getLogger("tandem.relay")
 
@@ -59,20 +58,18 @@ class Stores:
             del st.store
             log.info("store %s: dropped", token)
 
-    def admit(self, conn: Connection) -> int:
+    def admit(self, conn: Client) -> int:
         st = self.by_token.get(conn.session)
         if st is None:
             return auth.UNKNOWN
         st.conns += 1
         return auth.OK
 
-    def join(self, conn: Connection) -> None:
-        """After OK went out: open the pipe to the store; bytes the client sends meanwhile wait for it."""
-        conn.state = "store"
-        conn.store_proxy = StoreProxy(conn)
-        asyncio.ensure_future(conn.store_proxy.open(self.by_token[conn.session].port))
+    def port_of(self, token: str) -> int:
+        """Where the store of `token` listens (on loopback), for a store pipe admitted to it."""
+        return self.by_token[token].port
 
-    def leave(self, conn: Connection) -> None:
+    def leave(self, conn: Client) -> None:
         st = self.by_token.get(conn.session)
         if st is not None:
             st.conns -= 1
@@ -92,7 +89,7 @@ class StoreProxy:
     """One store connection's pipe to its store. Until the pipe is up the client's bytes are kept and the
     client is not read further; once up, either side's full buffer pauses the other (backpressure)."""
 
-    def __init__(self, client: Connection):
+    def __init__(self, client: Client):
         self.client = client
         self.upstream = None  # the transport to the store, once connected
         self.backlog: list = []
@@ -137,12 +134,11 @@ class StoreProxy:
 class _StorePipe(asyncio.Protocol):
     """The relay's side of a store pipe: bytes from the TCPStore go back to the client."""
 
-    def __init__(self, client: Connection):
+    def __init__(self, client: Client):
         self.client = client
 
     def data_received(self, data: bytes) -> None:
-        if self.client.transport is not None and not self.client.transport.is_closing():
-            self.client.transport.write(data)
+        self.client.write(data)
 
     def connection_lost(self, exc) -> None:
         self.client.close_soon()
