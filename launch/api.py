@@ -1,19 +1,22 @@
 """The OpenAI request bodies Tandem accepts, parsed into one Prompt, and its error JSON.
 
-Fields read: model, messages | prompt, max_tokens (max_completion_tokens), temperature, top_p, seed,
-stop, stream, n. Absent sampling fields take the launch's gen.* values; an absent seed with
-temperature > 0 is drawn at random (as OpenAI does). What Tandem cannot honour (n > 1, tools, logprobs)
-is refused with a 400 rather than silently ignored; unknown fields are ignored, as clients send many.
-Every field read is checked here, type and range, before anything reaches the engine: numbers are
-finite, the seed fits the 64-bit generators, max_tokens never exceeds gen.max_new_tokens.
+Every field a request may carry is in FIELDS below, in one place: a field an endpoint READS is checked and
+honoured by its parser (type and range, before anything reaches the engine: numbers are finite, the seed
+fits the 64-bit generators, max_tokens never exceeds gen.max_new_tokens); a field in INERT is accepted only
+at a value that changes nothing (logprobs false, response_format text, a penalty of 0, user, metadata);
+anything else, unknown fields included, is a 400 naming the field (as OpenAI answers an unrecognized
+argument) — never a 200 that silently ignores what was asked. Absent sampling fields take the launch's
+gen.* values; an absent seed with temperature > 0 is drawn at random (as OpenAI does).
+To honour a field: add it to READS for its endpoint, read it in the parser, and take it out of INERT.
 """
 from __future__ import annotations
 
+import json
 import math
 import secrets
 from dataclasses import dataclass
 
-from launch.build import chat_ids
+from launch.tools import CLOSE, ToolError, ToolSetup, template_message, tool_setup
 from netbridge.protocol import Request
 
 
@@ -36,6 +39,68 @@ class Prompt:
     request: Request
     stop: list[str]
     stream: bool
+    tools: ToolSetup | None = None  # chat with tools: calls are read out of the answer when tools.parse
+
+
+_SAMPLING = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n"}
+READS = {  # the fields each endpoint's parser reads and honours
+    "chat": _SAMPLING | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls"},
+    "completions": _SAMPLING | {"prompt", "best_of"},
+    "responses": {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream"},
+}
+
+
+def _falsy(value) -> bool:
+    return not value
+
+
+def _zero(value) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0)
+
+
+def _anything(_) -> bool:
+    return True
+
+
+INERT = {  # field: whether a value changes nothing (then it is accepted; any other value is a 400 naming it)
+    "logprobs": _falsy, "top_logprobs": _falsy, "echo": _falsy, "suffix": _falsy, "logit_bias": _falsy,
+    "frequency_penalty": _zero, "presence_penalty": _zero,
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "text": lambda v: v is None or v == {} or v == {"format": {"type": "text"}},  # the Responses API's response_format
+    "modalities": lambda v: v is None or v == ["text"],
+    "store": lambda v: v is not True,  # nothing is stored: a stored completion could not be fetched back
+    "user": _anything, "metadata": _anything, "safety_identifier": _anything, "prompt_cache_key": _anything,
+    "service_tier": lambda v: v in (None, "auto", "default"),
+    "tools": lambda v: v is None or v == [], "tool_choice": lambda v: v in (None, "none", "auto"),  # (responses)
+    "parallel_tool_calls": _anything, "truncation": lambda v: v in (None, "disabled"),
+    "include": _falsy, "reasoning": _falsy, "reasoning_effort": _falsy, "previous_response_id": _falsy,
+}
+UNRECOGNIZED = "{field} is not a field this server knows for {path}; leave it out (see docs/api.md)"
+UNHONOURED = "{field}={value} is not supported by this server; leave it out (see docs/api.md for what is)"
+
+
+def check_fields(body, endpoint: str) -> None:
+    """Every field of the body is read by this endpoint, or inert at its value: else a 400 naming it."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for key, value in body.items():
+        if key in READS[endpoint]:
+            continue
+        inert = INERT.get(key)
+        if inert is None:
+            path = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}.get(endpoint, "/v1/responses")
+            raise ApiError(400, UNRECOGNIZED.format(field=str(key)[:64], path=path), param=str(key)[:64],
+                           code="unknown_parameter")
+        if not inert(value):
+            raise ApiError(400, UNHONOURED.format(field=key, value=_short(value)), param=key, code="unsupported_parameter")
+
+
+def _short(value) -> str:
+    try:
+        text = json.dumps(value)
+    except (ValueError, TypeError, RecursionError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def parse_chat(body, tokenizer, cfg, model_name: str) -> Prompt:
@@ -45,16 +110,29 @@ def parse_chat(body, tokenizer, cfg, model_name: str) -> Prompt:
         raise ApiError(400, "messages must be a non-empty list of {role, content}", param="messages")
     if tokenizer is None or not tokenizer.chat_template:
         raise ApiError(400, f"{model_name} has no chat template: use /v1/completions", param="messages")
-    if body.get("tools") or body.get("functions"):
-        raise ApiError(400, "tools and function calling are not supported", param="tools")
-    conversation = [{"role": _role(m), "content": _content(m)} for m in messages]
-    request = _settings(body, cfg)
     try:
-        ids = chat_ids(tokenizer, conversation)
+        tools = tool_setup(body, tokenizer.chat_template)
+        conversation = [template_message(m, _role(m), _content(m)) for m in messages]
+    except ToolError as e:
+        raise ApiError(400, str(e), param=e.param) from None
+    settings = read_settings(body, cfg)
+    check_fields(body, "chat")
+    prompt = with_ids(settings, template_ids(tokenizer, conversation, tools.specs if tools else None))
+    prompt.tools = tools
+    if tools and tools.parse and not tools.parallel:
+        prompt.stop = [*prompt.stop, CLOSE]  # one call (parallel_tool_calls=false): the answer ends with it
+    return prompt
+
+
+def template_ids(tokenizer, conversation: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The conversation (and the tools) through the model's chat template, ready for the assistant's answer."""
+    try:
+        out = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)
     except Exception as e:  # noqa: BLE001 - a template may raise anything on a conversation it does not expect
         raise ApiError(400, f"the chat template refused these messages ({type(e).__name__}: {str(e)[:200]})",
                        param="messages") from None
-    return _with_ids(request, ids)
+    return list(out["input_ids"])
 
 
 def parse_completion(body, tokenizer, cfg, model_name: str) -> Prompt:
@@ -62,7 +140,8 @@ def parse_completion(body, tokenizer, cfg, model_name: str) -> Prompt:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
-    request = _settings(body, cfg)
+    request = read_settings(body, cfg)
+    check_fields(body, "completions")
     if isinstance(prompt, str) and prompt:
         if tokenizer is None:
             raise ApiError(400, f"{model_name} has no tokenizer: send the prompt as a list of token ids", param="prompt")
@@ -72,23 +151,29 @@ def parse_completion(body, tokenizer, cfg, model_name: str) -> Prompt:
     else:
         raise ApiError(400, "prompt must be a non-empty string or a list of token ids (one prompt per request)",
                        param="prompt")
-    return _with_ids(request, ids)
+    return with_ids(request, ids)
 
 
-def _check_common(body, model_name: str) -> None:
+def check_model(body, model_name: str) -> None:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     if body.get("model") not in (None, model_name):
         raise ApiError(404, f"the model {str(body.get('model'))[:100]!r} does not exist; this server serves {model_name!r}",
                        param="model", code="model_not_found")
+
+
+def _check_common(body, model_name: str) -> None:
+    check_model(body, model_name)
     if _integer(body, "n", 1, 1, 1) != 1:
         raise ApiError(400, "n must be 1: one answer per request", param="n")
-    if body.get("logprobs") or body.get("echo") or _integer(body, "best_of", 1, 1, 1) != 1:
-        raise ApiError(400, "logprobs, best_of and echo are not supported", param="logprobs")
+    _integer(body, "best_of", 1, 1, 1)  # one answer per request (n, best_of); logprobs and echo: INERT
 
 
 SEED_RANGE = (-2**63, 2**63 - 1)  # what every generator it seeds takes (torch.Generator: 64 bits; the drafter's is seed + 1)
 MAX_TEMPERATURE = 2.0  # OpenAI's bound: beyond it sampling is noise
+
+
+MAX_TOKENS_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 @dataclass
@@ -99,10 +184,11 @@ class Settings:
     stream: bool
 
 
-def _settings(body: dict, cfg) -> Settings:
+def read_settings(body: dict, cfg) -> Settings:
     """Every field besides the prompt, checked before the (costly) tokenization."""
     limit = cfg.gen.max_new_tokens
-    key = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
+    # max_tokens (chat's older name max_completion_tokens, the Responses API's max_output_tokens)
+    key = next((k for k in MAX_TOKENS_KEYS if body.get(k) is not None), "max_tokens")
     max_tokens = _integer(body, key, None, 1, None)
     if max_tokens is not None and max_tokens > limit:
         raise ApiError(400, f"{key}={max_tokens} exceeds this server's gen.max_new_tokens={limit}", param=key)
@@ -120,10 +206,14 @@ def _settings(body: dict, cfg) -> Settings:
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", param="stream")
+    options = body.get("stream_options")  # the usage always comes with the last chunk
+    if options is not None and not (isinstance(options, dict) and all(
+            k in ("include_usage", "include_obfuscation") and isinstance(v, bool) for k, v in options.items())):
+        raise ApiError(400, "stream_options may only hold include_usage (true or false)", param="stream_options")
     return Settings(max_tokens, Request(temperature, top_p, seed), stop, bool(stream))
 
 
-def _with_ids(s: Settings, ids) -> Prompt:
+def with_ids(s: Settings, ids) -> Prompt:
     return Prompt(list(ids), s.max_tokens, s.request, s.stop, s.stream)
 
 
@@ -156,13 +246,16 @@ def _float(body: dict, key: str, default: float, low: float, high: float) -> flo
 
 def _role(message) -> str:
     role = message.get("role") if isinstance(message, dict) else None
-    if role not in ("system", "developer", "user", "assistant"):
-        raise ApiError(400, f"each message needs a role of system, user or assistant (got {role!r})", param="messages")
+    if role not in ("system", "developer", "user", "assistant", "tool"):
+        raise ApiError(400, f"each message needs a role of system, user, assistant or tool (got {str(role)[:40]!r})",
+                       param="messages")
     return "system" if role == "developer" else role
 
 
-def _content(message) -> str:
+def _content(message) -> str | None:
     content = message.get("content")
+    if content is None and message.get("role") == "assistant" and message.get("tool_calls"):
+        return None  # an assistant turn that only called tools
     if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise ApiError(400, "only text content parts are supported", param="messages")
@@ -184,3 +277,17 @@ def visible_text(text: str | None, stops: list[str], done: bool) -> str:
     hold = max((len(s) - 1 for s in stops), default=0)
     text = text[:len(text) - hold] if hold else text
     return text.rstrip("\ufffd")
+
+
+def usage(prompt: Prompt, done: dict) -> dict:
+    n_prompt, n_out = len(prompt.ids), len(done["token_ids"])
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+
+def tandem_fields(done: dict) -> dict:
+    """Beyond OpenAI's fields: what Tandem measured for this request."""
+    s = done["stats"]
+    return {"token_ids": done["token_ids"], "prompt_tokens_reused": s["prompt_tokens_reused"],
+            "prefilled_tokens": s["prefilled_tokens"], "ttft_ms": s["ttft_s"] * 1000, "queue_ms": s["queue_s"] * 1000,
+            "tokens_per_s": s["tokens_per_s"], "tokens_per_round": s["tokens_per_round"],
+            "acceptance_rate": s["acceptance_rate"]}

@@ -1,7 +1,10 @@
 """serve.port=PORT: rank 0 answers an OpenAI-compatible HTTP API; rank 1 serves rounds as always.
 
     POST /v1/chat/completions   POST /v1/completions   (stream=true: server-sent events, then [DONE])
+    POST /v1/responses          (stream=true: the Responses API's typed events)
     GET  /v1/models             GET  /health
+
+What each accepts and refuses (launch/api.py's field table) is in docs/api.md.
 
 The HTTP side (FastAPI on uvicorn, in the main thread so it owns SIGINT/SIGTERM) only parses and
 queues: a body over serve.max_body_bytes is refused (413) before it is read, and parsing and
@@ -29,7 +32,9 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from launch.api import ApiError, Prompt, parse_chat, parse_completion, visible_text
+from launch.api import ApiError, Prompt, parse_chat, parse_completion, tandem_fields, usage, visible_text
+from launch.responses import ResponsesForm, parse_responses
+from launch.tools import CallParser
 from launch.build import CapacityError, check_capacity, check_ids, output_room
 from launch.config import TandemConfig
 from speculative.output import Output
@@ -197,24 +202,27 @@ def build_app(cfg: TandemConfig, engine: Engine, tokenizer, vocab_size: int, mod
         check_prompt(cfg, prompt, vocab_size)
         return prompt
 
-    async def handle(http: HttpRequest, parse, kind: str):
+    async def handle(http: HttpRequest, parse, form):
         arrived = time.perf_counter()
         raw = await read_body(http, cfg.serve.max_body_bytes)
         prompt = await asyncio.to_thread(parse_and_check, raw, parse)
         job = Job(prompt, asyncio.get_running_loop(), arrived)
         engine.submit(job)
-        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if prompt.stream:
-            return StreamingResponse(stream(job, rid, kind, model_name), media_type="text/event-stream")
-        return await complete(http, job, rid, kind, model_name)
+            return StreamingResponse(stream(job, form(job, model_name)), media_type="text/event-stream")
+        return await complete(http, job, form(job, model_name))
 
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest):
-        return await handle(http, parse_chat, "chat")
+        return await handle(http, parse_chat, ChatForm)
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
-        return await handle(http, parse_completion, "text")
+        return await handle(http, parse_completion, CompletionForm)
+
+    @app.post("/v1/responses")
+    async def responses(http: HttpRequest):
+        return await handle(http, parse_responses, ResponsesForm)
 
     return app
 
@@ -308,7 +316,7 @@ def check_prompt(cfg: TandemConfig, prompt: Prompt, vocab_size: int) -> None:
         raise ApiError(400, str(e)) from None
 
 
-async def complete(http, job: Job, rid: str, kind: str, model: str) -> dict:
+async def complete(http, job: Job, form) -> dict:
     """A non-streamed answer: wait for it, cancelling the job if the client leaves meanwhile."""
     try:
         while True:
@@ -321,57 +329,116 @@ async def complete(http, job: Job, rid: str, kind: str, model: str) -> dict:
             if what == "error":
                 raise value
             if what == "done":
-                return answer(job, value, rid, kind, model)
+                return form.answer(value)
     finally:
         job.cancelled.set()  # a no-op when done; otherwise the client left or the server is stopping
 
 
-def answer(job: Job, done: dict, rid: str, kind: str, model: str) -> dict:
-    choice = {"index": 0, "finish_reason": done["finish_reason"], "logprobs": None}
-    choice.update({"message": {"role": "assistant", "content": done["text"]}} if kind == "chat" else {"text": done["text"]})
-    return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": usage(job, done), "tandem": tandem_fields(done)}
-
-
-async def stream(job: Job, rid: str, kind: str, model: str):
-    """Server-sent events, one per committed round; closing the connection cancels the job."""
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-
-    def chunk(delta: dict | str, finish=None, **extra) -> str:
-        choice = {"index": 0, "finish_reason": finish, "logprobs": None}
-        choice.update({"delta": delta} if kind == "chat" else {"text": delta})
-        body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice], **extra}
-        return f"data: {json.dumps(body)}\n\n"
+async def stream(job: Job, form):
+    """Server-sent events as rounds commit (what `form` makes of each); closing the connection cancels the job."""
     try:
-        if kind == "chat":
-            yield chunk({"role": "assistant", "content": ""})
+        for event in form.start():
+            yield event
         while True:
             what, value = await job.events.get()
-            if what == "error":
-                yield f"data: {json.dumps(value.body())}\n\n"
+            for event in getattr(form, what)(value):  # form.text / form.done / form.error
+                yield event
+            if what != "text":
                 break
-            if what == "text":
-                yield chunk({"content": value} if kind == "chat" else value)
-            if what == "done":
-                yield chunk({} if kind == "chat" else "", value["finish_reason"], usage=usage(job, value),
-                            tandem=tandem_fields(value))
-                break
-        yield "data: [DONE]\n\n"
+        for event in form.end():
+            yield event
     finally:
         job.cancelled.set()  # the client went away (or we are done): the round loop stops at the next round
 
 
-def usage(job: Job, done: dict) -> dict:
-    n_prompt, n_out = len(job.prompt.ids), len(done["token_ids"])
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+def sse(body: dict, event: str | None = None) -> str:
+    return (f"event: {event}\n" if event else "") + f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-def tandem_fields(done: dict) -> dict:
-    """Beyond OpenAI's fields: what Tandem measured for this request."""
-    s = done["stats"]
-    return {"token_ids": done["token_ids"], "prompt_tokens_reused": s["prompt_tokens_reused"],
-            "prefilled_tokens": s["prefilled_tokens"], "ttft_ms": s["ttft_s"] * 1000, "queue_ms": s["queue_s"] * 1000, "tokens_per_s": s["tokens_per_s"],
-            "tokens_per_round": s["tokens_per_round"], "acceptance_rate": s["acceptance_rate"]}
+class CompletionForm:
+    """/v1/completions: a text_completion, or text_completion chunks then [DONE]."""
+
+    def __init__(self, job: Job, model: str):
+        self.job, self.model, self.id, self.created = job, model, f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+    def body(self, choice: dict, **extra) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "logprobs": None, **choice}], **extra}
+
+    def answer(self, done: dict) -> dict:
+        return self.body({"text": done["text"], "finish_reason": done["finish_reason"]}, usage=usage(self.job.prompt, done),
+                         tandem=tandem_fields(done))
+
+    def start(self) -> list[str]:
+        return []
+
+    def text(self, delta: str) -> list[str]:
+        return [sse(self.body({"text": delta, "finish_reason": None}))]
+
+    def done(self, done: dict) -> list[str]:
+        return [sse(self.body({"text": "", "finish_reason": done["finish_reason"]}, usage=usage(self.job.prompt, done),
+                              tandem=tandem_fields(done)))]
+
+    def error(self, e: ApiError) -> list[str]:
+        return [sse(e.body())]
+
+    def end(self) -> list[str]:
+        return ["data: [DONE]\n\n"]
+
+
+class ChatForm(CompletionForm):
+    """/v1/chat/completions: a chat.completion, or chat.completion.chunk deltas then [DONE]. With tools (auto),
+    the calls are read out of the text as it streams and sent as tool_calls (finish_reason tool_calls)."""
+
+    def __init__(self, job: Job, model: str):
+        super().__init__(job, model)
+        self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        tools = job.prompt.tools
+        self.calls = CallParser(tools.parallel) if tools is not None and tools.parse else None
+
+    def body(self, choice: dict, **extra) -> dict:
+        streamed = "delta" in choice
+        return {"id": self.id, "object": "chat.completion.chunk" if streamed else "chat.completion",
+                "created": self.created, "model": self.model, "choices": [{"index": 0, "logprobs": None, **choice}],
+                **extra}
+
+    def finish_reason(self, done: dict) -> str:
+        return "tool_calls" if self.calls is not None and self.calls.calls else done["finish_reason"]
+
+    def answer(self, done: dict) -> dict:
+        message = {"role": "assistant", "content": done["text"]}
+        if self.calls is not None:
+            items = self.calls.feed(done["text"]) + self.calls.finish()
+            calls = [item.openai() for kind, item in items if kind == "call"]
+            message["content"] = "".join(item for kind, item in items if kind == "content") or (None if calls else "")
+            if calls:
+                message["tool_calls"] = calls
+        return self.body({"message": message, "finish_reason": self.finish_reason(done)}, usage=usage(self.job.prompt, done),
+                         tandem=tandem_fields(done))
+
+    def start(self) -> list[str]:
+        return [sse(self.body({"delta": {"role": "assistant", "content": ""}, "finish_reason": None}))]
+
+    def text(self, delta: str) -> list[str]:
+        return self.deltas([("content", delta)] if self.calls is None else self.calls.feed(delta))
+
+    def deltas(self, items) -> list[str]:
+        """Content as it is; a call as OpenAI streams one: its id and name (arguments ""), then its arguments."""
+        out = []
+        for kind, item in items:
+            if kind == "content":
+                out.append(sse(self.body({"delta": {"content": item}, "finish_reason": None})))
+                continue
+            index = self.calls.calls.index(item)
+            head = {"index": index, "id": item.id, "type": "function", "function": {"name": item.name, "arguments": ""}}
+            for call in (head, {"index": index, "function": {"arguments": item.arguments}}):
+                out.append(sse(self.body({"delta": {"tool_calls": [call]}, "finish_reason": None})))
+        return out
+
+    def done(self, done: dict) -> list[str]:
+        rest = self.deltas(self.calls.finish()) if self.calls is not None else []
+        return rest + [sse(self.body({"delta": {}, "finish_reason": self.finish_reason(done)}, usage=usage(self.job.prompt, done),
+                                     tandem=tandem_fields(done)))]
 
 
 def reserve_port(cfg: TandemConfig) -> socket.socket:
@@ -420,14 +487,14 @@ def open_host_warning(host: str, api_key: str | None) -> str | None:
 
 
 def serve(cfg: TandemConfig, session, tokenizer, eos_ids: set[int], vocab_size: int,
-          listener: socket.socket | None = None) -> None:
+          listener: socket.socket | None = None, model_name: str | None = None) -> None:
     """Serve until SIGINT/SIGTERM (raises Interrupted, once rank 1 has had its Bye), until the server is
     told to exit (returns), or until rank 1 is lost (raises its PeerError)."""
     import uvicorn
     listener = listener or reserve_port(cfg)
     host, port = listener.getsockname()[:2]
     from pathlib import Path
-    model_name = cfg.serve.model_name or Path(cfg.model.target.rstrip("/")).name
+    model_name = model_name or cfg.serve.model_name or Path(cfg.model.target.rstrip("/")).name  # launch.plan.Models.name
     telemetry = None
     if cfg.log.dir:
         from launch.telemetry import Telemetry

@@ -1,0 +1,245 @@
+"""Tool calls on /v1/chat/completions: the request's `tools`, `tool_choice` and `parallel_tool_calls` checked,
+the conversation's tool messages put in the form chat templates read, and the model's calls read back out of
+the generated text.
+
+The tools are rendered by the model's own chat template (transformers' apply_chat_template(tools=...)), so the
+model sees them exactly as it was trained to. The calls come back in the model family's own format; the one
+read here is the Hermes format of Qwen2.5 and Qwen3 (a template that mentions `<tool_call>`):
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+tool_choice auto parses that text; none leaves the tools out of the prompt (nothing can call them). required
+and a named function need decoding constrained to a call (a grammar): until one is wired they are refused
+with a 400 rather than asked of the model and not guaranteed; call_schema is the JSON schema such a grammar
+enforces.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+
+
+class ToolError(ValueError):
+    """A tool field that cannot be served; `param` names it."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ToolSetup:
+    """What a request asks of tools: `specs` go to the chat template (None: no tools in the prompt); `parse`:
+    read calls out of the answer; `parallel`: more than one call per answer."""
+    specs: list[dict] | None
+    parse: bool
+    parallel: bool = True
+
+
+def tool_setup(body: dict, chat_template: str | None) -> ToolSetup | None:
+    """The request's tool fields checked (None: it has none)."""
+    for legacy in ("functions", "function_call"):
+        if body.get(legacy) is not None:
+            raise ToolError(f"{legacy} is the deprecated form of tools; send tools and tool_choice", legacy)
+    tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ToolError("parallel_tool_calls must be true or false", "parallel_tool_calls")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise ToolError("tool_choice names a tool but the request has no tools", "tool_choice")
+        return None
+    specs = _specs(tools)
+    names = [s["function"]["name"] for s in specs]
+    if choice is None or choice == "auto":
+        mode = "auto"
+    elif choice == "none":
+        return ToolSetup(None, False)
+    elif choice == "required" or _named(choice, names):
+        raise ToolError(f"tool_choice={json.dumps(choice)[:100]} needs decoding constrained to a call, which this "
+                        "server does not do yet; send tool_choice=auto (the model may then answer in text)", "tool_choice")
+    else:
+        raise ToolError('tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}',
+                        "tool_choice")
+    if not chat_template or "tools" not in chat_template:
+        raise ToolError("this model's chat template does not render tools", "tools")
+    if OPEN not in chat_template:
+        raise ToolError(f"this model's tool-call format is not one this server reads (it reads {OPEN} JSON, as "
+                        "Qwen2.5 and Qwen3 write it)", "tools")
+    return ToolSetup(specs, mode == "auto", parallel is not False)
+
+
+def _specs(tools) -> list[dict]:
+    if not isinstance(tools, list) or len(tools) > 128:
+        raise ToolError("tools must be a list of up to 128 {type: function, function: {name, description, parameters}}",
+                        "tools")
+    specs, seen = [], set()
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or not NAME.match(function["name"]):
+            raise ToolError("each tool must be {type: function, function: {name, ...}} with a name of letters, digits, "
+                            "_ or - (at most 64)", "tools")
+        if not isinstance(function.get("description", ""), str) or not isinstance(function.get("parameters", {}), dict):
+            raise ToolError(f"tool {function['name']}: description must be a string and parameters a JSON schema object",
+                            "tools")
+        if function["name"] in seen:
+            raise ToolError(f"two tools are named {function['name']}", "tools")
+        seen.add(function["name"])
+        specs.append({"type": "function", "function": {k: function[k] for k in ("name", "description", "parameters")
+                                                       if k in function}})
+    return specs
+
+
+def _named(choice, names: list[str]) -> bool:
+    if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)):
+        return False
+    if choice["function"].get("name") not in names:
+        raise ToolError(f"tool_choice names {str(choice['function'].get('name'))[:64]!r}, which is not in tools", "tool_choice")
+    return True
+
+
+def call_schema(specs: list[dict], name: str | None = None) -> dict:
+    """The JSON schema of the object inside <tool_call>...</tool_call>: any of the tools (tool_choice required) or
+    the named one, with its parameters as the arguments' schema. What a grammar enforces for required / named."""
+    options = [{"type": "object", "properties": {"name": {"const": s["function"]["name"]},
+                                                 "arguments": s["function"].get("parameters") or {"type": "object"}},
+                "required": ["name", "arguments"], "additionalProperties": False}
+               for s in specs if name is None or s["function"]["name"] == name]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def template_message(message: dict, role: str, content: str | None) -> dict:
+    """One message as chat templates read it: an assistant's tool_calls with their arguments as objects (Qwen's
+    template writes `arguments | tojson`: a JSON string there would be encoded twice); a tool result keeps its id."""
+    out = {"role": role, "content": content}
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise ToolError("a tool message needs the tool_call_id of the call it answers", "messages")
+        out["tool_call_id"] = call_id
+        if isinstance(message.get("name"), str):
+            out["name"] = message["name"]
+    elif role == "assistant" and message.get("tool_calls") is not None:
+        out["tool_calls"] = [_template_call(c) for c in _list(message["tool_calls"])]
+    return out
+
+
+def _list(calls) -> list:
+    if not isinstance(calls, list) or not calls:
+        raise ToolError("an assistant message's tool_calls must be a non-empty list", "messages")
+    return calls
+
+
+def _template_call(call) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+            or not isinstance(function.get("arguments"), str):
+        raise ToolError("each tool call needs {id, type: function, function: {name, arguments: a JSON string}}", "messages")
+    try:
+        arguments = json.loads(function["arguments"])
+    except (ValueError, RecursionError):
+        raise ToolError(f"the arguments of the call to {function['name'][:64]} are not JSON", "messages") from None
+    return {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+
+
+@dataclass
+class Call:
+    id: str
+    name: str
+    arguments: str  # a JSON string, as OpenAI sends it
+
+    def openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class CallParser:
+    """Reads <tool_call> JSON </tool_call> out of the answer as it streams. feed(text) returns what is decided:
+    ("content", text) and ("call", Call) items in order; finish() the rest. Text that may be the start of a
+    <tool_call> waits until it is decided; whitespace just before a call or after the last one is dropped (the
+    text is then the message around the calls); a call whose JSON does not parse is given back as text."""
+    parallel: bool = True
+    calls: list[Call] = field(default_factory=list)
+    _pending: str = ""  # not yet decided: a possible tag start, or a call's body until its </tool_call>
+    _space: str = ""  # whitespace outside calls, held until it is known whether a call follows
+    _in_call: bool = False
+
+    def feed(self, text: str) -> list[tuple[str, object]]:
+        self._pending += text
+        out: list[tuple[str, object]] = []
+        while not (self.calls and not self.parallel):
+            if self._in_call:
+                end = self._pending.find(CLOSE)
+                if end < 0:
+                    break
+                out += self._call(self._pending[:end], self._pending[:end + len(CLOSE)])
+                self._pending, self._in_call = self._pending[end + len(CLOSE):], False
+                continue
+            start = self._pending.find(OPEN)
+            if start < 0:
+                decided = len(self._pending) - _tag_start(self._pending)
+                out += self._text(self._pending[:decided])
+                self._pending = self._pending[decided:]
+                break
+            out += self._text(self._pending[:start])
+            self._pending, self._in_call = self._pending[start + len(OPEN):], True
+        if self.calls and not self.parallel:
+            self._pending = ""  # one call asked for (parallel_tool_calls=false): nothing after it is read
+        return out
+
+    def finish(self) -> list[tuple[str, object]]:
+        """The end of the answer: an unclosed call is read as far as it goes (a stop string may have cut its
+        </tool_call>); held whitespace is content unless calls were made."""
+        rest, self._pending = self._pending, ""
+        out = self._call(rest, rest) if self._in_call else self._text(rest)
+        self._in_call = False
+        if self._space and not self.calls:
+            out.append(("content", self._space))
+        self._space = ""
+        return out
+
+    def _text(self, text: str) -> list[tuple[str, object]]:
+        if not text:
+            return []
+        text, self._space = self._space + text, ""
+        body = text.rstrip()
+        self._space = text[len(body):]
+        return [("content", body)] if body else []
+
+    def _call(self, body: str, raw: str) -> list[tuple[str, object]]:
+        call = parse_call(body)
+        if call is None:  # given back as it was written, with the whitespace before it
+            text, self._space = self._space + OPEN + raw, ""
+            return [("content", text)]
+        self._space = ""
+        self.calls.append(call)
+        return [("call", call)]
+
+
+def parse_call(body: str) -> Call | None:
+    """{"name": ..., "arguments": {...}} (Qwen; some models write "parameters"); None when it is not one."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return None
+    arguments = data.get("arguments", data.get("parameters", {}))
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return Call(f"call_{uuid.uuid4().hex[:24]}", data["name"], arguments)
+
+
+def _tag_start(text: str) -> int:
+    """How many characters at the end of `text` could begin <tool_call>."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(OPEN[:n]):
+            return n
+    return 0
