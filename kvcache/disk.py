@@ -3,17 +3,19 @@
 In a layer-split launch no rank holds the whole KV: each saves exactly its own layers' part. A prefix is
 stored in blocks of `block_tokens` tokens, one safetensors file per block, named by a chained hash:
 
-    h_0 = sha256(key)            key: the weights' identity, dtype, layer range, KV shape, device kind, role
-    h_k = sha256(h_{k-1} + the token ids of block k)      file of block k: <k>-<h_k hex>.kv.safetensors
+    t_k = sha256(t_{k-1} + the token ids of block k)      (t_-1 empty): block k's prefix hash
+    file of block k: <k>-<sha256(key + t_k)>.kv.safetensors
+    key: the weights' identity, dtype, layer range, KV shape, device kind, role, block size
 
-so block k's name stands for the key and every token before the block's end. Why blocks rather than one file
-per prompt: two requests that share a system prompt and differ after it share the blocks of the system
-prompt, and the longest saved prefix of any token list is found by walking its blocks from the first until a
-file is missing (a stat each). Only whole blocks are saved; a prompt's last partial block is prefilled again.
+so block k's name stands for the key and every token before the block's end. The prefix hashes carry no key:
+rank 0 computes them and sends them to the other ranks, which never see token ids. Why blocks rather than one
+file per prompt: two requests that share a system prompt and differ after it share the system prompt's blocks,
+and the longest saved prefix of any token list is found by walking its blocks from the first until a file is
+missing (a stat each). Only whole blocks are saved; a prompt's last partial block is prefilled again.
 256 tokens a block (the default) loses at most 255 tokens of reuse and keeps a 40k-token prompt at ~160 files.
 
 What makes a stale file impossible to load: a changed key (another model, dtype, split, device) gives other
-file names, and the header repeats the key, the block's hash and a sha256 of its tensors, all checked on read.
+file names, and the header repeats the key, the block's prefix hash and a sha256 of its tensors, all checked on read.
 A file that fails any check (corrupt, truncated, foreign) is refused in one warning line and removed; its
 tokens are then prefilled like any others. Nothing is wrong because of the cache, at worst slower.
 
@@ -92,24 +94,24 @@ class SavedPrefix:
     def tokens(self) -> int:
         return len(self.blocks) * self.block_tokens
 
-    def load_into(self, cache: StaticKVCache, n: int) -> None:
-        """Write the first `n` tokens (n <= self.tokens; the ranks agree on it) at positions [0, n)."""
-        if not 0 <= n <= self.tokens:
-            raise ValueError(f"{n} tokens asked of a saved prefix of {self.tokens}")
-        for k, block in enumerate(self.blocks[:-(-n // self.block_tokens)]):
-            start = k * self.block_tokens
-            width = min(self.block_tokens, n - start)
-            for name, tensor in block.items():
+    def load_into(self, cache: StaticKVCache, n: int, start: int = 0) -> None:
+        """Write tokens [start, n) (n <= self.tokens; the ranks agree on it) at their positions; the cache then
+        holds n tokens. `start`: what the cache already holds of the same prefix (the last request's)."""
+        if not 0 <= start <= n <= self.tokens:
+            raise ValueError(f"tokens [{start}, {n}) asked of a saved prefix of {self.tokens}")
+        size = self.block_tokens
+        for k in range(start // size, -(-n // size)):
+            a, b = max(start, k * size), min(n, (k + 1) * size)
+            for name, tensor in self.blocks[k].items():
                 kind, layer = name.split(".")
                 dest = (cache.keys if kind == "k" else cache.values)[int(layer)]
-                dest[0, :, start:start + width].copy_(tensor[:, :width], non_blocking=True)
+                dest[0, :, a:b].copy_(tensor[:, a - k * size:b - k * size], non_blocking=True)
         cache.rewind(n)
 
 
-def chain_hashes(key: SliceKey, tokens: list[int], block_tokens: int) -> list[str]:
-    """h_1..h_m for the m whole blocks of `tokens` (see the module's docstring)."""
-    digest = hashlib.sha256(key.text().encode()).digest()
-    hashes = []
+def prefix_hashes(tokens: list[int], block_tokens: int) -> list[str]:
+    """t_0..t_m-1 for the m whole blocks of `tokens` (see the module's docstring)."""
+    digest, hashes = b"", []
     for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
         digest = hashlib.sha256(digest + array("q", tokens[start:start + block_tokens]).tobytes()).digest()
         hashes.append(digest.hex())
@@ -128,12 +130,12 @@ def block_index(path: Path) -> int:
     return int(path.name.split("-", 1)[0])
 
 
-def read_block(path: Path, key: SliceKey, chain: str, block_tokens: int) -> dict[str, torch.Tensor]:
+def read_block(path: Path, key: SliceKey, prefix: str, block_tokens: int) -> dict[str, torch.Tensor]:
     """The block's tensors, or BadBlock naming the first check it fails."""
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
-            expected = {"format": FORMAT, "key": key.text(), "chain": chain, "block_tokens": str(block_tokens)}
+            expected = {"format": FORMAT, "key": key.text(), "prefix": prefix, "block_tokens": str(block_tokens)}
             wrong = [name for name, value in expected.items() if meta.get(name) != value]
             if wrong:
                 raise BadBlock(f"its header's {wrong[0]} is not this cache's (a foreign or stale file)")
@@ -154,7 +156,7 @@ def read_block(path: Path, key: SliceKey, chain: str, block_tokens: int) -> dict
 @dataclass
 class WriteJob:
     paths: list[Path]  # the whole chain so far: each is stamped as just used
-    new: dict[Path, dict[str, torch.Tensor]]  # the blocks to write (device snapshots)
+    new: dict[Path, tuple[str, dict[str, torch.Tensor]]]  # the blocks to write: prefix hash, device snapshots
     ready: torch.cuda.Event | None  # set once the snapshots are complete (CUDA)
 
 
@@ -173,25 +175,26 @@ class KVDiskStore:
         self.writer: threading.Thread | None = None
         self.write_failed = False  # warn once, not at every block
 
-    def paths(self, tokens: list[int]) -> list[Path]:
-        hashes = chain_hashes(self.key, tokens, self.block_tokens)
-        return [self.folder / f"{k}-{h}{SUFFIX}" for k, h in enumerate(hashes)]
+    def paths(self, hashes: list[str]) -> list[Path]:
+        """The files of the blocks whose prefix hashes (prefix_hashes) are `hashes`."""
+        key = f"{self.key.text()}\0{self.block_tokens}\0"
+        return [self.folder / f"{k}-{hashlib.sha256((key + h).encode()).hexdigest()}{SUFFIX}"
+                for k, h in enumerate(hashes)]
 
     # --- reading ------------------------------------------------------------------------------
-    def held(self, tokens: list[int]) -> int:
-        """Tokens of the longest prefix of `tokens` whose block files exist (not yet read nor checked)."""
-        paths = self.paths(tokens)
-        have = next((k for k, p in enumerate(paths) if not p.is_file()), len(paths))
-        return have * self.block_tokens
+    def held(self, hashes: list[str]) -> int:
+        """Leading blocks of `hashes` whose files exist (not yet read nor checked)."""
+        paths = self.paths(hashes)
+        return next((k for k, p in enumerate(paths) if not p.is_file()), len(paths))
 
-    def read(self, tokens: list[int]) -> SavedPrefix:
-        """The longest saved prefix of `tokens`, read and checked; a bad file ends it (one warning, removed)."""
+    def read(self, hashes: list[str]) -> SavedPrefix:
+        """The longest saved prefix of the blocks `hashes`, read and checked; a bad file ends it (one warning,
+        the file removed)."""
         prefix = SavedPrefix(self.block_tokens)
-        paths = self.paths(tokens)
-        for path in paths:
+        paths = self.paths(hashes)
+        for path, h in zip(paths, hashes):
             try:
-                prefix.blocks.append(read_block(path, self.key, path.name.split("-", 1)[1].removesuffix(SUFFIX),
-                                                self.block_tokens))
+                prefix.blocks.append(read_block(path, self.key, h, self.block_tokens))
             except FileNotFoundError:
                 break
             except BadBlock as e:
@@ -202,19 +205,19 @@ class KVDiskStore:
         return prefix
 
     # --- writing (off the round loop) -----------------------------------------------------------
-    def save(self, cache: StaticKVCache, tokens: list[int]) -> int:
-        """Queue the whole blocks of `tokens` (which `cache` holds at [0, len)) that are not on disk yet;
+    def save(self, cache: StaticKVCache, hashes: list[str]) -> int:
+        """Queue the blocks `hashes` (which `cache` holds at their positions) that are not on disk yet;
         returns how many. Costs the round loop a device copy of the new blocks, never a disk write."""
-        paths = self.paths(tokens)
+        if not hashes:
+            return 0
+        paths = self.paths(hashes)
         new = {}
-        for k, path in enumerate(paths):
+        for k, (path, h) in enumerate(zip(paths, hashes)):
             if path in self.pending or path.is_file():
                 continue
             a, b = k * self.block_tokens, (k + 1) * self.block_tokens
-            new[path] = {f"{kind}.{layer}": store[layer][0, :, a:b].clone()
-                         for kind, store in (("k", cache.keys), ("v", cache.values)) for layer in store}
-        if not paths:
-            return 0
+            new[path] = h, {f"{kind}.{layer}": store[layer][0, :, a:b].clone()
+                            for kind, store in (("k", cache.keys), ("v", cache.values)) for layer in store}
         ready = None
         if cache.length.device.type == "cuda" and new:
             ready = torch.cuda.Event()
@@ -253,12 +256,12 @@ class KVDiskStore:
         self.jobs.task_done()
 
     def write(self, job: WriteJob, side) -> None:
-        for path, snapshot in job.new.items():
+        for path, (prefix, snapshot) in job.new.items():
             if job.ready is not None:  # the copy to the host on a side stream: rounds keep the default one
                 with torch.cuda.stream(side):
                     side.wait_event(job.ready)
                     snapshot = {name: t.to("cpu") for name, t in snapshot.items()}
-            meta = {"format": FORMAT, "key": self.key.text(), "chain": path.name.split("-", 1)[1].removesuffix(SUFFIX),
+            meta = {"format": FORMAT, "key": self.key.text(), "prefix": prefix,
                     "block_tokens": str(self.block_tokens), "sha256": tensors_digest(snapshot)}
             tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
             save_file(snapshot, str(tmp), metadata=meta)

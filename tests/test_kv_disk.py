@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvcache.disk as disk
-from kvcache.disk import KVDiskStore, SliceKey
+from kvcache.disk import KVDiskStore, SliceKey, prefix_hashes
 from kvcache.static_cache import StaticKVCache
 
 B = 8  # tokens a block
@@ -48,13 +48,18 @@ def tokens(*blocks: int) -> list[int]:
     return [blk * 100 + i for blk in blocks for i in range(B)]
 
 
+def hashes(*blocks: int) -> list[str]:
+    return prefix_hashes(tokens(*blocks), B)
+
+
 def block_files(folder) -> list[str]:
     return sorted(n for n in os.listdir(folder) if n.endswith(disk.SUFFIX))
 
 
 def test_round_trip_restores_keys_and_values_at_their_positions(tmp_path):
     cache = filled_cache(0)
-    prompt = tokens(1, 2) + [7, 7, 7]  # two whole blocks and a partial one, which is not saved
+    prompt = prefix_hashes(tokens(1, 2) + [7, 7, 7], B)  # two whole blocks and a partial one, which is not saved
+    assert len(prompt) == 2
     saved(tmp_path, cache, prompt)
     restarted = store(tmp_path, cache)  # a new store over the same folder: what a restart sees
     prefix = restarted.read(prompt)
@@ -70,7 +75,7 @@ def test_round_trip_restores_keys_and_values_at_their_positions(tmp_path):
 
 def test_load_into_takes_a_prefix_shorter_than_what_was_read(tmp_path):
     cache = filled_cache(1)
-    prefix = saved(tmp_path, cache, tokens(1, 2, 3)).read(tokens(1, 2, 3))
+    prefix = saved(tmp_path, cache, hashes(1, 2, 3)).read(hashes(1, 2, 3))
     into = empty_like(cache)
     prefix.load_into(into, B + 3)  # the ranks agreed on less than this rank holds
     assert int(into.length) == B + 3
@@ -78,28 +83,41 @@ def test_load_into_takes_a_prefix_shorter_than_what_was_read(tmp_path):
     assert not into.values[3][:, :, B + 3:].any()
 
 
+def test_load_into_leaves_what_the_cache_already_holds(tmp_path):
+    """A cache holding the first 5 tokens of the prefix (the last request's) takes [5, n) from disk."""
+    cache = filled_cache(11)
+    prefix = saved(tmp_path, cache, hashes(1, 2, 3)).read(hashes(1, 2, 3))
+    into = empty_like(cache)
+    into.keys[4][:, :, :5] = 7.0  # stands for what memory held: left as it is
+    prefix.load_into(into, 2 * B + 2, start=5)
+    assert int(into.length) == 2 * B + 2
+    assert (into.keys[4][:, :, :5] == 7.0).all()
+    assert torch.equal(into.keys[4][:, :, 5:2 * B + 2], cache.keys[4][:, :, 5:2 * B + 2])
+    assert not into.keys[4][:, :, 2 * B + 2:].any()
+
+
 def test_longest_saved_prefix_of_another_token_list(tmp_path):
     cache = filled_cache(2)
-    s = saved(tmp_path, cache, tokens(1, 2, 3))
-    assert s.held(tokens(1, 2, 9, 9)) == 2 * B  # shares two blocks
-    assert s.read(tokens(1, 2, 9, 9)).tokens == 2 * B
-    assert s.held(tokens(1, 2, 3) + [5]) == 3 * B
-    assert s.held(tokens(9, 2, 3)) == 0  # a different first block: nothing after it is the same prefix
+    s = saved(tmp_path, cache, hashes(1, 2, 3))
+    assert s.held(hashes(1, 2, 9, 9)) == 2  # shares two blocks
+    assert s.read(hashes(1, 2, 9, 9)).tokens == 2 * B
+    assert s.held(prefix_hashes(tokens(1, 2, 3) + [5], B)) == 3
+    assert s.held(hashes(9, 2, 3)) == 0  # a different first block: nothing after it is the same prefix
 
 
 def test_a_block_is_keyed_by_every_token_before_it(tmp_path):
     """Block 1 of (b0 a1) is not block 1 of (a0 a1): its KV was computed after other tokens."""
     cache = filled_cache(3)
-    s = saved(tmp_path, cache, tokens(1, 2))
-    s.save(cache, tokens(5, 6))
+    s = saved(tmp_path, cache, hashes(1, 2))
+    s.save(cache, hashes(5, 6))
     s.flush()
-    assert s.held(tokens(5, 2)) == B
+    assert s.held(hashes(5, 2)) == 1
 
 
 def test_a_shared_prefix_is_stored_once(tmp_path):
     cache = filled_cache(4)
-    s = saved(tmp_path, cache, tokens(1, 2, 3))
-    s.save(cache, tokens(1, 2, 4))
+    s = saved(tmp_path, cache, hashes(1, 2, 3))
+    s.save(cache, hashes(1, 2, 4))
     s.flush()
     assert len(block_files(tmp_path)) == 4
 
@@ -108,21 +126,21 @@ def test_a_shared_prefix_is_stored_once(tmp_path):
                                     dict(device="cuda"), dict(role="drafter")])
 def test_another_key_never_reaches_the_old_files(tmp_path, change):
     cache = filled_cache(5)
-    old = saved(tmp_path, cache, tokens(1, 2))
+    old = saved(tmp_path, cache, hashes(1, 2))
     other = KVDiskStore(tmp_path, dataclasses.replace(old.key, **change), 10 ** 9, block_tokens=B)
-    assert not set(other.paths(tokens(1, 2))) & set(old.paths(tokens(1, 2)))
-    assert other.held(tokens(1, 2)) == 0 and other.read(tokens(1, 2)).tokens == 0
+    assert not set(other.paths(hashes(1, 2))) & set(old.paths(hashes(1, 2)))
+    assert other.held(hashes(1, 2)) == 0 and other.read(hashes(1, 2)).tokens == 0
 
 
 def test_a_file_under_another_keys_name_is_refused_by_its_header(tmp_path):
     cache = filled_cache(6)
-    old = saved(tmp_path, cache, tokens(1))
+    old = saved(tmp_path, cache, hashes(1))
     warnings = []
     new = store(tmp_path, cache, model="weights-B", warnings=warnings)
-    shutil.copy(old.paths(tokens(1))[0], new.paths(tokens(1))[0])  # a foreign file where the new key looks
-    assert new.read(tokens(1)).tokens == 0
+    shutil.copy(old.paths(hashes(1))[0], new.paths(hashes(1))[0])  # a foreign file where the new key looks
+    assert new.read(hashes(1)).tokens == 0
     assert len(warnings) == 1 and "refused" in warnings[0] and "\n" not in warnings[0]
-    assert not new.paths(tokens(1))[0].exists()  # removed: the next save writes it afresh
+    assert not new.paths(hashes(1))[0].exists()  # removed: the next save writes it afresh
 
 
 def flip_last_byte(path) -> None:
@@ -134,20 +152,20 @@ def flip_last_byte(path) -> None:
 @pytest.mark.parametrize("damage", ["corrupt", "truncated"])
 def test_a_damaged_block_is_refused_in_one_line_and_the_prefix_ends_before_it(tmp_path, damage):
     cache = filled_cache(7)
-    s = saved(tmp_path, cache, tokens(1, 2, 3))
-    second = s.paths(tokens(1, 2, 3))[1]
+    s = saved(tmp_path, cache, hashes(1, 2, 3))
+    second = s.paths(hashes(1, 2, 3))[1]
     if damage == "corrupt":  # a flipped bit in the tensor data, the header intact
         flip_last_byte(second)
     else:
         second.write_bytes(second.read_bytes()[:-10])
     warnings = []
     restarted = store(tmp_path, cache, warnings=warnings)
-    assert restarted.read(tokens(1, 2, 3)).tokens == B
+    assert restarted.read(hashes(1, 2, 3)).tokens == B
     assert len(warnings) == 1 and str(second) in warnings[0] and "\n" not in warnings[0]
     assert not second.exists()
-    restarted.save(cache, tokens(1, 2, 3))  # recomputed KV saved again
+    restarted.save(cache, hashes(1, 2, 3))  # recomputed KV saved again
     restarted.flush()
-    assert restarted.read(tokens(1, 2, 3)).tokens == 3 * B and len(warnings) == 1
+    assert restarted.read(hashes(1, 2, 3)).tokens == 3 * B and len(warnings) == 1
 
 
 def test_save_copies_the_slice_before_the_cache_moves_on(tmp_path, monkeypatch):
@@ -158,12 +176,12 @@ def test_save_copies_the_slice_before_the_cache_moves_on(tmp_path, monkeypatch):
     cache = filled_cache(8)
     expected = cache.keys[2][:, :, :B].clone()
     s = store(tmp_path, cache)
-    assert s.save(cache, tokens(1)) == 1
+    assert s.save(cache, hashes(1)) == 1
     cache.keys[2].zero_()  # the next rounds write here while the block waits for the disk
     go.set()
     s.flush()
     into = empty_like(cache)
-    s.read(tokens(1)).load_into(into, B)
+    s.read(hashes(1)).load_into(into, B)
     assert torch.equal(into.keys[2][:, :, :B], expected)
 
 
@@ -173,23 +191,23 @@ def block_bytes(folder) -> int:
 
 def test_eviction_bounds_the_folder_and_takes_least_recently_used_first(tmp_path):
     cache = filled_cache(9)
-    size = block_bytes(saved(tmp_path / "probe", cache, tokens(1)).folder)
-    s = saved(tmp_path, cache, tokens(1, 2), max_bytes=int(4.5 * size))
-    s.save(cache, tokens(3, 4))
+    size = block_bytes(saved(tmp_path / "probe", cache, hashes(1)).folder)
+    s = saved(tmp_path, cache, hashes(1, 2), max_bytes=int(4.5 * size))
+    s.save(cache, hashes(3, 4))
     s.flush()
-    s.read(tokens(1, 2))  # (1 2) is now used more recently than (3 4)
-    s.save(cache, tokens(5, 6))
+    s.read(hashes(1, 2))  # (1 2) is now used more recently than (3 4)
+    s.save(cache, hashes(5, 6))
     s.flush()
     assert sum(os.path.getsize(tmp_path / n) for n in block_files(tmp_path)) <= 4.5 * size
-    assert s.held(tokens(1, 2)) == 2 * B and s.held(tokens(5, 6)) == 2 * B and s.held(tokens(3, 4)) == 0
+    assert s.held(hashes(1, 2)) == 2 and s.held(hashes(5, 6)) == 2 and s.held(hashes(3, 4)) == 0
 
 
 def test_eviction_takes_a_chains_later_blocks_first(tmp_path):
     """Block k is useless without blocks 0..k-1: a bound that fits two blocks keeps the first two."""
     cache = filled_cache(10)
-    size = block_bytes(saved(tmp_path / "probe", cache, tokens(1)).folder)
-    s = saved(tmp_path, cache, tokens(1, 2, 3), max_bytes=int(2.5 * size))
-    assert len(block_files(tmp_path)) == 2 and s.held(tokens(1, 2, 3)) == 2 * B
+    size = block_bytes(saved(tmp_path / "probe", cache, hashes(1)).folder)
+    s = saved(tmp_path, cache, hashes(1, 2, 3), max_bytes=int(2.5 * size))
+    assert len(block_files(tmp_path)) == 2 and s.held(hashes(1, 2, 3)) == 2
 
 
 def test_stage_identity_follows_the_weights_a_rank_loads(tmp_path):
