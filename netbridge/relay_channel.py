@@ -32,7 +32,7 @@ import time
 from netbridge import auth
 from netbridge.channel import Channel, PeerError
 from netbridge.link import DATA, HEARTBEAT, PEER_LEFT, LinkClosed, LinkGarbage, LinkSocket, LinkTimeout
-from netbridge.relay_dial import DEFAULT_RECONNECT_S, check_secrets, default_heartbeat, dialer, ring_link
+from netbridge.relay_dial import DEFAULT_RECONNECT_S, Heartbeats, check_secrets, default_heartbeat, dialer, ring_link
 from netbridge.secure_session import NotResumable, RefusedFrame, SecureSession
 
 __all__ = ["DEFAULT_RECONNECT_S", "PEER_CLOSED_GRACE_S", "LinkSocket", "NotResumable", "RefusedFrame", "RelayChannel",
@@ -78,8 +78,7 @@ class RelayChannel(Channel):
         self.secure = SecureSession(secret, session, rank, self.ring_peer, self.relay)  # survives reconnects
         self.resumes = 0
         self._closed = threading.Event()
-        self._hb = threading.Thread(target=self._heartbeats, name=f"relay-heartbeat-{rank}", daemon=True)
-        self._hb.start()
+        self._hb = Heartbeats(lambda: getattr(self, "link", None), self.heartbeat_s, self._closed, f"relay-heartbeat-{rank}")
         self._start_link(link)
 
     @classmethod
@@ -265,16 +264,7 @@ class RelayChannel(Channel):
             return str(e)
         return None
 
-    # ---- heartbeats and closing ----------------------------------------------------------------
-    def _heartbeats(self) -> None:
-        while not self._closed.wait(self.heartbeat_s / 2):
-            link = getattr(self, "link", None)  # swapped on reconnect; a dead one just fails here
-            if link is not None and time.monotonic() - link.last_tx >= self.heartbeat_s * 0.9:
-                try:
-                    link.try_heartbeat()
-                except OSError:  # the owner finds out on its next send or receive, and reconnects
-                    pass
-
+    # ---- closing -------------------------------------------------------------------------------
     def close(self) -> None:
         if self._closed.is_set():
             return
@@ -290,5 +280,5 @@ class RelayChannel(Channel):
             except OSError:
                 pass
         self._closed.set()
-        self._hb.join(timeout=2)
+        self._hb.join()
         self.link.close()

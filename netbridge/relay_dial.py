@@ -6,6 +6,7 @@ re-dial; `ring_link` names the two-member session of one link of a ring of more 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from netbridge import auth
@@ -82,3 +83,26 @@ def wait_for_peer(link: LinkSocket, session: str, ring: tuple[int, int], join_ti
                         f"({e.reason}); the relay stopped or dropped it (check its log and --idle-timeout-s)") from None
     except LinkGarbage as e:
         raise PeerError(str(e)) from None
+
+
+class Heartbeats:
+    """A small thread that sends a heartbeat on the current link whenever nothing else went out for most of a
+    period, so that the peer and the relay's idle timer tell a quiet, live rank from a dead link. It ends
+    when `stop` is set."""
+
+    def __init__(self, current_link, period_s: float, stop: threading.Event, name: str):
+        self.current_link, self.period_s, self.stop = current_link, period_s, stop
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.period_s / 2):
+            link = self.current_link()  # swapped on reconnect; a dead one just fails here
+            if link is not None and time.monotonic() - link.last_tx >= self.period_s * 0.9:
+                try:
+                    link.try_heartbeat()
+                except OSError:  # the link's owner finds out on its next send or receive, and reconnects
+                    pass
+
+    def join(self, timeout_s: float = 2.0) -> None:
+        self.thread.join(timeout=timeout_s)

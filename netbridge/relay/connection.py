@@ -27,7 +27,7 @@ from typing import NamedTuple, Protocol
 from netbridge import auth
 from netbridge.link import HEADER, PAIRED, PEER_LEFT
 from netbridge.relay.emulation import EmulatedLink
-from netbridge.relay.handshake import ROLE_NAMES, STATUS_NAMES, Claim, Handshake, Refusal, source_of
+from netbridge.relay.handshake import ROLE_NAMES, Claim, Handshake, Refusal, source_of
 from netbridge.relay.scanner import LinkFrameScanner
 
 log = logging.getLogger("tandem.relay")
@@ -49,10 +49,9 @@ class Host(Protocol):
 
     def make_room_for(self, conn: Connection) -> bool: ...  # a handshake slot (False: turned away)
     def handshake_over(self, conn: Connection) -> None: ...  # out of the handshake table
-    def is_full(self) -> bool: ...  # --max-connections authenticated connections open
-    def admit(self, conn: Connection) -> int: ...  # an authenticated claim: a status of netbridge.auth
+    def claim(self, conn: Connection, claim: Claim) -> int: ...  # decide on an authenticated claim: a status of netbridge.auth
     def joined(self, conn: Connection) -> None: ...  # after OK went out
-    def refused(self, conn: Connection, claim: Claim | None, status: int, session: str | None) -> None: ...  # notices
+    def refused(self, conn: Connection, refusal: Refusal) -> None: ...  # a claim that did not authenticate
     def left(self, conn: Connection) -> None: ...  # a counted connection ended
     def count(self, stat: str, n: int = 1) -> None: ...
 
@@ -63,8 +62,7 @@ class Connection(asyncio.Protocol):
     def __init__(self, host: Host, limits: Limits):
         self.host, self.limits = host, limits
         self.transport = None
-        self.name = "?"
-        self.source = "?"
+        self.name = self.host_name = self.source = "?"
         self.state = "hello"  # hello | waiting | paired | rdzv | done | store | closed
         self.role = self.rank = self.world = 0
         self.session = ""
@@ -72,10 +70,7 @@ class Connection(asyncio.Protocol):
         self.counted = False  # holds a place among the server's connections, until it ends
         self.pending = False  # in the handshake table
         self.peer: Connection | None = None
-        self.frames = LinkFrameScanner(limits.max_frame_bytes)
-        emulating = limits.emulate_delay_ms or limits.emulate_mbps
-        self.link = EmulatedLink(limits.emulate_delay_ms, limits.emulate_mbps, HIGH_WATER, self._arrived,
-                                 lambda on: self.throttle("emulated-link", on)) if emulating else None
+        self.out = Forwarder(self, limits)  # this client's link frames towards its peer
         self.store_proxy = None  # store.StoreProxy, in state "store"
         self.counted_store = False  # holds one of its store's pipe counts
         self.paused: set[str] = set()  # why reading from this client is paused
@@ -85,11 +80,6 @@ class Connection(asyncio.Protocol):
         self.deadline = now + limits.handshake_timeout_s
         self.last_rx = now
 
-    @property
-    def host_name(self) -> str:
-        """The client's address without the port."""
-        return self.name.rpartition(":")[0] or self.name
-
     def is_open(self) -> bool:
         return self.transport is not None and not self.transport.is_closing()
 
@@ -98,6 +88,7 @@ class Connection(asyncio.Protocol):
         self.transport = transport
         peer = transport.get_extra_info("peername")
         self.name = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self.host_name = peer[0] if peer else "?"  # the client's address without the port
         self.source = source_of(peer[0]) if peer else "?"
         if not self.host.make_room_for(self):
             # no slot, no timer; a short greeting says why, so a client behind a crowded NAT learns what to raise
@@ -133,7 +124,7 @@ class Connection(asyncio.Protocol):
         elif self.store_proxy is not None:
             self.store_proxy.pause_reading()
 
-    def resume_writing(self) -> None:
+    def resume_writing(self) -> None:  # drained: read again
         if self.peer is not None:
             self.peer.throttle("receiver", False)
         elif self.store_proxy is not None:
@@ -142,24 +133,16 @@ class Connection(asyncio.Protocol):
     # ---- the handshake -------------------------------------------------------------------------
     def _handshake_step(self, outcome: Claim | Refusal | None) -> None:
         if isinstance(outcome, Refusal):
-            log.warning("%s: handshake refused: %s", self.name, outcome.why)
-            self.host.count("refused")
             self.end_pending()
             self._answer_and_close(auth.REFUSED)
-            self.host.refused(self, None, auth.REFUSED, outcome.session)
+            self.host.refused(self, outcome)
         elif isinstance(outcome, Claim):
             self.role, self.rank, self.world, self.session = outcome.role, outcome.rank, outcome.world, outcome.session
-            full = self.host.is_full()  # counted while this one is still pending
-            self.end_pending()
-            status = auth.FULL if full else self.host.admit(self)
+            status = self.host.claim(self, outcome)
             if status != auth.OK:
-                log.warning("%s: %s of %s refused: %s", self.name, ROLE_NAMES.get(self.role), self.session, STATUS_NAMES.get(status))
-                self.host.count("refused")
                 self._answer_and_close(status)
-                self.host.refused(self, outcome, status, self.session)
                 return
             self.counted_store = self.role == auth.ROLE_STORE
-            self.host.count("accepted")
             self.transport.write(self.handshake.accept(outcome))
             self.host.joined(self)
             if outcome.rest:
@@ -206,56 +189,28 @@ class Connection(asyncio.Protocol):
         self.state = "store"
         self.store_proxy = proxy
 
-    def tell(self, frame: bytes) -> None:
-        """A link frame of the relay's own (a NOTICE) to this client, if it is still connected."""
+    def tell(self, data: bytes) -> None:
+        """Bytes to this client, if it is still connected: a NOTICE, what crossed the emulated wire, or the
+        store's answer through its pipe."""
         if self.is_open():
-            self.transport.write(frame)
-
-    write = tell  # the store pipe's bytes back to the client
+            self.transport.write(data)
 
     # ---- link frames, towards the peer ---------------------------------------------------------
     def _forward_frames(self, data: bytes) -> None:
-        """Check the link frames in `data`; forward the bytes of frames that go to the peer."""
-        out, forwarded, error = self.frames.scan(data, self.state == "paired")
+        """Check the link frames in `data`; the bytes of frames that go to the peer go on."""
+        forwarded, error = self.out.feed(data, self.state == "paired")
         self.host.count("bytes", forwarded)
-        if out and self.peer is not None:
-            if len(out) == 1 and out[0] == (0, len(data)):
-                chunk = data
-            else:
-                chunk = b"".join(p if isinstance(p, bytes) else memoryview(data)[p[0]:p[1]] for p in out)
-            self._to_peer(chunk)
         if error:
             self.drop(error)
 
-    def _to_peer(self, chunk: bytes) -> None:
-        if self.link is None:
-            self.peer.transport.write(chunk)
-        else:
-            self.link.send(chunk)
-
-    def _arrived(self, chunk: bytes | None) -> None:
-        """EMULATION: `chunk` crossed the emulated wire to the peer (None: the sender left, close the peer)."""
-        peer = self.peer
-        if peer is None:
-            return
-        if chunk is None:
-            peer.close_soon()
-        else:
-            peer.tell(chunk)
-
     def forward_end(self) -> None:
         """This side left: tell the peer (after what is still on the emulated wire) and close it."""
-        peer = self.peer
-        if peer is None:
-            return
-        if self.frames.at_boundary() and not self.silent and peer.is_open():
-            self._to_peer(HEADER.pack(PEER_LEFT, 0))  # its connection closed: the peer gives it a short grace, not reconnect_s
-        if self.link is not None and self.link.is_busy():
-            self.link.close_receiver_after_queued()
-        else:
-            peer.close_soon()
-        peer.peer = None
-        peer.state = "closed"
+        self.out.end(self.silent)
+
+    def lose_peer(self) -> None:
+        """The peer left; this connection is being closed."""
+        self.peer = None
+        self.state = "closed"
 
     def throttle(self, reason: str, on: bool) -> None:
         """Pause reading from this client while any reason holds (a full receiver, a full emulated link, a
@@ -302,6 +257,59 @@ class Connection(asyncio.Protocol):
             if self.store_proxy is not None:
                 self.store_proxy.close()
             self.state = "closed"
+
+
+class Forwarder:
+    """One client's link frames towards its peer: checked as they stream in, without holding a body
+    (LinkFrameScanner), and forwarded cut-through, through the emulated wire when emulating."""
+
+    def __init__(self, conn: Connection, limits: Limits):
+        self.conn = conn
+        self.frames = LinkFrameScanner(limits.max_frame_bytes)
+        emulating = limits.emulate_delay_ms or limits.emulate_mbps
+        self.link = EmulatedLink(limits.emulate_delay_ms, limits.emulate_mbps, HIGH_WATER, self._arrived,
+                                 lambda on: conn.throttle("emulated-link", on)) if emulating else None
+
+    def feed(self, data: bytes, paired: bool) -> tuple[int, str | None]:
+        """Forward what goes on of `data`; (bytes of the frames begun, an error that ends the connection or None)."""
+        out, forwarded, error = self.frames.scan(data, paired)
+        if out and self.conn.peer is not None:
+            if len(out) == 1 and out[0] == (0, len(data)):
+                chunk = data
+            else:
+                chunk = b"".join(p if isinstance(p, bytes) else memoryview(data)[p[0]:p[1]] for p in out)
+            self._send(chunk)
+        return forwarded, error
+
+    def _send(self, chunk: bytes) -> None:
+        if self.link is None:
+            self.conn.peer.transport.write(chunk)
+        else:
+            self.link.send(chunk)
+
+    def _arrived(self, chunk: bytes | None) -> None:
+        """EMULATION: `chunk` crossed the emulated wire to the peer (None: the sender left, close the peer)."""
+        peer = self.conn.peer
+        if peer is None:
+            return
+        if chunk is None:
+            peer.close_soon()
+        else:
+            peer.tell(chunk)
+
+    def end(self, silent: bool) -> None:
+        """The client left: PEER_LEFT to the peer at a frame boundary (not for a silent one: it may come back
+        within reconnect_s), then the peer is closed, once what is on the emulated wire has arrived."""
+        peer = self.conn.peer
+        if peer is None:
+            return
+        if self.frames.at_boundary() and not silent and peer.is_open():
+            self._send(HEADER.pack(PEER_LEFT, 0))  # its connection closed: the peer gives it a short grace, not reconnect_s
+        if self.link is not None and self.link.is_busy():
+            self.link.close_receiver_after_queued()
+        else:
+            peer.close_soon()
+        peer.lose_peer()
 
 
 def _say_and_close(transport, data: bytes) -> None:

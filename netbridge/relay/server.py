@@ -13,7 +13,7 @@ from netbridge import auth
 from netbridge.link import HEADER, MAX_FRAME_BYTES, RDZV_BODY, RDZV_DONE
 from netbridge.relay.admission import MAX_PENDING_PER_SOURCE, Admission
 from netbridge.relay.connection import Connection, Limits
-from netbridge.relay.handshake import Claim, refusal_notice, wrong_token_notice
+from netbridge.relay.handshake import ROLE_NAMES, STATUS_NAMES, Claim, Refusal, refusal_notice, wrong_token_notice
 from netbridge.relay.notices import RefusalNotices
 from netbridge.relay.sessions import DataSessions, Rendezvous
 from netbridge.relay.store import Stores, StoreProxy
@@ -93,11 +93,22 @@ class Relay:
     def handshake_over(self, conn: Connection) -> None:
         self.admission.forget(conn)
 
-    def is_full(self) -> bool:
-        return self.admission.is_full(len(self.conns))
+    def claim(self, conn: Connection, claim: Claim) -> int:
+        """Decide on an authenticated claim (counted while still pending against --max-connections), by role;
+        a refusal is logged and told to the members of its session that wait."""
+        full = self.admission.is_full(len(self.conns))
+        conn.end_pending()
+        status = auth.FULL if full else self._admit(conn)
+        if status == auth.OK:
+            self.stats["accepted"] += 1
+            return status
+        log.warning("%s: %s of %s refused: %s", conn.name, ROLE_NAMES.get(conn.role), conn.session, STATUS_NAMES.get(status))
+        self.stats["refused"] += 1
+        self.notices.refused_claim(conn.session, refusal_notice(conn.host_name, claim, status,
+                                                                self.rendezvous.world_of(conn.session)))
+        return status
 
-    def admit(self, conn: Connection) -> int:
-        """Decide on an authenticated claim, by role; returns a status from netbridge.auth."""
+    def _admit(self, conn: Connection) -> int:
         if conn.role == auth.ROLE_DATA:
             return self._admit_data(conn)
         if conn.role in (auth.ROLE_RDZV, auth.ROLE_STORE) and not self.store_enabled:
@@ -132,13 +143,12 @@ class Relay:
         elif conn.role == auth.ROLE_STORE and conn.counted_store:
             self.stores.leave(conn)
 
-    def refused(self, conn: Connection, claim: Claim | None, status: int, session: str | None) -> None:
-        """A claim was refused: the members of its session that wait are told (an unverified claim's session too)."""
-        if claim is None:
-            if session is not None:
-                self.notices.refused_claim(session, wrong_token_notice(conn.host_name, session))
-            return
-        self.notices.refused_claim(session, refusal_notice(conn.host_name, claim, status, self.rendezvous.world_of(session)))
+    def refused(self, conn: Connection, refusal: Refusal) -> None:
+        """No claim, or one whose MAC does not check: if it named a session, its waiting members are told."""
+        log.warning("%s: handshake refused: %s", conn.name, refusal.why)
+        self.stats["refused"] += 1
+        if refusal.session is not None:
+            self.notices.refused_claim(refusal.session, wrong_token_notice(conn.host_name, refusal.session))
 
     # ---- the decisions, told to the connections ------------------------------------------------------
     def _admit_data(self, conn: Connection) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 from netbridge import auth
 
-Client = Any  # the relay's connection of a store pipe: .session read; .write, .drop, .throttle, .close_soon called
+Client = Any  # the relay's connection of a store pipe: .session read; .tell, .drop, .throttle, .close_soon called
 
 log = logging.getLogger("tandem.relay")
 
@@ -138,7 +138,7 @@ class _StorePipe(asyncio.Protocol):
         self.client = client
 
     def data_received(self, data: bytes) -> None:
-        self.client.write(data)
+        self.client.tell(data)
 
     def connection_lost(self, exc) -> None:
         self.client.close_soon()
