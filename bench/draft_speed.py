@@ -38,9 +38,10 @@ def make_drafter(folder: str, device: str, dtype: str, graph: str, temperature: 
     """A drafter built by the entry's own code (launch.build), set up for one request."""
     from launch.build import model_drafter
     from launch.config import load_config
+    from launch.plan import plan_here
     cfg = load_config([f"draft.model={folder}", f"draft.device={device}", f"draft.dtype={dtype}", f"draft.graph={graph}",
-                       f"draft.max_len={max_len}", f"spec.k={max_k}", "prompt_ids=[1]"])
-    drafter = model_drafter(cfg)
+                       f"draft.max_len={max_len}", f"spec.k={max_k}", "prompt_ids=[1]", "model.split=null"])
+    drafter = model_drafter(plan_here(cfg, 0))
     drafter.reset(0, temperature, seed)
     return drafter
 

@@ -34,14 +34,15 @@ def checkpoint_name(param: str, index: dict) -> str:
 def main(argv=None) -> None:
     from launch.build import build_draft_stage
     from launch.config import load_config
+    from launch.plan import plan_here
     from model_parallel.loader import checkpoint_index
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a model folder (default: the embedded drafter)")
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    cfg = load_config(["prompt=x", *([f"draft.model={args.model}"] if args.model else [])])
-    stage = build_draft_stage(cfg)  # the loader's copies
+    cfg = load_config(["prompt=x", "model.split=null", *([f"draft.model={args.model}"] if args.model else [])])
+    stage = build_draft_stage(plan_here(cfg, 0))  # the loader's copies
     index = checkpoint_index(Path(cfg.draft.model))
     own = {name: p.data for name, p in stage.named_parameters()}
     opened = {file: safe_open(file, "pt", device="cpu") for file in set(index.values())}

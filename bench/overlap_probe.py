@@ -44,8 +44,9 @@ def child(split: int, k: int) -> None:
 
     import torch
     from launch.build import build_stage
+    from launch.plan import plan_here
     torch.set_num_threads(1)
-    stage = build_stage(config(split), 1)
+    stage = build_stage(plan_here(config(split), 1))
     hidden = torch.randn(1, 64 + k + 1, stage.config.hidden_size, dtype=torch.bfloat16) * 0.1
     stage(hidden[:, :64], num_logits=1, live=64)
 
@@ -79,13 +80,14 @@ def main() -> None:
         return child(args.split, args.k)
     import torch
     from launch.build import load_tokenizer, model_drafter
+    from launch.plan import plan_here
     from bench.run_bench import PROMPTS
     torch.set_num_threads(1)
     cfg = config(args.split)
     tokenizer = load_tokenizer(cfg.model.target)
     context = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True,
                                             tokenize=True, return_dict=True)["input_ids"]
-    drafter = model_drafter(cfg)
+    drafter = model_drafter(plan_here(cfg, 0))
     drafter.reset(0, 0.0, 0)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, __file__, "--child", "--split", str(args.split), "--k", str(args.k)],

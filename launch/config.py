@@ -14,6 +14,7 @@ import dataclasses
 import inspect
 import io
 import json
+import math
 import os
 import sys
 import tokenize
@@ -25,11 +26,17 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from model_parallel.lines import one_line
+
 MODELS = "${oc.env:TANDEM_CACHE,'~/.cache/tandem'}/models"  # where model_parallel.fetch_weights puts them
 
 
 class ConfigError(ValueError):
     """A configuration mistake; the message says what to change."""
+
+
+class CapacityError(ConfigError):
+    """A request that does not fit the caches (one-shot: at start; serving: a 400 for that request)."""
 
 
 @dataclass
@@ -67,6 +74,7 @@ class SpecConfig:
     adaptive: bool = True  # K grows by 2 after a fully accepted round, shrinks by 1 after a miss (1..k)
     overlap: bool = True  # while a round is in flight, draft (and run stage 0 on) the next one; output unchanged
     k_from_costs: bool = False  # K (0..k) maximises expected tokens/s from measured acceptance and costs; output unchanged
+    in_flight: int | str = 1  # rounds of one stream on the way at once, sent on the bet that the ones before are fully accepted (1..8, or auto: from measured costs); output unchanged
 
 
 @dataclass
@@ -186,8 +194,7 @@ def load_config(overrides: list[str], config_file: str | Path | None = None) -> 
         section = ".".join(parts[:-1]) or "top level"
         raise ConfigError(f"unknown config key {key!r} ({where}); valid keys in {section}: {', '.join(valid)}") from None
     except OmegaConfBaseException as e:
-        msg = str(e).splitlines()[0]
-        raise ConfigError(f"bad config value: {msg} (full key: {getattr(e, 'full_key', '?')})") from None
+        raise ConfigError(f"bad config value: {one_line(str(e).splitlines()[0])} (full key: {getattr(e, 'full_key', '?')})") from None
     _set_typed(cfg, typed)
     for name in ("target",):
         setattr(cfg.model, name, _expand(getattr(cfg.model, name)))
@@ -212,7 +219,7 @@ def _dotlist(items: list[str]):
                 OmegaConf.from_dotlist([item])
             except yaml.YAMLError as e:
                 key, _, value = item.partition("=")
-                raise ConfigError(f"{key}={value!r} is not a value YAML can read ({_first_line(e)}); quote it as YAML "
+                raise ConfigError(f"{key}={value!r} is not a value YAML can read ({one_line(str(e).strip().splitlines()[0])}); quote it as YAML "
                                   f"does, e.g. {key}='\"...\"'") from None
         raise
 
@@ -222,10 +229,6 @@ def _load_yaml(path: Path):
         return OmegaConf.load(path)
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(e).split())}") from None
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0]
 
 
 def _set_typed(cfg: TandemConfig, typed: dict[str, str]) -> None:
@@ -299,16 +302,19 @@ def validate(cfg: TandemConfig) -> None:
     _check_sizes(cfg.model.max_memory)
     for key, low, high in BOUNDS:
         _bounded(cfg, key, low, high)
+    if cfg.spec.in_flight != "auto" and (isinstance(cfg.spec.in_flight, str) or not 1 <= cfg.spec.in_flight <= 8):
+        raise ConfigError(f"spec.in_flight={cfg.spec.in_flight!r} must be 1..8 or auto (rounds of a stream on the way at once)")
     if cfg.draft.ngram_min > cfg.draft.ngram_max:
         raise ConfigError(f"draft.ngram_min={cfg.draft.ngram_min} must be <= draft.ngram_max={cfg.draft.ngram_max}")
     if cfg.draft.kind == "model" and not cfg.draft.model:
         raise ConfigError("draft.kind=model needs draft.model=PATH or a Hub id (a model sharing the target's tokenizer)")
-    if not cfg.gen.temperature >= 0 or cfg.gen.temperature == float("inf"):  # NaN fails every comparison
+    if not in_range("temperature", cfg.gen.temperature):
         raise ConfigError("gen.temperature must be a finite number >= 0 (0 = greedy)")
-    if not 0 < cfg.gen.top_p <= 1:
+    if not in_range("top_p", cfg.gen.top_p):
         raise ConfigError("gen.top_p must be in (0, 1]")
-    if not -2**63 <= cfg.gen.seed < 2**63 - 1:  # torch.Generator takes 64 bits; the drafter's seed is gen.seed + 1
+    if not in_range("seed", cfg.gen.seed):
         raise ConfigError(f"gen.seed={cfg.gen.seed} does not fit in 64 bits")
+    split_cuts(cfg.model.split)
     if cfg.prompt is None and cfg.prompt_ids is None and cfg.serve.port is None:
         raise ConfigError('give a prompt: prompt="..." (or prompt_ids=[1,2,3]), or serve.port=PORT to serve an API')
     if cfg.serve.port is not None and not 0 <= cfg.serve.port <= 65535:
@@ -316,6 +322,32 @@ def validate(cfg: TandemConfig) -> None:
     if cfg.serve.api_key is not None and cfg.serve.api_key_file is not None:
         raise ConfigError("give serve.api_key_file or serve.api_key, not both")
     _check_room(cfg)
+
+
+# The sampling fields of a generation, as gen.* at launch and as an API request's fields (launch.api): their ranges,
+# once. top_p's lower end is open (0 keeps no token); every value finite (NaN fails every comparison).
+REQUEST_RANGES = {"temperature": (0.0, math.inf),
+                  "top_p": (0.0, 1.0),
+                  "seed": (-2**63, 2**63 - 1)}  # torch.Generator takes -2**63..2**64-1, so the drafter's seed + 1 fits too
+
+
+def in_range(field: str, value) -> bool:
+    low, high = REQUEST_RANGES[field]
+    return math.isfinite(value) and low <= value <= high and not (field == "top_p" and value == low)
+
+
+def split_cuts(split) -> list[int] | str | None:
+    """model.split as layer cuts (the first layer of ranks 1..N-1), read once at parse: a number is the one cut
+    of two ranks ([N]), a list is every cut; None (even) and "auto" are settled by launch.plan. Anything else
+    is one line."""
+    if split is None or split == "auto":
+        return split
+    if isinstance(split, int) and not isinstance(split, bool):
+        return [split]
+    if isinstance(split, list) or OmegaConf.is_list(split):
+        return list(split)
+    raise ConfigError(f"model.split={split!r}: give a layer number (rank 1's first layer), a list of them (the first "
+                      f"layer of ranks 1..N-1), or auto")
 
 
 # (key, least, most) of every numeric key: a value out of range, NaN or infinite is one line at start, before
@@ -340,13 +372,22 @@ def _check_room(cfg: TandemConfig) -> None:
     """The capacity rule (launch.build.check_capacity) for the shortest prompt, at start: before the split is
     timed or a weight is read. One-shot runs need gen.max_new_tokens of room; a server at least one token
     (each request's max_tokens is cut to the room its prompt leaves)."""
-    from launch.build import CapacityError, output_room
     room, setting = output_room(cfg, 1)
     need = 1 if cfg.serve.port is not None else cfg.gen.max_new_tokens
     if room < need:
         raise CapacityError(f"a 1-token prompt + {'one new token' if need == 1 else f'gen.max_new_tokens ({need})'} + spec.k "
                           f"({cfg.spec.k}) exceed {setting}={room + 1 + cfg.spec.k}; raise {setting}, or lower spec.k"
                           f"{'' if need == 1 else ' or gen.max_new_tokens'}")
+
+
+def output_room(cfg: TandemConfig, prompt_tokens: int) -> tuple[int, str]:
+    """(new tokens that fit every cache after this prompt, the setting that bounds it). Every cache must
+    hold prompt + output + the drafts of the last round."""
+    caches = [(cfg.model.max_len, "model.max_len")]
+    if cfg.draft.kind == "model" and cfg.spec.k > 0:
+        caches.append((cfg.draft.max_len, "draft.max_len"))
+    capacity, setting = min(caches, key=lambda c: c[0])  # on a tie, the target's setting
+    return capacity - prompt_tokens - cfg.spec.k, setting
 
 
 def _check_sizes(max_memory) -> None:

@@ -14,7 +14,9 @@ from datetime import timedelta
 
 from launch.config import TandemConfig
 from launch.transport import gloo_link, relay_link, transport_settings
-from netbridge.channel import Channel
+from model_parallel.lines import one_line
+from netbridge.channel import Channel, PeerError, leave_last_words
+from netbridge.frames import FrameError
 
 
 class LaunchError(RuntimeError):
@@ -54,57 +56,41 @@ def skip_the_final_collections_at_exit() -> None:
 
 
 def open_links(cfg: TandemConfig, rank: int, ranks: int) -> tuple[Channel, Channel]:
-    """(the link from the rank before, the link to the rank after) on the ring; one channel with two ranks."""
-    if ranks == 2:
-        channel = open_channel(cfg, rank)
-        return channel, channel
-    if cfg.transport.kind == "relay":
-        return _open_relay_links(cfg, rank, ranks)
-    _init_gloo(cfg, rank)
+    """(the link from the rank before, the link to the rank after) on the ring: one Channel per neighbour, so
+    with two ranks both are the same one. Dialling a relay link waits for the peer, so the order breaks the
+    cycle: rank 0 dials rank 1 first, every other rank its predecessor first."""
     settings = transport_settings(cfg.transport)
-    links = [gloo_link(settings, (rank + step) % ranks) for step in (-1, 1)]
-    for link in links:
-        link.peer_name = f"rank {link.peer}"
-    return links[0], links[1]
-
-
-def _open_relay_links(cfg: TandemConfig, rank: int, ranks: int) -> tuple[Channel, Channel]:
-    """One two-member relay session per ring link (netbridge.relay_channel.ring_link). Dialling waits for the
-    peer, so the order breaks the cycle: rank 0 dials rank 1 first, every other rank its predecessor first."""
-    settings = transport_settings(cfg.transport)
-    prev_rank, next_rank = (rank - 1) % ranks, (rank + 1) % ranks
-    order = (next_rank, prev_rank) if rank == 0 else (prev_rank, next_rank)
+    prev, next = (rank - 1) % ranks, (rank + 1) % ranks
+    if settings.kind != "relay":
+        _init_gloo(settings, rank)
     links: dict[int, Channel] = {}
     try:
-        for peer in order:
-            links[peer] = relay_link(settings, rank, peer, ranks)
-            links[peer].peer_name = f"rank {peer}"
+        for peer in dict.fromkeys((next, prev) if rank == 0 else (prev, next)):
+            links[peer] = relay_link(settings, rank, peer, ranks) if settings.kind == "relay" else gloo_link(settings, peer)
+            if prev != next:  # one neighbour is "the other rank"
+                links[peer].peer_name = f"rank {peer}"
     except BaseException:
         for link in links.values():
             link.close()
         raise
-    return links[prev_rank], links[next_rank]
+    return links[prev], links[next]
 
 
 def open_channel(cfg: TandemConfig, rank: int) -> Channel:
-    settings = transport_settings(cfg.transport)
-    if settings.kind == "relay":
-        return relay_link(settings, rank)
-    _init_gloo(cfg, rank)
-    return gloo_link(settings, 1 - rank)
+    """The one link of a rank of two."""
+    return open_links(cfg, rank, 2)[0]
 
 
-def _init_gloo(cfg: TandemConfig, rank: int) -> None:
+def _init_gloo(settings, rank: int) -> None:
     import torch.distributed as dist
-    t = cfg.transport
     endpoint = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     try:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=t.timeout_s))
+        dist.init_process_group("gloo", timeout=timedelta(seconds=settings.timeout_s))
     except Interrupted:  # Ctrl-C while waiting for the other rank: that is the cause, not the group
         raise
     except Exception as e:  # noqa: BLE001 - torch raises several types here; all mean the same to a user
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise LaunchError(f"rank {rank} could not form the gloo group via {endpoint} within {t.timeout_s:.0f} s ({first}); "
+        raise LaunchError(f"rank {rank} could not form the gloo group via {endpoint} within {settings.timeout_s:.0f} s "
+                          f"({one_line(e, 200)}); "
                           "is the other rank running, and can each host reach the other? If not, use transport.kind=relay") from None
 
 
@@ -142,4 +128,53 @@ def record_for_torchrun(line: str) -> None:
         with open(path, "w") as f:
             json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
     except OSError:  # the line is on stderr already; torchrun then shows its generic hint
+        pass
+
+
+# --- a failure, told -------------------------------------------------------------------------------
+
+def expected_failures() -> tuple[type, ...]:
+    """The failures Tandem foresees: each is one line on every rank, never a traceback."""
+    from kvcache.static_cache import CacheOverflowError
+    from launch.config import ConfigError
+    from model_parallel.loader import ModelLoadError
+    from speculative.rounds import NonFiniteLogits
+    return (ConfigError, LaunchError, ModelLoadError, PeerError, FrameError, CacheOverflowError, NonFiniteLogits,
+            Interrupted)
+
+
+def error_line(e: BaseException) -> str:
+    """The one line a failure is reported with: a foreseen one's own message, anything else after its type."""
+    return str(e) if isinstance(e, expected_failures()) else one_line(e, 2000, named=True)
+
+
+def tell_peer(links, message: str, wait_s: float = 5.0, cause: BaseException | None = None) -> None:
+    """Best effort: let the rank after this one on the ring exit with the cause instead of waiting out its
+    timeout (every rank waits on the one before it, and passes the cause on). Not after a PeerError that means
+    the only neighbour is gone; a frame this rank refused (tampered, replayed: a PeerError and a FrameError)
+    leaves the peer there, waiting for the reason."""
+    cause = cause or sys.exc_info()[1]  # by default the exception being handled
+    if not isinstance(cause, PeerError):  # this rank's own cause, for a peer that is sending, not receiving
+        leave_last_words(message)
+    if links is None:
+        return
+    prev, next = links
+    if prev is next and isinstance(cause, PeerError) and not isinstance(cause, FrameError):
+        return
+    try:
+        next.timeout_s = min(next.timeout_s, wait_s)
+        from netbridge import protocol
+        protocol.send(next, protocol.Error(message))
+    except Exception:  # noqa: BLE001 - the peer may be gone already; our own error is what matters
+        pass
+
+
+def wait_for_peer_to_leave(links, wait_s: float = 2.0) -> None:
+    """Until the last rank, after its Bye, closes its end: torchrun stops the ranks still running as soon as one
+    exits with a failure status, and a rank stopped on its way out would print a cause of its own."""
+    channel = links[0]
+    try:
+        channel.timeout_s = min(channel.timeout_s, wait_s)
+        channel.recv()
+    except Exception:  # noqa: BLE001 - its leaving is what this waits for
         pass

@@ -42,7 +42,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from model_parallel.loader import ModelLoadError, one_line, read_weight_map
+from model_parallel.lines import human, one_line
+from model_parallel.loader import ModelLoadError, read_weight_map
 
 # org/name[@revision]; a revision may hold slashes (refs/pr/1)
 HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?")
@@ -75,14 +76,6 @@ class Fetched:
         share = self.fetched + self.cached
         return (f"fetched {human(self.fetched)} now, {human(self.cached)} already cached: {human(share)} = "
                 f"{share / max(self.whole, 1):.0%} of the checkpoint's {human(self.whole)}")
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
 
 
 def is_hub_id(spec: str) -> bool:
@@ -180,15 +173,16 @@ def source_of(folder: str | Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() and (Path(folder) / "config.json").is_symlink() else None
 
 
-def fetch_stage(folder: str | Path, first: int, last: int, embed: bool, head: bool, rank: int,
+def fetch_stage(model, first: int, last: int, embed: bool, head: bool, rank: int,
                 progress: str | None = None) -> Fetched | None:
-    """Fetch the byte ranges of the tensors this stage reads (None: a local folder, nothing to fetch)."""
+    """Fetch the byte ranges of the tensors this stage reads (None: a local folder, nothing to fetch).
+    `model`: a folder or the loader.ModelSource the launch parsed."""
+    folder = Path(getattr(model, "folder", model))
     source = source_of(folder)
     if source is None:
         return None
     from model_parallel.loader import stage_checkpoint_tensors
-    folder = Path(folder)
-    names = stage_checkpoint_tensors(folder, first, last, embed, head)
+    names = stage_checkpoint_tensors(model, first, last, embed, head)
     weight_map, whole = checkpoint_files(folder)
     by_file: dict[str, list[str]] = {}
     for name in sorted(names):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import json
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -20,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
+from model_parallel.lines import one_line
 from model_parallel.stage import Stage
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "gemma3_text", "phi3", "smollm3")
@@ -53,10 +56,31 @@ class ModelLoadError(RuntimeError):
     """A model folder that cannot be used; the message says why and what to do."""
 
 
-def one_line(error: BaseException, limit: int = 300) -> str:
-    """A library's message fit for our one-line errors: whitespace collapsed, length bounded."""
-    text = " ".join(str(error).split()) or type(error).__name__
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+@dataclass(frozen=True)
+class ModelSource:
+    """One model as a rank reads it: its folder, config.json parsed once, and (when first asked) the model
+    built once on the meta device in `dtype`: the shapes model_parallel.memory counts, the classes
+    model_parallel.split times, the tensor names a stage reads. load_stage fills the shell's share with
+    the weights, so a source gives one stage (the drafter is a source of its own, even from the same folder)."""
+    folder: Path
+    config: object
+    dtype: str = "float32"
+
+    @classmethod
+    def open(cls, folder: str | Path, dtype: str = "float32") -> ModelSource:
+        return cls(Path(folder), load_config(folder), dtype)
+
+    @cached_property
+    def shell(self):
+        return model_shell(self.folder, self.config, DTYPES[self.dtype])
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+
+def _source(model: str | Path | ModelSource, dtype: str = "float32") -> ModelSource:
+    return model if isinstance(model, ModelSource) else ModelSource.open(model, dtype)
 
 
 def load_config(folder: str | Path):
@@ -425,13 +449,11 @@ def stage_plan(folder: Path, config, shell, first: int, last: int, embed: bool, 
     return names, fused, index, stats
 
 
-def stage_checkpoint_tensors(folder: str | Path, first: int, last: int, embed: bool, head: bool) -> set[str]:
+def stage_checkpoint_tensors(model: str | Path | ModelSource, first: int, last: int, embed: bool, head: bool) -> set[str]:
     """The checkpoint tensor names a stage reads (its 4-bit statistics included): what a host must hold
     of the checkpoint to run it (model_parallel.hub fetches just these)."""
-    folder = Path(folder)
-    config = load_config(folder)
-    names, _, _, stats = stage_plan(folder, config, model_shell(folder, config, torch.float32), first, last, embed, head,
-                                    quant=True)
+    model = _source(model)
+    names, _, _, stats = stage_plan(model.folder, model.config, model.shell, first, last, embed, head, quant=True)
     return {n for ckpts in names.values() for ckpt in ckpts for n in (ckpt, *stats.get(ckpt, {}).values())}
 
 
@@ -451,7 +473,7 @@ def materialize_buffers(shell, modules, device) -> None:
             shell._init_weights(sub)
 
 
-def load_stage(folder: str | Path, first: int, last: int, embed: bool, head: bool,
+def load_stage(model: str | Path | ModelSource, first: int, last: int, embed: bool, head: bool,
                dtype: str = "float32", device: str = "cpu", progress: str | None = None,
                quant=None) -> Stage:
     """A stage with layers [first, last), plus the embeddings and/or norm + head.
@@ -459,11 +481,10 @@ def load_stage(folder: str | Path, first: int, last: int, embed: bool, head: boo
     `quant` (optional, a `model_parallel.quant.NF4Settings`) stores the linears in NF4. The stage is
     read part by part (embeddings, one layer, ..., norm + head) and each part's linears are quantized
     before the next part is read, so at most one layer exists in full precision at a time. A
-    checkpoint already saved in NF4 (transformers + BitsAndBytesConfig) is taken as saved."""
-    folder = Path(folder)
-    config = load_config(folder)
-    torch_dtype = DTYPES[dtype]
-    shell = model_shell(folder, config, torch_dtype)
+    checkpoint already saved in NF4 (transformers + BitsAndBytesConfig) is taken as saved. `model`: a folder,
+    or the ModelSource the launch parsed (its meta-device shell becomes the stage)."""
+    model = _source(model, dtype)
+    folder, config, torch_dtype, shell = model.folder, model.config, DTYPES[dtype], model.shell
     names, fused, index, stats = stage_plan(folder, config, shell, first, last, embed, head, quant)
     params = dict(shell.named_parameters(remove_duplicate=False))
     total = sum(len(ckpts) for ckpts in names.values()) + sum(len(stats.get(c[0], ())) for c in names.values())

@@ -45,13 +45,6 @@ def parse_size(value, key: str = "model.max_memory") -> int:
     return int(nbytes)
 
 
-def human(nbytes: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= size:
-            return f"{nbytes / size:.2f} {unit}"
-    return f"{int(nbytes)} B"
-
-
 def free_bytes(device: str, local_ranks: int = 1) -> tuple[int, str]:
     """(bytes free on `device` for this rank, how that was found)."""
     if device.startswith("cuda"):
@@ -126,14 +119,12 @@ class ModelBytes:
         return max(self.layers) + self.cache_per_layer
 
 
-def model_bytes(folder, dtype: str, quant, max_len: int) -> ModelBytes:
-    """Bytes of every part of the model in `folder` loaded in `dtype` (quant: NF4Settings or None),
-    with KV caches of `max_len` tokens. Reads config.json only."""
-    from model_parallel.loader import DTYPES, load_config, model_shell
-    from pathlib import Path
-    config = load_config(folder)
-    shell = model_shell(Path(folder), config, DTYPES[dtype])
-    size = DTYPES[dtype].itemsize
+def model_bytes(model, quant, max_len: int) -> ModelBytes:
+    """Bytes of every part of `model` (a loader.ModelSource: config.json and the meta-device shell, in its
+    dtype) as loaded (quant: NF4Settings or None), with KV caches of `max_len` tokens. Reads no weight."""
+    from model_parallel.loader import DTYPES
+    config, shell = model.config, model.shell
+    size = DTYPES[model.dtype].itemsize
     double = _double_quant(config, quant)
     layers = [_module_bytes(layer, size, quant, double) for layer in shell.model.layers]
     embed = shell.model.embed_tokens.weight.numel() * size

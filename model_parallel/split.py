@@ -102,14 +102,17 @@ def over_budget(num_layers: int, ranks: list[RankCosts], cuts: list[int]) -> lis
 
 
 def fitting_splits(num_layers: int, ranks: list[RankCosts]) -> range | None:
-    """Two ranks: the splits (rank 1's first layer) whose bytes fit both budgets, or None."""
+    """The single cuts (rank 1's first layer) whose bytes fit both budgets of two ranks; None when none fits,
+    or for more ranks (whose fitting cuts are no range)."""
+    if len(ranks) != 2:
+        return None
     first, second = (min(r.max_layers(), num_layers - 1) for r in ranks)
     low, high = max(1, num_layers - second), first
     return range(low, high + 1) if low <= high else None
 
 
 def no_fit_message(num_layers: int, ranks: list[RankCosts]) -> str:
-    from model_parallel.memory import human
+    from model_parallel.lines import human
     per_rank = "; ".join(f"rank {i} may hold {human(r.budget)} and needs {human(r.fixed_bytes)} before its layers"
                          for i, r in enumerate(ranks))
     need = sum(r.fixed_bytes for r in ranks) + num_layers * min(r.layer_bytes for r in ranks)
@@ -152,17 +155,15 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def _classes(config):
-    """The model's own decoder-layer, rotary and norm classes (from a shell on the meta device) and its
-    config cut to as many layers as the largest stage timed."""
+def _classes(model):
+    """The model's own decoder-layer, rotary and norm classes (from its meta-device shell, loader.ModelSource)
+    and its config cut to as many layers as the largest stage timed."""
     import copy
-    from transformers import AutoModelForCausalLM
-    small = copy.deepcopy(config)
+    small = copy.deepcopy(model.config)
     small.num_hidden_layers = max(STAGE_SIZES)
     if getattr(small, "layer_types", None):  # (repeated where the model has fewer layers)
         small.layer_types = (small.layer_types * max(STAGE_SIZES))[:max(STAGE_SIZES)]
-    with torch.device("meta"):
-        shell = AutoModelForCausalLM.from_config(small)
+    shell = model.shell
     return type(shell.model.layers[0]), type(shell.model.rotary_emb), type(shell.model.norm), small
 
 
@@ -177,12 +178,12 @@ def _placeholder(module: torch.nn.Module, device: str, dtype: torch.dtype) -> to
     return module.eval().requires_grad_(False)
 
 
-def stage_runs(config, tokens: int, device: str, dtype: torch.dtype, quant=None, context: int = CONTEXT) -> dict:
+def stage_runs(model, tokens: int, device: str, dtype: torch.dtype, quant=None, context: int = CONTEXT) -> dict:
     """{layers: a forward of `tokens` tokens after `context` cached ones} for a stage of each size in
-    STAGE_SIZES, through Stage.forward as a round calls it (placeholder weights of `config`'s shapes, `dtype`,
+    STAGE_SIZES, through Stage.forward as a round calls it (placeholder weights of `model`'s shapes, `dtype`,
     NF4 with `quant`; every layer its own weights, as in a real stage)."""
     from model_parallel.stage import Stage
-    layer_cls, rotary_cls, _, small = _classes(config)
+    layer_cls, rotary_cls, _, small = _classes(model)
 
     def layer(i: int):
         with torch.device("meta"):
@@ -216,10 +217,11 @@ def layer_and_call_ms(ms: dict) -> tuple[float, float]:
     return layer_ms, max(ms[one] - layer_ms, 0.0)
 
 
-def head_run(config, tokens: int, device: str, dtype: torch.dtype, quant=None):
+def head_run(model, tokens: int, device: str, dtype: torch.dtype, quant=None):
     """(the final norm + LM head over `tokens` positions, logits to fp32 as Stage.forward returns them;
     the factor from its ms to the whole head's): a head taller than MAX_HEAD_ROWS runs on a slice."""
-    _, _, norm_cls, small = _classes(config)
+    _, _, norm_cls, small = _classes(model)
+    config = model.config
     rows = min(config.vocab_size, MAX_HEAD_ROWS)
     with torch.device("meta"):
         norm = norm_cls(config.hidden_size, eps=getattr(config, "rms_norm_eps", 1e-6))
@@ -239,9 +241,9 @@ def head_run(config, tokens: int, device: str, dtype: torch.dtype, quant=None):
 
 @dataclass
 class Timed:
-    """A model whose forward a rank times: `tokens` per call (a round's block, or one for a drafter step),
-    `calls` per round, and whether the call ends in the head."""
-    config: object
+    """A model (loader.ModelSource) whose forward a rank times: `tokens` per call (a round's block, or one
+    for a drafter step), `calls` per round, and whether the call ends in the head."""
+    model: object
     tokens: int
     device: str
     dtype: torch.dtype
@@ -258,16 +260,16 @@ def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WIN
     for name, model in (("target", target), ("drafter", drafter)):
         if model is None:
             continue
-        for n, run in stage_runs(model.config, model.tokens, model.device, model.dtype, model.quant).items():
+        for n, run in stage_runs(model.model, model.tokens, model.device, model.dtype, model.quant).items():
             runs[name, n] = run
         if model.head:
-            runs[name, "head"], scale[name] = head_run(model.config, model.tokens, model.device, model.dtype, model.quant)
+            runs[name, "head"], scale[name] = head_run(model.model, model.tokens, model.device, model.dtype, model.quant)
     ms = median_ms(runs, window_s)
     layer_ms, call_ms = layer_and_call_ms({n: ms["target", n] for n in STAGE_SIZES})
     other_ms = call_ms + (ms["target", "head"] * scale["target"] if target.head else 0.0)
     if drafter is not None:
         d_layer, d_call = layer_and_call_ms({n: ms["drafter", n] for n in STAGE_SIZES})
-        step = d_call + drafter.config.num_hidden_layers * d_layer + ms["drafter", "head"] * scale["drafter"]
+        step = d_call + drafter.model.config.num_hidden_layers * d_layer + ms["drafter", "head"] * scale["drafter"]
         other_ms += drafter.calls * step
     if any(str(m.device).startswith("cuda") for m in (target, drafter) if m is not None):
         torch.cuda.empty_cache()  # the placeholder weights go back before the real ones load

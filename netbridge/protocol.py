@@ -1,9 +1,8 @@
 """Every message between the ranks, in one place.
 
     rank 0                                   rank 1
-    Timing(together)                    -->  model.split=auto times each rank's share at once or in turns
-    Hello(layers, dtype, quant, split,  -->  checks it against its own; its own Hello back, or Error;
-          what it may hold, its speed)       both then settle the same split from the two Hellos
+    Hellos([Hello(layers, dtype, quant, -->  checks it against its own; both Hellos back, or Error;
+        cuts, what it may hold, speed)])     both then settle the same cuts from the two Hellos
     Request(temperature, top_p, seed)   -->  a new generation: reseed the verifier
     Prefill(start, hidden)              -->  a long prompt's leading chunks: extend the cache, no reply
     Round(start, hidden, drafts, [q])   -->  forward its slice from `start`, verify
@@ -15,8 +14,9 @@
 
 With N > 2 ranks the same messages go around a ring 0 -> 1 -> ... -> N-1 -> 0: a middle rank runs its
 layers over a Prefill's or a Round's hidden states and passes the message on with its own (adding its
-clock marks to Round.marks); everything else it passes on as it came. The last rank's Reply (or Hello,
-or Error) closes the ring at rank 0.
+clock marks to Round.marks); everything else it passes on as it came. The last rank's Reply (or Hellos,
+or Error) closes the ring at rank 0. In the handshake each rank adds its Hello to the Hellos it received
+(launch.handshake), and the whole list goes on around until every rank has it.
 
 A message is a dataclass: its tensor fields travel as tensors, the rest as the frame's JSON `meta`
 (netbridge.frames). `send` and `recv` are the only way the ranks talk; `recv` turns an Error from the
@@ -31,17 +31,16 @@ import torch
 
 from netbridge.channel import Channel, PeerError
 
-VERSION = 5  # bumped when a message changes; Hello carries it
+VERSION = 6  # bumped when a message changes; Hello carries it
 
 
 @dataclass
 class Hello:
-    """The model a rank runs, and what it may hold and how fast it is (model_parallel.split.RankCosts).
-    With N > 2 ranks the Hellos go around the ring (train_free_infer.handshake)."""
+    """The model a rank runs, and what it may hold and how fast it is (model_parallel.split.RankCosts)."""
     num_layers: int
     dtype: str
     quant: str
-    split: int | list[int] | None = None  # None: model.split=auto on this rank; a list with N > 2 ranks
+    cuts: list[int] | None = None  # model.split as cuts (the first layer of ranks 1..N-1); None: auto on this rank
     budget: int = 0  # bytes this rank may hold (model.max_memory)
     fixed_bytes: int = 0  # bytes it holds besides its layers (embeddings, drafter; norm + head)
     layer_bytes: int = 0  # one layer with its KV cache
@@ -51,10 +50,12 @@ class Hello:
 
 
 @dataclass
-class Timing:
-    """Opens the handshake: whether the ranks time their shares (model.split=auto) at once, as they work
-    in a round with spec.overlap, or in turns (each after the Hellos before it), as they work without."""
-    together: bool
+class Hellos:
+    """The handshake's one message: the Hellos of ranks 0..r, as rank r sends them on (launch.handshake)."""
+    hellos: list[Hello]
+
+    def __post_init__(self):  # as received: each Hello's fields (a missing or unknown one: recv's protocol error)
+        self.hellos = [h if isinstance(h, Hello) else Hello(**h) for h in self.hellos]
 
 
 @dataclass
@@ -107,7 +108,7 @@ class Error:
     error: str
 
 
-MESSAGES = {cls.__name__.lower(): cls for cls in (Timing, Hello, Request, Prefill, Round, Reply, Idle, Bye, Error)}
+MESSAGES = {cls.__name__.lower(): cls for cls in (Hellos, Request, Prefill, Round, Reply, Idle, Bye, Error)}
 
 
 def send(channel: Channel, msg) -> None:
@@ -116,6 +117,8 @@ def send(channel: Channel, msg) -> None:
         value = getattr(msg, f.name)
         if isinstance(value, torch.Tensor):
             tensors[f.name] = value
+        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):  # Hellos
+            meta[f.name] = [dataclasses.asdict(v) for v in value]
         elif value is not None:
             meta[f.name] = value
     channel.send(type(msg).__name__.lower(), meta, **tensors)

@@ -1,0 +1,90 @@
+"""The ranks meet before any weight loads: each says what model it runs, what it may hold and (for
+model.split=auto) how fast it is, in a Hello; every rank gathers all the Hellos in one exchange around the
+ring and settles the same Plan from them (launch.plan).
+
+A rank whose config disagrees with an earlier rank's (another model, dtype, quant, version or given split)
+stops the ring with one line naming both; a split that breaks a budget stops every rank, each with the same
+line. The start-up line of each rank says what it holds and, when timed, its estimated ms per round.
+"""
+from __future__ import annotations
+
+import sys
+
+from launch.config import ConfigError, TandemConfig
+from launch.plan import Models, Plan, describe, given_cuts, rank_costs, rank_speed, settle, split_text, timed
+from model_parallel.split import RankCosts
+from netbridge import protocol
+from netbridge.protocol import Hello, Hellos
+
+
+def handshake(cfg: TandemConfig, models: Models, prev, next, rank: int, ranks: int) -> Plan:
+    """This rank's Plan, agreed with every other rank over the ring (`prev`: the link from the rank before,
+    `next`: to the rank after; one channel both ways with two ranks). With model.split=auto each rank times
+    its share on its own device: all at once with spec.overlap (in a round the ranks then work at the same
+    time, so ranks that share a host's cores time what they will meet there), else in turns, each after the
+    Hellos of the ranks before it have come (as a round without overlap runs them one after another)."""
+    given = given_cuts(cfg, models.target.num_layers, ranks)
+    costs, source = rank_costs(cfg, models, rank, ranks)
+    auto, together = given is None, bool(cfg.spec.overlap)
+    if auto and together:
+        costs = timed(costs, rank_speed(cfg, models, rank, ranks))
+
+    def mine(before: list[Hello]) -> Hello:
+        nonlocal costs
+        message = disagreement([*before, hello(cfg, models, costs, given)])
+        if message:
+            protocol.send(next, protocol.Error(message))
+            raise ConfigError(message)
+        if auto and not together:  # in turns: the ranks before this one are done timing
+            costs = timed(costs, rank_speed(cfg, models, rank, ranks))
+        return hello(cfg, models, costs, given)
+    hellos = gather(prev, next, rank, ranks, mine)
+    every = [RankCosts(h.budget, h.fixed_bytes, h.layer_bytes, h.layer_ms, h.fixed_ms) for h in hellos]
+    cuts = next_given(hellos)
+    plan = settle(cfg, models, rank, every, source, cuts)
+    sys.stderr.write(f"[{describe(plan)}]\n")  # one write: the ranks share a terminal
+    sys.stderr.flush()
+    return plan
+
+
+def gather(prev, next, rank: int, ranks: int, mine) -> list[Hello]:
+    """Every rank's Hello, in one pass around the ring: rank 0 sends its own; each later rank adds its own
+    (`mine(the Hellos before it)`) and sends them all on; the last rank's, now whole, go on around to rank 0
+    and down to the middle ranks, until every rank holds every Hello."""
+    before = [] if rank == 0 else protocol.recv(prev, Hellos).hellos
+    every = [*before, mine(before)]
+    protocol.send(next, Hellos(every))
+    if len(every) < ranks:  # not the last rank: the whole list comes round
+        every = protocol.recv(prev, Hellos).hellos
+        if rank + 1 < ranks - 1:  # on to the middle ranks after this one
+            protocol.send(next, Hellos(every))
+    return every
+
+
+def next_given(hellos: list[Hello]) -> list[int] | None:
+    """The cuts given on some rank (they agree, disagreement checked it), or None: auto on every rank."""
+    return next((h.cuts for h in hellos if h.cuts is not None), None)
+
+
+def hello(cfg: TandemConfig, models: Models, costs: RankCosts, given: list[int] | None) -> Hello:
+    return Hello(models.target.num_layers, cfg.model.dtype, cfg.model.quant, given, costs.budget, costs.fixed_bytes,
+                 costs.layer_bytes, costs.layer_ms, costs.fixed_ms)
+
+
+def disagreement(hellos: list[Hello]) -> str | None:
+    """The line every rank stops with when the last of `hellos` names another model than an earlier one
+    (or another given split)."""
+    mine, rank = hellos[-1], len(hellos) - 1
+    diff = []
+    for key in ["num_layers", "dtype", "quant", "version", "cuts"]:
+        for i, theirs in reversed(list(enumerate(hellos[:-1]))):  # the nearest rank first
+            a, b = getattr(theirs, key), getattr(mine, key)
+            if key == "cuts" and None in (a, b):
+                continue
+            if a != b:
+                name, a, b = ("split", split_text(a), split_text(b)) if key == "cuts" else (key, a, b)
+                diff.append(f"{name} (rank {i}: {a}, rank {rank}: {b})")
+                break
+    if not diff:
+        return None
+    return "the ranks disagree on " + ", ".join(diff) + "; give every rank the same config and Tandem version"

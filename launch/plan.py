@@ -1,0 +1,272 @@
+"""The launch's one decision, made once per rank and then only read: the model folders as resolved, the
+layer cuts, the devices, every rank's budget and timing, this rank's layers, how rank 0 speculates.
+
+    models = open_models(cfg, rank)          # folders resolved (a Hub id's config, tokenizer and index
+                                             # fetched), config.json parsed once per model
+    costs, source = rank_costs(cfg, models, rank, ranks)   # what this rank may hold (+ rank_speed: how fast)
+    ... launch.handshake gathers every rank's costs around the ring ...
+    plan = settle(cfg, models, rank, every_costs, source, given)   # the cuts, checked against every budget
+
+The parsed config is never written after parsing: what the launch works out is in the Plan, and every later
+step (launch.build, launch.ranks) takes the Plan. A script that builds every stage in one process plans every
+rank here, timing each in turn (`plan_here`).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from launch.config import ConfigError, TandemConfig, split_cuts
+from model_parallel.lines import human
+from model_parallel.loader import DTYPES, ModelLoadError, ModelSource
+from model_parallel.split import RankCosts
+from speculative.session import SpecSettings
+
+MEMORY_FIXES = ("would help: model.quant=nf4, a smaller model.max_len (less KV cache), the drafter elsewhere "
+                "(draft.device, or draft.kind=ngram), or another machine")
+
+
+@dataclass(frozen=True)
+class Models:
+    """This rank's models: each folder as resolved, its config.json parsed once (loader.ModelSource)."""
+    target: ModelSource
+    drafter: ModelSource | None  # rank 0 drafting with a model (draft.kind=model, spec.k > 0), else None
+    name: str  # the model id API clients send: serve.model_name, else the Hub id or the folder's name as given
+    lines: tuple[str, ...]  # which folders were used, for the start-up lines
+
+
+@dataclass(frozen=True)
+class Plan:
+    settings: TandemConfig  # as parsed: read, never written
+    rank: int
+    ranks: int
+    models: Models
+    cuts: list[int]  # the first layer of ranks 1..N-1: rank r runs [bounds[r], bounds[r+1]) of [0, *cuts, L]
+    costs: list[RankCosts]  # every rank's, as the handshake gathered them
+    budget_source: str  # where this rank's budget came from (model.max_memory, or the free memory)
+    device: str  # this rank's target slice
+    draft_device: str  # rank 0's drafter (draft.device; auto = `device`)
+    spec: SpecSettings  # how rank 0 speculates
+
+    @property
+    def num_layers(self) -> int:
+        return self.models.target.num_layers
+
+    def layers(self, rank: int | None = None) -> range:
+        """The target layers rank `rank` (default: this one) runs."""
+        bounds = [0, *self.cuts, self.num_layers]
+        rank = self.rank if rank is None else rank
+        return range(bounds[rank], bounds[rank + 1])
+
+
+def drafts_with_model(cfg: TandemConfig) -> bool:
+    return cfg.draft.kind == "model" and cfg.spec.k > 0
+
+
+def spec_settings(cfg: TandemConfig) -> SpecSettings:
+    s = cfg.spec
+    return SpecSettings(s.k, s.adaptive, s.overlap, s.k_from_costs, cfg.model.prefill_chunk, s.in_flight)
+
+
+# --- the models: folders, config.json once ------------------------------------------------------
+
+def open_models(cfg: TandemConfig, rank: int) -> Models:
+    """model.target (and, on rank 0, draft.model) as local folders, each config.json parsed once: for a Hub id
+    its config, tokenizer and index are fetched now, its weights only when the stage is built, and only the
+    stage's (model_parallel.hub)."""
+    from model_parallel.hub import resolve
+    drafting = rank == 0 and drafts_with_model(cfg)
+    here(cfg.model.target, "model.target", rank)
+    if drafting:
+        here(cfg.draft.model, "draft.model", rank)
+    given = cfg.model.target
+    target, line = resolve(given, "model.target", cfg.model.hub_cache, rank)
+    lines = [line]
+    drafter = None
+    if drafting:  # the drafter is rank 0's alone
+        folder, line = resolve(cfg.draft.model, "draft.model", cfg.model.hub_cache, rank)
+        lines.append(line)
+        drafter = ModelSource.open(folder, cfg.draft.dtype)
+    name = cfg.serve.model_name or (given if target != given else Path(given.rstrip("/")).name)  # a Hub id, not its cache folder
+    return Models(ModelSource.open(target, cfg.model.dtype), drafter, name, tuple(lines))
+
+
+def here(model: str, setting: str, rank: int) -> None:
+    """A local model folder this rank's role needs must be on this host: one line naming the role and the fix
+    (on several hosts, the fix may also be this host's node rank: each host fetches what its rank runs)."""
+    from model_parallel.hub import is_hub_id
+    from model_parallel.loader import fetch_hint
+    folder = Path(model)
+    if is_hub_id(model) or (folder / "config.json").is_file():
+        return
+    role = "rank 0 runs the drafter" if setting == "draft.model" else f"rank {rank} runs layers of the target"
+    hosts = os.environ.get("LOCAL_WORLD_SIZE", "1") != os.environ.get("WORLD_SIZE", "1")
+    other = (f"; or, if this host should run another rank, start it with that node rank (--rdzv_conf node_rank=R"
+             f"{', now ' + os.environ['TANDEM_NODE_RANK'] if 'TANDEM_NODE_RANK' in os.environ else ''})") if hosts else ""
+    raise ModelLoadError(f"{role} ({setting}) and its model folder {folder} has no config.json on this host "
+                         f"({'missing folder' if not folder.exists() else 'not a HF model folder'}); {fetch_hint(folder)}{other}")
+
+
+# --- devices and NF4 ------------------------------------------------------------------------------
+
+def this_device() -> str:
+    """This rank's device: its GPU (LOCAL_RANK's, of those visible) when it has one."""
+    import torch
+    if torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % torch.cuda.device_count()}"
+    return "cpu"
+
+
+def draft_device(cfg: TandemConfig) -> str:
+    """draft.device; auto = where this rank's target slice runs (its GPU when it has one)."""
+    return this_device() if cfg.draft.device == "auto" else cfg.draft.device
+
+
+def quantizer(cfg: TandemConfig, which: str):
+    """NF4 settings for the target's stages (which="model") or the drafter ("draft"); None = as stored.
+    The drafter uses the target's model.quant_compute_dtype / quant_double / quant_lm_head."""
+    if (cfg.model.quant if which == "model" else cfg.draft.quant) == "none":
+        return None
+    from model_parallel.quant import NF4Settings
+    m = cfg.model
+    return NF4Settings(compute_dtype=DTYPES[m.quant_compute_dtype], double_quant=m.quant_double, lm_head=m.quant_lm_head)
+
+
+def _same_memory(one: str, other: str) -> bool:
+    import torch
+    a, b = torch.device(one), torch.device(other)
+    return a.type == b.type and (a.type == "cpu" or (a.index or 0) == (b.index or 0))
+
+
+# --- what each rank may hold, how fast it is -----------------------------------------------------
+
+def rank_costs(cfg: TandemConfig, models: Models, rank: int, ranks: int) -> tuple[RankCosts, str]:
+    """(RankCosts, where the budget came from) for this rank, from shapes alone, before any weight is read:
+    its model.max_memory budget, the bytes it holds besides its layers, one layer's bytes (not yet timed)."""
+    from model_parallel.memory import model_bytes, rank_budget
+    device = this_device()
+    try:
+        budget, source = rank_budget(cfg.model.max_memory, rank, ranks, device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    target = model_bytes(models.target, quantizer(cfg, "model"), cfg.model.max_len)
+    fixed = target.stage(0, 0, embed=rank == 0, head=rank == ranks - 1)
+    if models.drafter is not None and _same_memory(draft_device(cfg), device):
+        drafter = model_bytes(models.drafter, quantizer(cfg, "draft"), cfg.draft.max_len)
+        fixed += drafter.stage(0, len(drafter.layers), embed=True, head=True)
+    return RankCosts(budget, fixed, target.layer()), source
+
+
+def rank_speed(cfg: TandemConfig, models: Models, rank: int, ranks: int) -> tuple[float, float]:
+    """(one layer over a block of K+1, the rest of this rank's work per round), timed here."""
+    from model_parallel.split import Timed, time_rank
+    target = Timed(models.target, cfg.spec.k + 1, this_device(), DTYPES[cfg.model.dtype], quantizer(cfg, "model"),
+                   head=rank == ranks - 1)
+    drafter = None
+    if models.drafter is not None:
+        drafter = Timed(models.drafter, 1, draft_device(cfg), DTYPES[cfg.draft.dtype], quantizer(cfg, "draft"),
+                        head=True, calls=draft_steps(cfg))
+    return time_rank(target, drafter)
+
+
+def timed(costs: RankCosts, speed: tuple[float, float]) -> RankCosts:
+    return replace(costs, layer_ms=speed[0], fixed_ms=speed[1])
+
+
+def draft_steps(cfg: TandemConfig) -> int:
+    """The drafter's forwards in a round of K drafts: K, and one more. With spec.overlap the one more is
+    its guess of the target's token; without, taking in the last draft of a fully accepted round (the
+    round before a round of K, when spec.adaptive grows K). Each forward is timed as a step of one token."""
+    return cfg.spec.k + 1 if drafts_with_model(cfg) else 0
+
+
+# --- the cuts ----------------------------------------------------------------------------------
+
+def given_cuts(cfg: TandemConfig, num_layers: int, ranks: int) -> list[int] | None:
+    """model.split's cuts for `ranks` ranks, checked against the target's layers (None: auto, settled from
+    every rank's costs). Each rank names its own config's mistake, before it waits for the others."""
+    from model_parallel.split import even_cuts
+    split, typed, name = split_cuts(cfg.model.split), cfg.model.split, Path(cfg.model.target).name
+    if num_layers < ranks:
+        raise ConfigError(f"{name} has {num_layers} layers, too few for {ranks} ranks (each needs at least one); "
+                          "start fewer ranks")
+    if split == "auto":
+        return None
+    if split is None:
+        return even_cuts(num_layers, ranks)
+    example = split_text(even_cuts(num_layers, ranks))
+    if len(split) != ranks - 1:
+        raise ConfigError(f"model.split={typed!r} does not fit {ranks} ranks: give {ranks - 1} increasing layer numbers "
+                          f"(the first layer of ranks 1..{ranks - 1}), e.g. model.split={example}, or auto")
+    if not all(type(c) is int and 1 <= c <= num_layers - 1 for c in split):
+        raise ConfigError(f"model.split={typed} is out of range: {name} has {num_layers} layers, so each cut must be "
+                          f"within 1..{num_layers - 1} (each rank needs at least one layer), e.g. model.split={example}")
+    if not all(a < b for a, b in zip(split, split[1:])):
+        raise ConfigError(f"model.split={typed} is not increasing within 1..{num_layers - 1}: {name} has {num_layers} "
+                          f"layers and each rank needs at least one, e.g. model.split={example}")
+    return split
+
+
+def split_text(cuts: list[int]) -> str:
+    """Cuts as model.split is written on a command line: one cut as its number (14), several as a list ([10,19])."""
+    return str(cuts[0]) if len(cuts) == 1 else "[" + ",".join(map(str, cuts)) + "]"
+
+
+def settle_cuts(num_layers: int, costs: list[RankCosts], given: list[int] | None) -> list[int]:
+    """The cuts every rank runs, from every rank's costs (the same on every rank, so each settles the same):
+    `given` after checking it fits every budget; None (auto): the fastest that fits (split.place_layers). A
+    split that does not fit is one ConfigError line naming model.max_memory, the bytes and what would help."""
+    from model_parallel.split import NoFit, fitting_splits, over_budget, place_layers
+    try:
+        fastest = place_layers(num_layers, costs)
+    except NoFit as e:
+        if given is None:
+            raise ConfigError(f"{e}; {MEMORY_FIXES}") from None
+        fastest = None
+    cuts = fastest if given is None else given
+    over = over_budget(num_layers, costs, cuts)
+    if over:
+        rank, need, budget = over[0]
+        fits = fitting_splits(num_layers, costs)
+        where = (f"splits that fit: {fits.start}-{fits.stop - 1} (model.split=auto picks among them)" if fits
+                 else "model.split=auto finds one that fits" if fastest else "no split fits")
+        raise ConfigError(f"model.split={split_text(cuts)} gives rank {rank} {human(need)}, over its model.max_memory of "
+                          f"{human(budget)}; {where}; {MEMORY_FIXES}")
+    return list(cuts)
+
+
+def settle(cfg: TandemConfig, models: Models, rank: int, costs: list[RankCosts], source: str,
+           given: list[int] | None) -> Plan:
+    """The Plan, once every rank's costs are known (and the cuts given on any rank, if any)."""
+    cuts = settle_cuts(models.target.num_layers, costs, given)
+    return Plan(cfg, rank, len(costs), models, cuts, list(costs), source, this_device(), draft_device(cfg),
+                spec_settings(cfg))
+
+
+def plan_here(cfg: TandemConfig, rank: int, ranks: int = 2) -> Plan:
+    """Rank `rank`'s Plan for a script that builds every stage in one process: every rank's costs measured
+    here (timed here, rank after rank, for model.split=auto), no handshake."""
+    every = [open_models(cfg, r) for r in range(ranks)]
+    given = given_cuts(cfg, every[rank].target.num_layers, ranks)
+    measured = [rank_costs(cfg, models, r, ranks) for r, models in enumerate(every)]
+    costs = [timed(c, rank_speed(cfg, every[r], r, ranks)) if given is None else c for r, (c, _) in enumerate(measured)]
+    return settle(cfg, every[rank], rank, costs, measured[rank][1], given)
+
+
+def describe(plan: Plan) -> str:
+    """This rank's start-up line: its layers, its bytes against its budget, its estimated ms per round."""
+    cfg, rank, mine = plan.settings, plan.rank, plan.costs[plan.rank]
+    layers, n = plan.layers(), len(plan.layers())
+    extras = (["embeddings"] + (["the drafter"] if drafts_with_model(cfg) else []) if rank == 0 else []) + \
+        (["norm + head"] if rank == plan.ranks - 1 else [])
+    held = f" + {' + '.join(extras)}" if extras else ""
+    asked = os.environ.get("TANDEM_NODE_RANK")  # set by Tandem's rendezvous backends when a node rank was given
+    node = f" (this host: --rdzv_conf node_rank={asked}, as asked)" if asked is not None else ""
+    line = (f"rank {rank}{node}: layers {layers.start}-{layers.stop - 1} ({n} of {plan.num_layers}){held}; "
+            f"{human(mine.bytes_for(n))} of {human(mine.budget)} ({plan.budget_source}); ")
+    if mine.layer_ms <= 0:
+        return line + "ms per round not timed (model.split was given)"
+    drafting = f", the drafter's {draft_steps(cfg)} steps" if rank == 0 and drafts_with_model(cfg) else ""
+    return line + (f"estimated {mine.ms_for(n):.0f} ms per round ({n} x {mine.layer_ms:.1f} ms per layer over blocks of "
+                   f"{cfg.spec.k + 1}, {mine.fixed_ms:.0f} ms besides{drafting}; timed here)")

@@ -1,0 +1,149 @@
+"""Each rank's life once its links are open: open its models, meet the other ranks (launch.handshake, which
+gives the Plan), build what the Plan gives it, run.
+
+    first_rank   rank 0: embeddings + its layers, the drafter, the tokenizer, the Session; one answer
+                 (returned as the output JSON) or the HTTP API
+    middle_rank  N > 2: its layers, between the rank before it and the one after it
+    last_rank    the last layers, the final norm and the head, and verification (rank 1 of two)
+
+The ring: every rank receives from the one before it (`prev`) and sends to the one after it (`next`);
+with two ranks both are one channel.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+
+from launch.build import (build_drafter, build_stage, check_vocabularies, eos_ids, load_tokenizer, prompt_ids)
+from launch.config import TandemConfig
+from launch.distributed import Interrupted, error_line
+from launch.handshake import handshake
+from launch.plan import Plan, open_models
+from netbridge.protocol import Request
+from speculative.output import Output
+from speculative.rounds import run_middle, run_rank1
+from speculative.session import Session
+from speculative.stats import broken_drafter_warning, summarize
+
+
+class StdoutClosed(Exception):
+    """The reader of stdout left (`| head`): the answer ended there, as a Unix filter's does."""
+    exit_status = 128 + signal.SIGPIPE  # 141: what a shell shows for a filter a closed pipe stopped (SIGPIPE)
+
+
+def status(line: str) -> None:
+    """A line on stderr in one write: the ranks share the terminal, and print() writes the newline apart."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def announce(lines) -> None:
+    for line in lines:
+        status(f"[{line}]")
+
+
+def meet(cfg: TandemConfig, prev, next, rank: int, ranks: int) -> Plan:
+    """This rank's models opened (their start-up lines), then the Plan the ranks agree on."""
+    models = open_models(cfg, rank)
+    announce(models.lines)
+    return handshake(cfg, models, prev, next, rank, ranks)
+
+
+def first_rank(cfg: TandemConfig, next, replies=None, listener=None, ranks: int = 2) -> dict | None:
+    """Rank 0's whole life: one answer (returned as the output JSON), or serving until a signal (on
+    `listener`, the HTTP port bound at start). The last rank's replies come back on `replies` (with two
+    ranks, `next` itself)."""
+    replies = replies or next
+    plan = meet(cfg, replies, next, 0, ranks)
+    target = plan.models.target
+    tokenizer = load_tokenizer(target.folder)  # what can be checked is, before any weights load
+    check_vocabularies(plan, tokenizer)
+    ids = prompt_ids(cfg, tokenizer, target.config.vocab_size) if cfg.serve.port is None else None
+    stage = build_stage(plan)
+    session = Session(stage, build_drafter(plan), next, plan.spec, replies)
+    if cfg.serve.port is not None:
+        from launch.server import serve
+        serve(cfg, session, tokenizer, eos_ids(target), stage.config.vocab_size, listener, plan.models.name)
+        return None
+    output = Output(tokenizer, eos_ids(target), cfg.gen.max_new_tokens, cfg.gen.stop, cfg.output.stream)
+    try:
+        result = answer(plan, session, ids, output, tokenizer)
+    except BaseException as e:
+        # keep what was generated: the tokens committed so far, the text, and why it stopped
+        write_output(cfg, {"token_ids": output.tokens, "text": output.text(), "error": error_line(e)})
+        status(f"[stopped after {len(output.tokens)} tokens]")
+        raise
+    session.close()
+    write_output(cfg, result)
+    if output.stop_reason == "stdout_closed":
+        raise StdoutClosed()
+    return result
+
+
+def answer(plan: Plan, session: Session, ids: list[int], output: Output, tokenizer) -> dict:
+    from launch.telemetry import Telemetry
+    cfg = plan.settings
+    status(f"[prefill: {len(ids)} prompt tokens; k={cfg.spec.k}, drafter {cfg.draft.kind}]")
+    telemetry = Telemetry(cfg, ids, tokenizer.decode(ids) if tokenizer else None) if cfg.log.dir else None
+    request = Request(cfg.gen.temperature, cfg.gen.top_p, cfg.gen.seed)
+    gen = session.generate(ids, output, request, on_round=telemetry.on_round if telemetry else None)
+    stats = summarize(gen, cfg.spec.k, cfg.draft.kind if cfg.spec.k else "none")
+    warning = broken_drafter_warning(stats)
+    if warning:
+        status(warning)
+    status(f"[{stats['tokens']} tokens, {stats['tokens_per_s']:.2f} tokens/s, {stats['tokens_per_round']:.2f} tokens/round, "
+           f"acceptance {stats['acceptance_rate']:.0%}, stop: {stats['stop_reason']}]")
+    if telemetry:
+        clock = telemetry.finish(gen, stats, output.text())
+        status(f"[log: {telemetry.dir}; rank {telemetry.last_rank}'s clock {clock['offset_ms']:+.3f} +/- {clock['uncertainty_ms']:.3f} ms "
+               f"from rank 0's over {clock['rounds']} round trips]")
+    return {"token_ids": output.tokens, "text": output.text(), "stats": stats}
+
+
+def write_output(cfg: TandemConfig, result: dict) -> None:
+    if cfg.output.json:
+        from launch.private_files import write_private
+        write_private(cfg.output.json, json.dumps(result, indent=1))
+
+
+def last_rank(cfg: TandemConfig, prev, reply_to=None, ranks: int = 2) -> None:
+    """The last rank: from the rank before it on `prev`, replies to rank 0 on `reply_to` (with two, `prev`)."""
+    reply_to = reply_to or prev
+    stage = build_stage(meet(cfg, prev, reply_to, ranks - 1, ranks))
+    _serve_rounds(run_rank1, stage, prev, reply_to)
+
+
+def middle_rank(cfg: TandemConfig, prev, next, rank: int, ranks: int) -> None:
+    """A middle rank (N > 2): its layers between the rank before it (`prev`) and the one after it (`next`)."""
+    stage = build_stage(meet(cfg, prev, next, rank, ranks))
+    _serve_rounds(run_middle, stage, prev, next)
+
+
+def _serve_rounds(run, stage, prev, next) -> None:
+    if threading.current_thread() is threading.main_thread():
+        _stop_after_grace()
+    run(stage, prev, next)
+    if signalled:  # rank 0 ended the session because the same signal stopped it
+        raise Interrupted(signalled[0])
+
+
+signalled: list[int] = []  # the signals this process received: its true cause when the peer then goes away
+
+
+def _stop_after_grace(grace_s: int = 2) -> None:
+    """Every rank after 0 on a signal: a Ctrl-C reaches every rank at once, and rank 0 then ends the session
+    itself (Bye, or its own error), so this rank keeps serving the round in flight; only if that does not
+    come within `grace_s` does it stop on its own."""
+    def on_signal(signum, _frame):
+        signalled.append(signum)
+        signal.signal(signal.SIGALRM, lambda *_: raise_interrupted(signum))
+        signal.alarm(grace_s)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+
+
+def raise_interrupted(signum, _frame=None):
+    signalled.append(signum)
+    raise Interrupted(signum)

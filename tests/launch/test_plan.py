@@ -1,0 +1,114 @@
+"""launch.plan and launch.handshake: one handshake on one ring exchange, the config read only once parsed,
+config.json parsed and the meta-device model built once per model per rank, one range table for the
+sampling fields of the config and the API."""
+import copy
+import threading
+
+import pytest
+
+from launch.config import ConfigError, load_config
+from launch.handshake import gather
+from launch.plan import open_models
+from launch.ranks import first_rank, last_rank, middle_rank
+from netbridge.channel import local_ring
+from netbridge.protocol import Hello
+from tests.support.tiny_models import ids_arg, reference_greedy
+
+PROMPT = [5, 6, 7, 8]
+
+
+def in_threads(ranks: int, body) -> dict:
+    """body(rank, prev, next) for every rank, as threads over local_ring; {rank: result or exception}."""
+    links, out = local_ring(ranks, timeout_s=10), {}
+
+    def run(r):
+        try:
+            out[r] = body(r, *links[r])
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out[r] = e
+            for link in links[r]:
+                link.close()
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return out
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_every_rank_gathers_every_hello_in_order(ranks):
+    seen = {}
+
+    def body(r, prev, next):
+        def mine(before):
+            seen[r] = [h.num_layers for h in before]
+            return Hello(num_layers=10 + r, dtype="float32", quant="none")
+        return [h.num_layers for h in gather(prev, next, r, ranks, mine)]
+    out = in_threads(ranks, body)
+    assert out == {r: [10 + i for i in range(ranks)] for r in range(ranks)}, out
+    assert seen == {r: [10 + i for i in range(r)] for r in range(ranks)}  # each adds its own after those before it
+
+
+def run_ring(cfgs: list, ranks: int) -> dict:
+    def body(r, prev, next):
+        if r == 0:
+            return first_rank(cfgs[r], next, replies=prev, ranks=ranks)
+        if r == ranks - 1:
+            return last_rank(cfgs[r], prev, reply_to=next, ranks=ranks)
+        return middle_rank(cfgs[r], prev, next, r, ranks)
+    return in_threads(ranks, body)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_the_config_is_read_only_and_each_model_is_parsed_and_built_once_per_rank(tiny_qwen, tiny_qwen_draft,
+                                                                                  monkeypatch, ranks):
+    """model.split=auto with a model drafter (the path that once rewrote cfg.model.split and parsed config.json
+    at a dozen sites): every config is as parsed afterwards, and each rank parsed each of its models' config.json
+    and built it on the meta device once (rank 0: target and drafter; every other rank: the target)."""
+    import model_parallel.loader as loader
+    parsed, built = [], []
+    real_parse, real_shell = loader.load_config, loader.model_shell
+    monkeypatch.setattr(loader, "load_config", lambda folder: parsed.append(str(folder)) or real_parse(folder))
+    monkeypatch.setattr(loader, "model_shell", lambda *a: built.append(str(a[0])) or real_shell(*a))
+    args = [f"model.target={tiny_qwen}", "model.dtype=float32", "model.split=auto", "draft.kind=model",
+            f"draft.model={tiny_qwen_draft}", "draft.dtype=float32", f"prompt_ids={ids_arg(PROMPT)}",
+            "gen.max_new_tokens=6", "output.stream=false", "chat=false"]
+    cfgs = [load_config(args) for _ in range(ranks)]
+    before = copy.deepcopy(cfgs)
+    out = run_ring(cfgs, ranks)
+    assert out[0]["token_ids"] == reference_greedy(tiny_qwen, PROMPT, 6), out
+    assert cfgs == before
+    expected = sorted([str(tiny_qwen)] * ranks + [str(tiny_qwen_draft)])
+    assert sorted(parsed) == expected and sorted(built) == expected, (parsed, built)
+
+
+def test_an_int_split_is_one_cut_and_models_are_resolved_into_the_plan_not_the_config(tiny_qwen):
+    cfg = load_config([f"model.target={tiny_qwen}", "model.split=2", "draft.kind=none", "prompt_ids=[1]"])
+    models = open_models(cfg, 0)
+    assert models.drafter is None and models.target.num_layers == 4 and models.name == tiny_qwen.name
+    from launch.plan import plan_here
+    plans = [plan_here(cfg, r) for r in (0, 1)]
+    assert [p.cuts for p in plans] == [[2], [2]] and [p.layers() for p in plans] == [range(0, 2), range(2, 4)]
+    with pytest.raises(Exception):
+        plans[0].cuts = [1]  # frozen
+    assert cfg.model.split == 2
+
+
+@pytest.mark.parametrize("seed, ok", [(2**63 - 1, True), (-2**63, True), (2**63, False), (-2**63 - 1, False)])
+def test_the_config_and_the_api_take_the_same_seeds(seed, ok):
+    """One range table (launch.config.REQUEST_RANGES): gen.seed and an API request's seed agree at both ends."""
+    from launch.api import ApiError, read_settings
+    cfg = load_config(["prompt=x", "draft.kind=none"])
+    try:
+        load_config(["prompt=x", "draft.kind=none", f"gen.seed={seed}"])
+        config_ok = True
+    except ConfigError:
+        config_ok = False
+    try:
+        read_settings({"seed": seed}, cfg)
+        api_ok = True
+    except ApiError:
+        api_ok = False
+    assert config_ok == api_ok == ok
