@@ -1,6 +1,6 @@
 import pytest
 
-from tests.tiny_models import save_tiny
+from tests.support.tiny_models import save_tiny
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,269 @@
+"""model.max_memory and model.split=auto: layers placed by memory first, speed second.
+
+- place_layers (N ranks) against a brute force over every split: it fits every budget and its busiest
+  rank is as little busy as the best split's; budgets no split fits are one NoFit line.
+- The bytes a stage is estimated to hold (model_parallel.memory, from config.json's shapes) against what
+  the loaded stage holds (parameters, buffers, NF4 states, KV cache): within 5%, fp32, bf16, NF4.
+- End to end (both ranks in-process): an asymmetric pair (a small rank 0 budget and a large rank 1, and
+  the reverse) places by memory and its output is identical to transformers generate; a split that breaks
+  a budget, or budgets that no split fits, stop both ranks in one line before any weight is read.
+"""
+from __future__ import annotations
+
+import itertools
+import re
+import random
+
+import pytest
+import torch
+
+from launch.build import build_draft_stage, rank_costs
+from launch.config import ConfigError, load_config as load_tandem_config
+from model_parallel.loader import load_stage
+from model_parallel.memory import human, model_bytes, nf4_bytes, parse_size
+from model_parallel.quant import NF4Settings, nf4_linear, weight_bytes
+from model_parallel.split import NoFit, RankCosts, layer_counts, place_layers
+from tests.support.tiny_models import ids_arg, reference_greedy, run_pair
+
+PROMPT = [11, 42, 7, 250, 3, 99, 180, 5]
+BIG = 10**12
+
+
+# --- placement ----------------------------------------------------------------------------------
+
+def brute_force(num_layers: int, ranks: list[RankCosts]) -> float | None:
+    """The least busiest-rank ms over every split that fits, by enumeration (None: nothing fits)."""
+    best = None
+    for cuts in itertools.combinations(range(1, num_layers), len(ranks) - 1):
+        counts = layer_counts(num_layers, list(cuts))
+        if all(r.fixed_bytes + c * r.layer_bytes <= r.budget for r, c in zip(ranks, counts)):
+            busiest = max(r.fixed_ms + c * r.layer_ms for r, c in zip(ranks, counts))
+            best = busiest if best is None else min(best, busiest)
+    return best
+
+
+@pytest.mark.parametrize("n_ranks", [2, 3, 4])
+def test_place_layers_is_as_good_as_every_split_tried(n_ranks):
+    rng = random.Random(n_ranks)
+    for _ in range(150):
+        num_layers = rng.randint(n_ranks, 14)
+        ranks = [RankCosts(budget=rng.choice([BIG, rng.randint(1, 12) * 100]), fixed_bytes=rng.choice([0, 100, 250]),
+                           layer_bytes=100, layer_ms=rng.uniform(1, 20), fixed_ms=rng.choice([0.0, rng.uniform(0, 100)]))
+                 for _ in range(n_ranks)]
+        best = brute_force(num_layers, ranks)
+        if best is None:
+            with pytest.raises(NoFit, match="model.max_memory: no split of the"):
+                place_layers(num_layers, ranks)
+            continue
+        cuts = place_layers(num_layers, ranks)
+        counts = layer_counts(num_layers, cuts)
+        assert len(cuts) == n_ranks - 1 and min(counts) >= 1 and sum(counts) == num_layers
+        assert all(r.fixed_bytes + c * r.layer_bytes <= r.budget for r, c in zip(ranks, counts)), (ranks, cuts)
+        assert max(r.fixed_ms + c * r.layer_ms for r, c in zip(ranks, counts)) == pytest.approx(best), (ranks, cuts)
+
+
+def test_two_ranks_memory_first_then_speed():
+    fast = [RankCosts(BIG, 0, 100, layer_ms=10.0), RankCosts(BIG, 0, 100, layer_ms=10.0, fixed_ms=50.0)]
+    assert place_layers(28, fast) == [16]  # rank 1 also runs the head; 160 vs 170 ms (17 would be 170 vs 160: the more even)
+    drafter = [RankCosts(BIG, 0, 100, 10.0, fixed_ms=1000.0), RankCosts(BIG, 0, 100, 10.0, 50.0)]
+    assert place_layers(28, drafter) == [1]  # the drafter alone outweighs the rest
+    rank1_small = [drafter[0], RankCosts(50 + 10 * 100, 50, 100, 10.0, 50.0)]
+    assert place_layers(28, rank1_small) == [18]  # rank 1 holds at most 10 layers, whatever the speed says
+    rank0_small = [RankCosts(300 + 2 * 100, 300, 100, 1.0), RankCosts(BIG, 0, 100, 100.0)]
+    assert place_layers(28, rank0_small) == [2]  # rank 0 is 100x faster but holds 2 layers
+    assert place_layers(2, fast) == [1]
+
+
+def test_no_fit_names_the_budgets_and_the_bytes():
+    ranks = [RankCosts(2 * 2**30, 1 * 2**30, 100 * 2**20), RankCosts(2 * 2**30, 500 * 2**20, 100 * 2**20)]
+    with pytest.raises(NoFit) as info:
+        place_layers(28, ranks)
+    message = str(info.value)
+    assert "\n" not in message and "model.max_memory" in message
+    assert "rank 0 may hold 2.00 GiB and needs 1.00 GiB before its layers" in message
+    assert "a layer with its KV cache needs 100.00 MiB" in message and "all together need 4.22 GiB" in message
+
+
+def test_sizes():
+    assert parse_size("500MB") == 500 * 10**6 and parse_size("6GiB") == 6 * 2**30 and parse_size(123) == 123
+    assert parse_size("1.5 gb") == 1_500_000_000 and parse_size("2048") == 2048
+    for bad in ("6 parsecs", "-1GB", "", True, 0):
+        with pytest.raises(ValueError, match="is not a size"):
+            parse_size(bad)
+    with pytest.raises(ConfigError, match=r"model.max_memory\[1\]='lots' is not a size"):
+        load_tandem_config(["prompt=hi", "model.max_memory=[1GB,lots]"])
+
+
+# --- bytes: estimated from config.json vs what a loaded stage holds ------------------------------
+
+def held_bytes(stage) -> int:
+    """What a loaded stage holds: parameters, buffers and NF4 states (quant.weight_bytes), and its cache."""
+    cache = stage.cache
+    tensors = [*cache.keys.values(), *cache.values.values(), cache.slot_ids, cache.length]
+    return weight_bytes(stage) + sum(t.numel() * t.element_size() for t in tensors)
+
+
+def stored_parts(linear) -> list:
+    """A Linear4bit's tensors as bitsandbytes holds them: (name, shape, dtype, address)."""
+    state = linear.weight.quant_state
+    named = [("weight", linear.weight), ("absmax", state.absmax), ("code", state.code), ("offset", state.offset)]
+    if state.state2 is not None:
+        named += [("absmax2", state.state2.absmax), ("code2", state.state2.code)]
+    return [(n, tuple(t.shape), str(t.dtype), t.data_ptr()) for n, t in named if isinstance(t, torch.Tensor)]
+
+
+def test_nf4_bytes_are_what_bitsandbytes_stores():
+    for rows, cols in [(64, 32), (100, 30), (1536, 256), (8960, 1536)]:
+        for double in (True, False):
+            linear = nf4_linear(torch.nn.Linear(cols, rows, bias=False), NF4Settings(torch.float32, double_quant=double))
+            assert weight_bytes(linear) == nf4_bytes(rows * cols, double), (rows, cols, double, stored_parts(linear))
+
+
+def test_weight_bytes_tells_tensors_at_one_address_apart():
+    """A view that starts where its base starts has the base's address: both are counted (the absmax once seen at
+    the packed weight's address was left out when tensors were known by address alone); one tensor held twice (a
+    tied head, bitsandbytes' shared code table) is counted once."""
+    module = torch.nn.Module()
+    base = torch.zeros(256, dtype=torch.uint8)
+    module.register_buffer("packed", base)
+    module.register_buffer("absmax", base[:32])  # what an allocator reusing a freed address looks like to data_ptr
+    module.register_buffer("tail", base[224:])
+    module.tied = module.packed  # the same tensor twice
+    module.register_buffer("same", module.packed)
+    assert weight_bytes(module) == 256 + 32 + 32
+
+
+QUANTS = {"none": None, "nf4": NF4Settings(torch.float32), "nf4-single-head": NF4Settings(torch.float32, False, True)}
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("dtype,quant", [("float32", "none"), ("bfloat16", "none"), ("float32", "nf4"),
+                                         ("bfloat16", "nf4-single-head")])
+def test_estimated_bytes_match_a_loaded_stage(family, dtype, quant, tiny_qwen, tiny_llama):
+    folder = tiny_qwen if family == "qwen2" else tiny_llama
+    estimate = model_bytes(folder, dtype, QUANTS[quant], max_len=96)
+    for first, last, embed, head in [(0, 1, True, False), (1, 4, False, True), (0, 4, True, True), (2, 3, False, False)]:
+        stage = load_stage(folder, first, last, embed=embed, head=head, dtype=dtype, quant=QUANTS[quant])
+        stage.allocate_cache(96, torch.float32 if dtype == "float32" else torch.bfloat16)
+        held, estimated = held_bytes(stage), estimate.stage(first, last, embed, head)
+        assert abs(estimated - held) <= 0.05 * held, (first, last, embed, head, estimated, held)
+
+
+def test_rank_costs_count_the_drafter_and_its_cache_on_rank_0(tiny_qwen, tiny_qwen_draft):
+    args = [f"model.target={tiny_qwen}", "prompt=hi", "model.dtype=float32", "draft.kind=model",
+            f"draft.model={tiny_qwen_draft}", "draft.dtype=float32", "draft.max_len=200", "gen.max_new_tokens=64",
+            "model.max_memory=[1GB,2GB]"]
+    cfg = load_tandem_config(args)
+    (rank0, source0), (rank1, source1) = (rank_costs(cfg, r, timed=False) for r in (0, 1))
+    assert (rank0.budget, source0, rank1.budget, source1) == (10**9, "model.max_memory[0]", 2 * 10**9, "model.max_memory[1]")
+    assert rank_costs(load_tandem_config([*args, "model.max_memory=[null,2GB]"]), 0, timed=False)[1] == "MemAvailable, less 10%"
+    with pytest.raises(ConfigError, match="model.max_memory lists 3 sizes for 2 ranks"):
+        rank_costs(load_tandem_config([*args, "model.max_memory=[1GB,1GB,1GB]"]), 0, timed=False)
+    drafter = build_draft_stage(cfg)
+    no_draft = rank_costs(load_tandem_config([*args, "draft.kind=none"]), 0, timed=False)[0]
+    assert abs(rank0.fixed_bytes - no_draft.fixed_bytes - held_bytes(drafter)) <= 0.05 * held_bytes(drafter)
+    stage = load_stage(tiny_qwen, 2, 4, embed=False, head=True, dtype="float32")
+    stage.allocate_cache(cfg.model.max_len, torch.float32)
+    assert abs(rank1.bytes_for(2) - held_bytes(stage)) <= 0.05 * held_bytes(stage)
+
+
+def test_unset_budget_is_free_memory_less_headroom(tiny_qwen, monkeypatch):
+    cfg = load_tandem_config([f"model.target={tiny_qwen}", "prompt=hi", "draft.kind=none"])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    costs, source = rank_costs(cfg, 1, timed=False)
+    available = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
+    assert source == "MemAvailable / 2 ranks on this host, less 10%"
+    assert 0.8 * available / 2 < costs.budget < 0.95 * available / 2
+
+
+# --- end to end: both ranks, their own budgets, output identical to generate ----------------------
+
+def budgets(folder, rank0_layers: int | None, rank1_layers: int | None, dtype="float32") -> str:
+    """model.max_memory that lets each rank hold exactly this many layers (None: plenty)."""
+    b = model_bytes(folder, dtype, None, max_len=4096)
+    fixed = [b.stage(0, 0, True, False), b.stage(0, 0, False, True)]
+    sizes = [BIG if n is None else f + n * b.layer() for f, n in zip(fixed, (rank0_layers, rank1_layers))]
+    return f"model.max_memory=[{sizes[0]},{sizes[1]}]"
+
+
+@pytest.mark.parametrize("rank0_layers,rank1_layers,split", [(1, None, 1), (None, 1, 3), (2, 2, 2)])
+def test_asymmetric_budgets_place_by_memory_and_match_generate(tiny_qwen, rank0_layers, rank1_layers, split, capsys):
+    out = run_pair(f"model.target={tiny_qwen}", "model.dtype=float32", "model.split=auto", "draft.kind=none",
+                   budgets(tiny_qwen, rank0_layers, rank1_layers), f"prompt_ids={ids_arg(PROMPT)}", "gen.max_new_tokens=16")
+    assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, 16)
+    # each rank's start-up line, wherever it lands: the other thread's loading bar may hold the same terminal line
+    lines = re.findall(r"\[rank \d: [^\n]*\]$", capsys.readouterr().err, re.MULTILINE)
+    assert sorted(lines)[0].startswith(f"[rank 0: layers 0-{split - 1} ({split} of 4) + embeddings; ")
+    assert sorted(lines)[1].startswith(f"[rank 1: layers {split}-3 ({4 - split} of 4) + norm + head; ")
+    assert all(" of " in line and "model.max_memory[" in line and "estimated " in line and "ms per round" in line
+               for line in lines), lines
+
+
+def test_auto_split_with_a_drafter_runs_and_is_exact(tiny_qwen, tiny_qwen_draft, capsys):
+    out = run_pair(f"model.target={tiny_qwen}", "model.dtype=float32", "model.split=auto", "draft.kind=model",
+                   f"draft.model={tiny_qwen_draft}", "draft.dtype=float32", "spec.k=4", "spec.overlap=true",
+                   f"prompt_ids={ids_arg(PROMPT)}", "gen.max_new_tokens=16")
+    assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, 16)
+    line = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("[rank 0: "))
+    assert "+ embeddings + the drafter;" in line and "the drafter's 5 steps" in line and "(MemAvailable" in line, line
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fails the test if any stage starts loading weights."""
+    import launch.build
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a stage was loaded")
+    monkeypatch.setattr(launch.build, "load_stage", refuse)
+
+
+def test_a_given_split_over_budget_stops_before_loading(tiny_qwen, no_loading):
+    with pytest.raises(ConfigError) as info:
+        run_pair(f"model.target={tiny_qwen}", "model.dtype=float32", "model.split=1", "draft.kind=none",
+                 budgets(tiny_qwen, None, 2), f"prompt_ids={ids_arg(PROMPT)}")
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("model.split=1 gives rank 1 ") and "over its model.max_memory of" in message
+    assert "splits that fit: 2-3 (model.split=auto picks among them)" in message and "model.quant=nf4" in message
+
+
+def test_budgets_no_split_fits_stop_before_loading(tiny_qwen, no_loading):
+    with pytest.raises(ConfigError) as info:
+        run_pair(f"model.target={tiny_qwen}", "model.dtype=float32", "model.split=auto", "draft.kind=none",
+                 budgets(tiny_qwen, 1, 2), f"prompt_ids={ids_arg(PROMPT)}")
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("model.max_memory: no split of the 4 layers fits")
+    for fix in ("model.quant=nf4", "a smaller model.max_len", "the drafter elsewhere", "another machine"):
+        assert fix in message
+    b = model_bytes(tiny_qwen, "float32", None, max_len=4096)
+    assert f"a layer with its KV cache needs {human(b.layer())}" in message
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_ranks_time_at_once_with_overlap_and_in_turns_without(tiny_qwen, tiny_qwen_draft, overlap, monkeypatch):
+    """model.split=auto's timing runs the way a round runs (rank 0's spec.overlap, sent in Timing): with
+    overlap the ranks work at the same time, so they time at the same time (ranks sharing a host's cores
+    then see each other); without it they take turns, so rank 1 times only after rank 0 is done."""
+    import time
+
+    import train_free_infer
+    spans = {}
+    real = train_free_infer.rank_speed
+
+    def timed(cfg, rank, world=2):
+        start = time.perf_counter()
+        result = real(cfg, rank, world)
+        time.sleep(0.3)  # a span long enough that two at once cannot miss each other
+        spans[rank] = (start, time.perf_counter())
+        return result
+    monkeypatch.setattr(train_free_infer, "rank_speed", timed)
+    out = run_pair(f"model.target={tiny_qwen}", "model.dtype=float32", "model.split=auto", "draft.kind=model",
+                   f"draft.model={tiny_qwen_draft}", "draft.dtype=float32", f"spec.overlap={str(overlap).lower()}",
+                   f"prompt_ids={ids_arg(PROMPT)}", "gen.max_new_tokens=8")
+    assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, 8)
+    (start0, end0), (start1, end1) = spans[0], spans[1]
+    if overlap:
+        assert start1 < end0 and start0 < end1, spans
+    else:
+        assert start1 >= end0, spans

@@ -1,0 +1,148 @@
+"""The real server in this process: both ranks of train_free_infer as two threads over local_pair, rank 0
+running launch.server.serve (uvicorn on a loopback port) exactly as under torchrun, but without the
+launch (seconds, not a minute). Requests go over real HTTP with http.client.
+
+Also what the serving tests share: tiny models with a tokenizer and a chat template (chat_folder), the
+overrides of the in-process server (served_args) and of one under torchrun (serve_args, wait_healthy),
+and the shape of OpenAI's error JSON."""
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+import urllib.request
+from contextlib import contextmanager
+
+import pytest
+from transformers import AutoTokenizer
+
+from tests.support.tiny_models import free_port, save_tiny, save_tiny_tokenizer
+
+
+class Served:
+    def __init__(self, port: int):
+        self.port, self.url = port, f"http://127.0.0.1:{port}"
+        self.uvicorn = None  # the uvicorn.Server serve() built
+        self.outcome: dict[int, object] = {}
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+                timeout: float = 30) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            headers = {"Content-Type": "application/json", **(headers or {})}
+            conn.request(method, path, body=body, headers=headers, encode_chunked="Transfer-Encoding" in headers)
+            r = conn.getresponse()
+            return r.status, r.read()
+        finally:
+            conn.close()
+
+    def post(self, path: str, body, headers: dict | None = None) -> tuple[int, object]:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        status, data = self.request("POST", path, raw, headers)
+        try:
+            return status, json.loads(data)
+        except ValueError:
+            return status, data.decode("utf-8", "replace")
+
+    def health(self) -> dict:
+        status, data = self.request("GET", "/health", timeout=5)
+        return json.loads(data) | {"http_status": status}
+
+
+@contextmanager
+def served(*overrides: str, timeout_s: float = 20.0):
+    """Yield a Served for a pair of ranks started with these config overrides (serve.port is chosen here)."""
+    import uvicorn
+
+    import train_free_infer
+    from launch.config import load_config
+    from netbridge.channel import local_pair
+
+    port = free_port()
+    cfg = [load_config([*overrides, f"serve.port={port}", "output.stream=false"]) for _ in (0, 1)]
+    channels = local_pair(timeout_s)
+    s = Served(port)
+
+    class Recorded(uvicorn.Server):
+        def __init__(self, config):
+            super().__init__(config)
+            if s.uvicorn is None:  # (a harness nested in another subclasses the outer one's Recorded)
+                s.uvicorn = self
+
+    def run(rank: int) -> None:
+        try:
+            (train_free_infer.rank0 if rank == 0 else train_free_infer.rank1)(cfg[rank], channels[rank])
+            s.outcome[rank] = None
+        except BaseException as e:  # noqa: BLE001 - examined by the tests
+            s.outcome[rank] = e
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(uvicorn, "Server", Recorded)
+        threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if s.health()["status"] == "ok":
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and threads[0].is_alive(), f"the server did not come up: {s.outcome}"
+            time.sleep(0.1)
+        s.threads = threads
+        try:
+            yield s
+        finally:
+            if s.uvicorn is not None:
+                s.uvicorn.should_exit = True  # what SIGINT/SIGTERM do
+            for t in threads:
+                t.join(30)
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<eos>\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+MAX_LEN = 2048
+
+
+def chat_folder(folder, seed: int, layers: int = 4):
+    save_tiny(folder, "qwen2", seed=seed, layers=layers)
+    save_tiny_tokenizer(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(folder)
+    return folder
+
+
+def serve_args(target, draft, port):
+    return [f"model.target={target}", "model.dtype=float32", f"model.max_len={MAX_LEN}", "draft.kind=model",
+            f"draft.model={draft}", "draft.dtype=float32", f"draft.max_len={MAX_LEN}", f"serve.port={port}",
+            f"gen.max_new_tokens={MAX_LEN - 64}"]  # the disconnect tests ask for that much
+
+
+def wait_healthy(url: str, proc, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the server exited ({proc.returncode}):\n{proc.stderr.read()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if json.load(r)["status"] == "ok":
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise AssertionError("the server did not come up")
+
+
+SERVED_MAX_NEW = 32
+
+
+def served_args(target, draft, *extra):
+    return [f"model.target={target}", "model.dtype=float32", "model.max_len=512", "draft.kind=model",
+            f"draft.model={draft}", "draft.dtype=float32", "draft.max_len=512", f"gen.max_new_tokens={SERVED_MAX_NEW}",
+            "transport.timeout_s=20", *extra]
+
+
+def is_openai_error(answer) -> bool:
+    return isinstance(answer, dict) and set(answer.get("error", {})) == {"message", "type", "param", "code"} \
+        and bool(answer["error"]["message"])
