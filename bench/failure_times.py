@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 
 
 def tiny_chat_models(root: Path) -> tuple[Path, Path]:
-    from tests.test_serve import chat_folder
+    from tests.support.serve_harness import chat_folder
     if not (root / "target").exists():
         chat_folder(root / "target", seed=1)
         chat_folder(root / "draft", seed=7, layers=2)
@@ -37,7 +37,7 @@ def relay_kill(work: Path) -> None:
 
     from netbridge.channel import PeerError
     from netbridge.relay_channel import RelayChannel
-    from tests.test_relay import PAIRING, TOKEN, relay_process
+    from tests.support.relay_harness import PAIRING, TOKEN, relay_process
     with relay_process(work, "--no-store") as relay:
         child = subprocess.Popen([sys.executable, "-c", f"""
 import sys, time; sys.path.insert(0, {str(REPO)!r})
@@ -60,7 +60,7 @@ c1.recv("ping"); print("ready", flush=True); time.sleep(600)
 
 
 def health_10mb(work: Path) -> None:
-    from tests.serve_harness import served
+    from tests.support.serve_harness import served
     target, draft = tiny_chat_models(work)
     args = [f"model.target={target}", "model.dtype=float32", "draft.kind=model", f"draft.model={draft}",
             "draft.dtype=float32", "model.max_len=512", "draft.max_len=512", "gen.max_new_tokens=32"]
@@ -87,8 +87,8 @@ def health_10mb(work: Path) -> None:
 
 
 def sigterm_stream(work: Path, sig: signal.Signals) -> None:
-    from tests.test_serve import serve_args, wait_healthy
-    from tests.tiny_models import free_port
+    from tests.support.serve_harness import serve_args, wait_healthy
+    from tests.support.tiny_models import free_port
     target, draft = tiny_chat_models(work)
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",

@@ -20,7 +20,7 @@ from transformers.core_model_loading import dot_natural_key
 
 from model_parallel.hub import fetch_stage, resolve
 from model_parallel.loader import load_config
-from tests.stand_in_hub import StandInHub
+from tests.support.stand_in_hub import StandInHub
 
 EMBEDDED = Path("~/.cache/tandem/models/qwen2.5-coder-1.5b-instruct").expanduser()
 
