@@ -1,0 +1,247 @@
+"""Issue 30: tool calls on /v1/chat/completions, through the real `openai` client against the real server in
+process (tests.support.serve_harness). The model is a tiny Qwen2 made to write scripted answers: its layers add
+nothing (zero output projections), each scripted token's embedding is its own basis vector, and the head maps
+it to the next token of its script, so the greedy answer is a chain decided by the prompt's last token (the last
+message's content: the template adds no generation header). Scripts include Qwen's <tool_call> format, split
+across tokens the way a real answer is, and the answers are checked against transformers generate too."""
+import json
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from transformers import AddedToken, AutoModelForCausalLM, AutoTokenizer
+
+from launch.tools import CallParser
+from tests.support.serve_harness import served
+from tests.support.tiny_models import randomize_norms, reference_greedy, save_tiny, save_tiny_tokenizer
+
+TEMPLATE = (
+    "{%- if tools %}tools:{% for t in tools %} {{ t | tojson }}{% endfor %} (call one as <tool_call>{\"name\": ..., "
+    "\"arguments\": ...}</tool_call>)<eos>{% endif %}"
+    "{%- for m in messages %}{{ m.role }}: "
+    "{%- for c in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}"
+    "{%- if m.role == 'tool' %}[{{ m.tool_call_id }}] {% endif %}{{ m.content or '' }}"
+    "{%- if not loop.last %}<eos>{% endif %}{% endfor %}")
+SCRIPTS = {  # the last prompt token -> the answer's tokens (then <eos>)
+    "<ask_weather>": ["Let me check.\n<tool", "_call>\n{\"name\": \"get_weather\", \"arguments\": ",
+                      "{\"city\": \"Paris\", \"unit\": \"°C\"}}\n</tool_call>"],
+    "<ask_two>": ["<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>\n",
+                  "<tool_call>\n{\"name\": \"get_time\", ", "\"arguments\": {\"zone\": \"CET\"}}\n</tool_call>"],
+    "<sunny>": ["It is sunny ", "in Paris."],
+    "<ask_text>": ["Use the <tool", "kit> wisely."],
+}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+
+
+def scripted_model(folder: Path) -> Path:
+    save_tiny_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    pieces = [p for start, answer in SCRIPTS.items() for p in (start, *answer)]
+    tokenizer.add_tokens([AddedToken(p, normalized=False, special=False) for p in pieces])
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(folder)
+    ids = {p: tokenizer.convert_tokens_to_ids(p) for p in pieces}
+    eos = tokenizer.eos_token_id
+    save_tiny(folder, "qwen2", seed=3, eos=eos, seed_vocab=len(tokenizer) + 8, layers=2)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        randomize_norms(model)
+        for layer in model.model.layers:  # every layer adds nothing: the last state is the token's embedding
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight.zero_()
+        for axis, (start, answer) in enumerate((s, [s, *a, None]) for s, a in SCRIPTS.items()):
+            chain = [ids[p] if p is not None else eos for p in answer]
+            for k, (token, after) in enumerate(zip(chain, chain[1:])):
+                basis = torch.zeros(hidden)
+                basis[4 * axis + k] = 1.0
+                model.model.embed_tokens.weight[token] = basis
+                model.lm_head.weight[after] += 20.0 * basis
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return scripted_model(tmp_path_factory.mktemp("tools") / "scripted")
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    args = [f"model.target={model}", "model.dtype=float32", "model.max_len=512", "draft.kind=model", f"draft.model={model}",
+            "draft.dtype=float32", "draft.max_len=512", "gen.max_new_tokens=32", "transport.timeout_s=20", "spec.k=2"]
+    with served(*args) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model):
+    return AutoTokenizer.from_pretrained(model)
+
+
+def ask(client, last: str, **extra):
+    return client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": f"hi {last}"}],
+                                          tools=extra.pop("tools", TOOLS), **extra)
+
+
+def streamed(client, last: str, **extra) -> tuple[str, dict, list]:
+    """The stream reassembled as a client does: content joined, each call's pieces joined by index."""
+    content, calls, chunks = "", {}, list(ask(client, last, stream=True, **extra))
+    for chunk in chunks:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for piece in delta.tool_calls or []:
+            call = calls.setdefault(piece.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = piece.id or call["id"]
+            call["name"] += piece.function.name or ""
+            call["arguments"] += piece.function.arguments or ""
+    return content, calls, chunks
+
+
+def test_an_auto_tool_call_parses_with_its_name_and_arguments(client, server, model, tokenizer):
+    r = ask(client, "<ask_weather>")
+    choice = choice_of(r)
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me check."
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris", "unit": "°C"}
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi <ask_weather>"}], tools=TOOLS,
+                                        add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert r.usage.prompt_tokens == len(ids)  # the tools were rendered by the template
+    assert r.tandem["token_ids"] == reference_greedy(model, list(ids), 32, eos=tokenizer.eos_token_id)
+
+
+def choice_of(r):
+    assert len(r.choices) == 1
+    return r.choices[0]
+
+
+def test_streamed_tool_call_deltas_reassemble_to_the_same_call(client):
+    whole = choice_of(ask(client, "<ask_weather>"))
+    content, calls, chunks = streamed(client, "<ask_weather>")
+    assert content == whole.message.content  # "<tool" held back until decided, never sent as text
+    [call] = calls.values()
+    assert call["id"].startswith("call_") and call["name"] == "get_weather"
+    assert json.loads(call["arguments"]) == json.loads(whole.message.tool_calls[0].function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_two_calls_and_parallel_tool_calls_false(client):
+    calls = choice_of(ask(client, "<ask_two>")).message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == \
+        [("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "CET"})]
+    assert len({c.id for c in calls}) == 2
+    _, streamed_calls, _ = streamed(client, "<ask_two>")
+    assert [c["name"] for _, c in sorted(streamed_calls.items())] == ["get_weather", "get_time"]
+    one = ask(client, "<ask_two>", parallel_tool_calls=False)
+    assert [c.function.name for c in choice_of(one).message.tool_calls] == ["get_weather"]
+    assert one.usage.completion_tokens == 1  # the answer ended with the first call
+
+
+def test_role_tool_messages_reach_the_template(client, model, tokenizer):
+    asked = {"role": "user", "content": "hi <ask_weather>"}
+    arguments = {"city": "Paris"}
+    messages = [asked, {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(arguments)}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "22 °C <sunny>"}]
+    r = client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS)
+    assert choice_of(r).message.content == "It is sunny in Paris." and not choice_of(r).message.tool_calls
+    assert choice_of(r).finish_reason == "stop"
+    expected = [asked, {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "22 °C <sunny>"}]
+    ids = tokenizer.apply_chat_template(expected, tools=TOOLS, add_generation_prompt=True, tokenize=True,
+                                        return_dict=True)["input_ids"]
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.tandem["token_ids"] == reference_greedy(model, list(ids), 32, eos=tokenizer.eos_token_id)
+
+
+def test_text_that_only_looks_like_a_call_is_content(client):
+    r = ask(client, "<ask_text>")
+    assert choice_of(r).message.content == "Use the <toolkit> wisely." and not choice_of(r).message.tool_calls
+    assert choice_of(r).finish_reason == "stop"
+    content, calls, _ = streamed(client, "<ask_text>")
+    assert content == "Use the <toolkit> wisely." and not calls
+
+
+def test_tool_choice_none_leaves_the_tools_out_and_reads_no_calls(client, tokenizer):
+    r = ask(client, "<ask_weather>", tool_choice="none")
+    assert choice_of(r).message.content.startswith("Let me check.\n<tool_call>") and not choice_of(r).message.tool_calls
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi <ask_weather>"}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)["input_ids"]
+    assert r.usage.prompt_tokens == len(ids)
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"tool_choice": "required"}, "tool_choice"),  # needs a grammar: refused until one is wired
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"functions": [TOOLS[0]["function"]]}, "functions"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+     "response_format"),
+    ({"logprobs": True}, "logprobs"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"store": True}, "store"),
+    ({"top_k": 5}, "top_k"),  # not an OpenAI field: refused like OpenAI's "Unrecognized request argument"
+    ({"max_token": 5}, "max_token"),  # a typo is not silently ignored
+])
+def test_what_is_not_honoured_is_a_400_naming_the_field(client, fields, param):
+    body = {"tools": TOOLS, **fields}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hi <ask_weather>"}],
+                                       extra_body=body)
+    assert e.value.body["param"] == param and e.value.body["message"]
+
+
+def test_inert_values_are_served(client):
+    r = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hi <sunny>"}],
+                                       extra_body={"user": "u1", "logprobs": False, "frequency_penalty": 0,
+                                                   "response_format": {"type": "text"}, "stream_options": None})
+    assert choice_of(r).message.content == "It is sunny in Paris."
+
+
+# --- the parser alone (no server) -------------------------------------------------------------------------
+
+def parse(text: str, cuts: list[int]) -> list:
+    """`text` fed in pieces cut at `cuts`; items merged so that two feedings compare equal."""
+    parser, items = CallParser(), []
+    for a, b in zip([0, *cuts], [*cuts, len(text)]):
+        items += parser.feed(text[a:b])
+    items += parser.finish()
+    merged = []
+    for kind, item in items:
+        if kind == "content" and merged and merged[-1][0] == "content":
+            merged[-1] = ("content", merged[-1][1] + item)
+        else:
+            merged.append((kind, item if kind == "content" else (item.name, item.arguments)))
+    return merged
+
+
+PIECES = st.sampled_from(["<tool_call>", "</tool_call>", "<tool", "_call>", "<", '{"name": "f", "arguments": {"a": 1}}',
+                          '{"name": 3}', "{", "x", " ", "\n", "é"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(PIECES, max_size=12), data=st.data())
+def test_the_parser_reads_the_same_however_the_text_is_cut(pieces, data):
+    text = "".join(pieces)
+    cuts = sorted(data.draw(st.sets(st.integers(0, len(text)), max_size=6)))
+    assert parse(text, cuts) == parse(text, [])
+    items = parse(text, [])
+    if not any(kind == "call" for kind, _ in items):  # no call: the answer's text, exactly
+        assert "".join(item for _, item in items) == text
