@@ -91,10 +91,10 @@ class RareLog:
 class Admission:
     """The relay's door: the table of unfinished handshakes, and the bound on authenticated connections."""
 
-    def __init__(self, max_connections: int, max_pending: int, max_pending_per_source: int, stats: dict):
+    def __init__(self, max_connections: int, max_pending: int, max_pending_per_source: int):
         self.max_connections = max_connections
         self.handshakes = PendingHandshakes(max_pending, max_pending_per_source)
-        self.stats = stats  # the relay's counters
+        self.counts = {"shed": 0, "turned_away": 0}
         self.shed_log, self.turned_away_log = RareLog(), RareLog()
 
     def make_room_for(self, conn: Pending) -> list[Pending] | None:
@@ -126,13 +126,13 @@ class Admission:
         return open_connections - len(self.handshakes) >= self.max_connections
 
     def _shed(self, conn: Pending, why: str) -> Pending:
-        self.stats["shed"] += 1
+        self.counts["shed"] += 1
         self.shed_log.warning("%s: unfinished handshake shed after %.1f s to admit a newer connection: %s; "
                               "a flood of unauthenticated connections?", conn.name, time.monotonic() - conn.born, why)
         self.handshakes.remove(conn)
         return conn
 
     def _turned_away(self, conn: Pending) -> None:
-        self.stats["turned_away"] += 1
+        self.counts["turned_away"] += 1
         self.turned_away_log.warning("%s: turned away: %d unfinished handshakes from %s already (--max-pending-per-source)",
                                      conn.name, self.handshakes.per_source, conn.source)

@@ -167,10 +167,12 @@ class Connection(asyncio.Protocol):
     # ---- what the server decided ---------------------------------------------------------------
     def pair_with(self, other: Connection) -> None:
         """Both ranks of a session are here: each is the other's peer, and both are told PAIRED."""
-        self.peer, other.peer = other, self
-        for c in (other, self):
-            c.state = "paired"
-            c.transport.write(HEADER.pack(PAIRED, 0))
+        other._paired(self)
+        self._paired(other)
+
+    def _paired(self, peer: Connection) -> None:
+        self.peer, self.state = peer, "paired"
+        self.transport.write(HEADER.pack(PAIRED, 0))
 
     def wait_for_peer(self) -> None:
         self.state = "waiting"

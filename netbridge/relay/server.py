@@ -34,15 +34,20 @@ class Relay:
         self.secret, self.host, self.port = secret, host, port
         self.limits = Limits(max_frame_bytes, handshake_timeout_s, idle_timeout_s, emulate_delay_ms, emulate_mbps)
         self.store_enabled = store
-        self.stats = {"accepted": 0, "refused": 0, "dropped": 0, "sessions": 0, "bytes": 0, "shed": 0, "turned_away": 0}
+        self.counts = {"accepted": 0, "refused": 0, "dropped": 0, "sessions": 0, "bytes": 0}
         self.conns: set[Connection] = set()  # every connection that took a handshake slot, until it ends
-        self.admission = Admission(max_connections, max_pending, max_pending_per_source, self.stats)
+        self.admission = Admission(max_connections, max_pending, max_pending_per_source)
         self.notices = RefusalNotices(self._waiting_members)
         self.stores = Stores()
         self.sessions = DataSessions()
         self.rendezvous = Rendezvous()
         self._server = None
         self._sweeper = None
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Every counter: this server's and the admission's (shed, turned_away)."""
+        return {**self.counts, **self.admission.counts}
 
     @property
     def emulating(self) -> bool:
@@ -79,7 +84,7 @@ class Relay:
 
     # ---- Host: what a connection asks ----------------------------------------------------------------
     def count(self, stat: str, n: int = 1) -> None:
-        self.stats[stat] += n
+        self.counts[stat] += n
 
     def make_room_for(self, conn: Connection) -> bool:
         shed = self.admission.make_room_for(conn)
@@ -100,10 +105,10 @@ class Relay:
         conn.end_pending()
         status = auth.FULL if full else self._admit(conn)
         if status == auth.OK:
-            self.stats["accepted"] += 1
+            self.counts["accepted"] += 1
             return status
         log.warning("%s: %s of %s refused: %s", conn.name, ROLE_NAMES.get(conn.role), conn.session, STATUS_NAMES.get(status))
-        self.stats["refused"] += 1
+        self.counts["refused"] += 1
         self.notices.refused_claim(conn.session, refusal_notice(conn.host_name, claim, status,
                                                                 self.rendezvous.world_of(conn.session)))
         return status
@@ -146,7 +151,7 @@ class Relay:
     def refused(self, conn: Connection, refusal: Refusal) -> None:
         """No claim, or one whose MAC does not check: if it named a session, its waiting members are told."""
         log.warning("%s: handshake refused: %s", conn.name, refusal.why)
-        self.stats["refused"] += 1
+        self.counts["refused"] += 1
         if refusal.session is not None:
             self.notices.refused_claim(refusal.session, wrong_token_notice(conn.host_name, refusal.session))
 
@@ -172,7 +177,7 @@ class Relay:
             self.notices.tell_recent_refusal(conn)
             return
         conn.pair_with(other)
-        self.stats["sessions"] += 1
+        self.counts["sessions"] += 1
         log.info("session %s: ranks paired (%s, %s)", conn.session, *(c.name for c in sorted((conn, other), key=lambda c: c.rank)))
 
     def _join_rendezvous(self, conn: Connection) -> None:
