@@ -1,0 +1,108 @@
+"""cache.dir on one rank: which saved prefix of a prompt it holds, loading the agreed one, saving a new one.
+
+The ranks agree on a prefix in one lap of the ring (the messages are netbridge.protocol's Lookup and Restore;
+the round loops carry them, this class does the rest):
+
+    rank 0: hashes of the prompt's whole blocks; reads what it holds of them
+            Lookup(hashes, weights=[id_0], held=blocks rank 0 holds)       --> rank 1 ... --> rank N-1 --> rank 0
+            each rank reads at most `held` of its own blocks, lowers `held` to what it has, adds its identity
+    rank 0: Restore(hashes, weights, start, tokens)                       --> every rank
+            each rank loads [start, tokens) from what it read (start: what memory already holds) and saves the
+            prompt's blocks once its first round has run over them
+
+Rank 0 sends a Lookup only when it holds more than memory does; a Restore goes whenever the prompt is long
+enough to save (cache.min_tokens), so every rank knows what to save. A rank reads and checks its blocks before
+it answers, so a file that turns out bad can only lower what it reports, never break a load agreed on.
+
+The key of a rank's files is the identity of every weight its KV depends on: its own and every earlier rank's
+(kvcache.identity), which arrive in the messages' `weights`. Rank 0's drafter has its own model, key and files.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcache.disk import KVDiskStore, SavedPrefix, SliceKey, prefix_hashes
+from kvcache.identity import pipeline_identity
+from kvcache.static_cache import StaticKVCache
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """cache.*: folder (None: off), min_tokens, max_bytes, block_tokens."""
+    folder: str | None = None
+    min_tokens: int = 512
+    max_bytes: int = 20 * 2 ** 30
+    block_tokens: int = 256
+
+
+class RankPrefixes:
+    """One rank's saved prefixes: its stage's slice, and on rank 0 also the drafter's (`drafter` cache)."""
+
+    def __init__(self, settings: CacheSettings, identity: str, cache: StaticKVCache,
+                 drafter: tuple[str, StaticKVCache] | None = None, warn=None):
+        self.settings, self.identity, self.warn = settings, identity, warn
+        self.caches = {"target": cache, **({"drafter": drafter[1]} if drafter else {})}
+        self.drafter_identity = drafter[0] if drafter else None
+        self.stores: dict[tuple[str, str, int], KVDiskStore] = {}
+        self.found: dict[str, SavedPrefix] = {}  # what the last lookup read, per role
+        self.to_save: tuple[list[str], list[str], int] | None = None  # hashes, weights, block size
+
+    def store(self, role: str, weights: list[str], block: int) -> KVDiskStore:
+        model = pipeline_identity(weights + [self.identity]) if role == "target" else pipeline_identity([self.drafter_identity])
+        at = (role, model, block)
+        if at not in self.stores:
+            self.stores[at] = KVDiskStore(self.settings.folder, SliceKey.of_cache(self.caches[role], model, role),
+                                          self.settings.max_bytes, block, self.warn)
+        return self.stores[at]
+
+    # --- rank 0 -------------------------------------------------------------------------------
+    def hashes(self, prompt: list[int]) -> list[str]:
+        """The prompt's blocks to look up and save; none for a prompt shorter than cache.min_tokens. The last
+        token is left out: a restored prefix must leave it to the prefill (its logits give the first token)."""
+        if len(prompt) < self.settings.min_tokens:
+            return []
+        return prefix_hashes(prompt[:-1], self.settings.block_tokens)
+
+    def look(self, hashes: list[str]) -> int:
+        """Rank 0: read what it holds of `hashes` (its drafter's too); the target's blocks."""
+        return self.on_lookup(hashes, [], len(hashes), self.settings.block_tokens)
+
+    # --- every rank ---------------------------------------------------------------------------
+    def on_lookup(self, hashes: list[str], weights: list[str], held: int, block: int) -> int:
+        """Read this rank's blocks among the first `held` of `hashes`; returns how many it holds of them."""
+        self.found = {role: self.store(role, weights, block).read(hashes[:held]) for role in self.caches}
+        return min(held, len(self.found["target"].blocks))
+
+    def on_restore(self, hashes: list[str], weights: list[str], block: int, start: int, tokens: int) -> None:
+        """Load target tokens [start, tokens) from the last lookup, and note the prompt's blocks to save once the
+        caches hold the prompt (after_prefill)."""
+        target = self.found.pop("target", None)
+        if tokens > start:
+            target.load_into(self.caches["target"], tokens, start)
+        self.to_save = (hashes, weights, block) if hashes else None
+
+    def restore_drafter(self, cached: int, tokens: int) -> int:
+        """Rank 0's drafter, holding `cached` tokens of the prompt: what its lookup found, up to `tokens`, loaded
+        after them. Returns its new length."""
+        found = self.found.pop("drafter", None)
+        tokens = min(tokens, found.tokens if found is not None else 0)
+        if tokens <= cached:
+            return cached
+        found.load_into(self.caches["drafter"], tokens, cached)
+        return tokens
+
+    def after_prefill(self, drafter_cached: int | None = None) -> None:
+        """The caches hold the prompt: queue its new blocks for the writer thread (the drafter's as far as it
+        has taken the prompt in)."""
+        if self.to_save is None:
+            return
+        hashes, weights, block = self.to_save
+        self.to_save = None
+        self.store("target", weights, block).save(self.caches["target"], hashes)
+        if drafter_cached is not None and "drafter" in self.caches:
+            self.store("drafter", weights, block).save(self.caches["drafter"], hashes[:drafter_cached // block])
+
+    def close(self) -> None:
+        """Every queued block on disk (a one-shot run ends right after)."""
+        for store in self.stores.values():
+            store.close()
