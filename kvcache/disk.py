@@ -158,6 +158,7 @@ class WriteJob:
     paths: list[Path]  # the whole chain so far: each is stamped as just used
     new: dict[Path, tuple[str, dict[str, torch.Tensor]]]  # the blocks to write: prefix hash, device snapshots
     ready: torch.cuda.Event | None  # set once the snapshots are complete (CUDA)
+    device: torch.device | None = None  # the snapshots' device (CUDA)
 
 
 class KVDiskStore:
@@ -174,6 +175,7 @@ class KVDiskStore:
         self.pending: set[Path] = set()  # queued, not yet on disk (only the writer thread discards)
         self.writer: threading.Thread | None = None
         self.write_failed = False  # warn once, not at every block
+        self.side_streams: dict = {}  # device -> the writer's CUDA stream there
 
     def paths(self, hashes: list[str]) -> list[Path]:
         """The files of the blocks whose prefix hashes (prefix_hashes) are `hashes`."""
@@ -221,12 +223,12 @@ class KVDiskStore:
         ready = None
         if cache.length.device.type == "cuda" and new:
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(cache.length.device))
         self.pending.update(new)
         if self.writer is None:
             self.writer = threading.Thread(target=self.write_loop, name="kv-disk-writer", daemon=True)
             self.writer.start()
-        self.jobs.put(WriteJob(paths, new, ready))
+        self.jobs.put(WriteJob(paths, new, ready, cache.length.device))
         return len(new)
 
     def flush(self) -> None:
@@ -241,10 +243,9 @@ class KVDiskStore:
             self.writer = None
 
     def write_loop(self) -> None:
-        side = torch.cuda.Stream() if torch.cuda.is_available() else None
         while (job := self.jobs.get()) is not None:
             try:
-                self.write(job, side)
+                self.write(job)
             except Exception as e:  # a full disk or a removed folder must not end the launch: the cache is optional
                 if not self.write_failed:
                     self.warn(f"kv cache: writing to {self.folder} failed ({' '.join(str(e).split())}); "
@@ -255,9 +256,12 @@ class KVDiskStore:
                 self.jobs.task_done()
         self.jobs.task_done()
 
-    def write(self, job: WriteJob, side) -> None:
+    def write(self, job: WriteJob) -> None:
         for path, (prefix, snapshot) in job.new.items():
-            if job.ready is not None:  # the copy to the host on a side stream: rounds keep the default one
+            if job.ready is not None:  # the copy to the host on a side stream of the cache's device: rounds keep theirs
+                if job.device not in self.side_streams:
+                    self.side_streams[job.device] = torch.cuda.Stream(device=job.device)
+                side = self.side_streams[job.device]
                 with torch.cuda.stream(side):
                     side.wait_event(job.ready)
                     snapshot = {name: t.to("cpu") for name, t in snapshot.items()}
