@@ -128,6 +128,41 @@ def measure(lib, schema: dict, tokens: list[int], repeat: int) -> dict:
                 consume_and_rollback_of_K_ms=round(rollback_ms, 3), K=K, mask_same_after_rollback=same)
 
 
+def verify_cost(tok, tokens: list[int], repeat: int) -> dict:
+    """What the grammar adds to the last rank's verification per verified position (speculative.verify with
+    speculative.grammar), over the answer's positions, against the same verification without one: when the
+    target's own argmax is allowed (one bit of the mask is read) and when it is refused (the whole mask, then a
+    masked argmax over the vocabulary)."""
+    from speculative.grammar import Grammars
+    from speculative.verify import verify_greedy
+    grammars = Grammars(tok, VOCAB, [tok.eos_token_id])
+    none = torch.zeros(0, dtype=torch.long)
+    logits = torch.randn(len(tokens), VOCAB)
+    allowed_best = logits.clone()
+    allowed_best[torch.arange(len(tokens)), torch.tensor(tokens)] = 100.0  # the answer's token is the argmax
+    refused_best = logits.clone()
+    refused_best[:, tok.encode("x", add_special_tokens=False)[0]] = 100.0  # a token no JSON position allows
+    result = {}
+    for name, rows in (("argmax_allowed", allowed_best), ("argmax_refused", refused_best)):
+        with_grammar, without = [], []
+        for _ in range(repeat):
+            grammar = grammars.from_schema(SCHEMA)
+            t0 = time.perf_counter()
+            for i, token in enumerate(tokens):
+                verify_greedy(rows[i:i + 1], none, grammar)
+                if grammar.consumed and grammar.consumed > i:  # keep the grammar on the answer's path
+                    grammar.rollback(1)
+                grammar.accept(token)
+            with_grammar.append(ms_since(t0) / len(tokens))
+            t0 = time.perf_counter()
+            for i in range(len(tokens)):
+                verify_greedy(rows[i:i + 1], none)
+            without.append(ms_since(t0) / len(tokens))
+        result[f"{name}_ms_per_position"] = round(statistics.median(with_grammar), 4)
+        result[f"{name}_without_grammar_ms"] = round(statistics.median(without), 4)
+    return dict(library="llguidance (speculative.verify)", vocab=VOCAB, **result)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(Path.home() / ".cache/tandem/models/qwen2.5-coder-0.5b-instruct"))
@@ -145,6 +180,7 @@ def main() -> None:
             continue
         for schema in (SCHEMA, ANY_OBJECT):
             print(json.dumps(measure(lib, schema, tokens, args.repeat)), flush=True)
+    print(json.dumps(verify_cost(tok, tokens, max(1, args.repeat // 4))), flush=True)
 
 
 if __name__ == "__main__":
