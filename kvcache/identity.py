@@ -47,6 +47,14 @@ def safetensors_header(file: Path) -> bytes:
         return f.read(min(length, MAX_HEADER))
 
 
+def numerics(**settings) -> dict:
+    """`extra` for stage_identity: the settings given (dtype, 4-bit) and the library versions whose kernels
+    computed the KV (an upgrade may change the last bits: a cold cache, never a file from other kernels)."""
+    import torch
+    import transformers
+    return {"torch": torch.__version__, "transformers": transformers.__version__, **settings}
+
+
 def pipeline_identity(rank_identities: list[str]) -> str:
     """The model identity every rank keys its files by: all ranks' stage identities, in rank order."""
     return hashlib.sha256(json.dumps(rank_identities).encode()).hexdigest()
