@@ -183,14 +183,28 @@ hostile_numbers = (st.sampled_from([-1, -0.5, 0, 1e300, 10**30, -10**30, float("
                    | st.floats() | st.integers(-2**70, 2**70))
 
 
+def for_path(body: dict, path: str) -> dict:
+    """A valid body as the endpoint at `path` takes it: its own prompt field only (another endpoint's is a 400)."""
+    if path == "/v1/completions":
+        body.pop("messages")
+    elif path == "/v1/chat/completions":
+        body.pop("prompt")
+    else:  # the Responses API: input and max_output_tokens; seed, stop and n are not its fields
+        body["input"], body["max_output_tokens"] = body.pop("messages"), body.pop("max_tokens")
+        for key in ("prompt", "seed", "stop", "n"):
+            body.pop(key, None)
+    return body
+
+
 @st.composite
-def mostly_valid(draw) -> dict:
+def mostly_valid(draw, path: str) -> dict:
     """A request the engine runs (any valid value of every field, sampling on: temperature > 0, so top_p and seed
     reach rank 1) with exactly one field made hostile: a hostile number for a numeric field, or any value."""
     body = {"prompt": draw(st.text(min_size=1, max_size=30) | st.lists(st.integers(0, 319), min_size=1, max_size=5)),
             "messages": draw(st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
                                                              "content": st.text(max_size=30)}), min_size=1, max_size=3)),
             "max_tokens": 2, **draw(valid_values), "temperature": draw(st.floats(0.05, 2.0))}  # few tokens: many examples
+    body = for_path(body, path)
     if draw(st.integers(0, 3)):  # mostly a numeric field with a hostile number
         field = draw(st.sampled_from(NUMERIC_FIELDS))
         body[field] = draw(hostile_numbers)
@@ -201,10 +215,10 @@ def mostly_valid(draw) -> dict:
 
 
 @st.composite
-def bodies(draw) -> bytes:
+def bodies(draw, path: str) -> bytes:
     kind = draw(st.sampled_from(["valid"] * 7 + ["fields", "json", "raw", "bytes"]))
     if kind == "valid":
-        return json.dumps(draw(mostly_valid())).encode()
+        return json.dumps(draw(mostly_valid(path))).encode()
     if kind == "fields":
         return json.dumps(draw(field_values)).encode()
     if kind == "json":
@@ -214,21 +228,22 @@ def bodies(draw) -> bytes:
     return draw(st.binary(max_size=64))
 
 
-PATHS = st.sampled_from(["/v1/chat/completions", "/v1/completions"])
+PATHS = st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+REQUESTS = PATHS.flatmap(lambda path: st.tuples(st.just(path), bodies(path)))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
-@given(path=PATHS, body=bodies())
-def test_fuzz_the_api_answers_and_stays_up(server, path, body):
-    answers_and_stays_up(server, path, body)
+@given(request=REQUESTS)
+def test_fuzz_the_api_answers_and_stays_up(server, request):
+    answers_and_stays_up(server, *request)
 
 
 @pytest.mark.slow
 @settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck))
-@given(path=PATHS, body=bodies())
-def test_a_longer_fuzz_of_the_api(server, path, body):
+@given(request=REQUESTS)
+def test_a_longer_fuzz_of_the_api(server, request):
     """The default suite runs 300 examples (with the top_p bounds removed they found the rank-1 crash in 5 runs of 6)."""
-    answers_and_stays_up(server, path, body)
+    answers_and_stays_up(server, *request)
 
 
 def answers_and_stays_up(server, path: str, body: bytes) -> None:
@@ -236,7 +251,12 @@ def answers_and_stays_up(server, path: str, body: bytes) -> None:
     assert status in STATUSES, (status, body, data[:300])
     if status == 200:
         text = data.decode()
-        assert text.rstrip().endswith("data: [DONE]") if text.startswith("data:") else "choices" in json.loads(text)
+        if text.startswith("event:"):  # the Responses API's typed events: the last one ends the response
+            assert text.rstrip().rsplit("\n", 1)[-1].startswith(('data: {"type": "response.completed"',
+                                                                  'data: {"type": "response.incomplete"')), text[-300:]
+        else:
+            assert text.rstrip().endswith("data: [DONE]") if text.startswith("data:") else \
+                ("choices" in json.loads(text) or json.loads(text)["object"] == "response")
     else:
         assert is_openai_error(json.loads(data)), data[:300]
     assert server.health()["status"] == "ok"
