@@ -96,12 +96,16 @@ class Grammar:
     def __init__(self, matcher, vocab_size: int):
         self.matcher = matcher
         self.vocab_size = vocab_size
-        self.consumed = 0
+        self.tokens: list[int] = []  # the accepted tokens, in order
         # per accepted token, whether the matcher counted it: once the grammar is complete (stopped) it takes the
         # end-of-sequence token without counting it, and a rollback must not ask it for more than it holds
         self._counted: list[bool] = []
         self._bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
         self._fresh = False
+
+    @property
+    def consumed(self) -> int:
+        return len(self.tokens)
 
     def _bitmask(self) -> np.ndarray:
         if not self._fresh:
@@ -131,7 +135,7 @@ class Grammar:
         if not self.matcher.consume_token(token):
             raise RuntimeError(f"the grammar refused token {token} after {self.consumed} tokens: {self._error()}")
         self._counted.append(not stopped)
-        self.consumed += 1
+        self.tokens.append(token)
         self._fresh = False
 
     def rollback(self, n: int) -> None:
@@ -144,7 +148,7 @@ class Grammar:
         if counted and not self.matcher.rollback(counted):
             raise RuntimeError(f"cannot roll the grammar back {n} tokens: {self._error()}")
         del self._counted[-n:]
-        self.consumed -= n
+        del self.tokens[-n:]
         self._fresh = False
 
     def rewind(self, consumed: int) -> None:
@@ -152,6 +156,30 @@ class Grammar:
         if consumed > self.consumed:
             raise RuntimeError(f"the grammar holds {self.consumed} tokens, fewer than the {consumed} committed")
         self.rollback(self.consumed - consumed)
+
+    def sync(self, before: int, pending: list[int]) -> bool:
+        """Put the grammar where a round starts: `before` tokens of the answer committed ahead of the tokens the
+        round feeds again (`pending`: the newest committed one, chosen by the last round's verification). With
+        rounds sent ahead on a bet (the last round keeps every draft and the guessed token), a round whose bet
+        failed does not continue the answer the grammar holds: then False, the grammar as it was (its reply is
+        dropped, whatever it says). Every later round starts at or before such a round's start, so rewinding
+        to it forgets whatever that round left."""
+        end = before + len(pending)
+        if end <= self.consumed and self.tokens[before:end] == pending:
+            self.rewind(end)  # the usual case: the grammar chose those tokens itself
+            return True
+        if before > self.consumed:
+            return False
+        held = self.tokens[before:]
+        self.rewind(before)
+        for i, token in enumerate(pending):
+            if not self.allows(token):
+                self.rollback(i)
+                for t in held:  # back as it was
+                    self.accept(t)
+                return False
+            self.accept(token)
+        return True
 
     def _check(self) -> None:
         if self.matcher.is_error():

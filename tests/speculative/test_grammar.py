@@ -300,3 +300,22 @@ def test_text_asks_for_no_grammar():
 def test_top_logprobs_above_20_is_refused():
     with pytest.raises(ValueError, match="between 0 and 20"):
         token_logprobs(torch.zeros(1, 30), [0], 21)
+
+
+def test_sync_follows_the_committed_answer_through_rounds_sent_on_a_failed_bet(tiny):
+    """The last rank's grammar at each round's start (Grammar.sync): a usual round; rounds sent ahead on a bet that
+    failed (further ahead than the answer, or on another token) leave it able to continue the real answer."""
+    _, tokenizer, grammars = tiny
+    real = tokenizer.encode('{"a": [1, 2]}', add_special_tokens=False)
+    one, two = (tokenizer.encode(d, add_special_tokens=False)[0] for d in "12")
+    i = real.index(one)  # the bet: the position of "1" held another digit
+    grammar = grammars.make({"type": "json_object"})
+    for token in real[:i + 1]:
+        grammar.accept(token)
+    assert grammar.sync(i, [real[i]]) and grammar.tokens == real[:i + 1]  # a usual round
+    assert not grammar.sync(i + 3, [real[i]]) and grammar.tokens == real[:i + 1]  # beyond the answer
+    assert not grammar.sync(i, [tokenizer.encode("x")[0]]) and grammar.tokens == real[:i + 1]  # refused there
+    assert grammar.sync(i, [two]) and grammar.tokens == real[:i] + [two]  # allowed there: it runs on
+    grammar.accept(tokenizer.encode(",", add_special_tokens=False)[0])
+    assert grammar.sync(i, [real[i]]) and grammar.tokens == real[:i + 1]  # the real round after it
+    assert torch.equal(grammar.allowed(), ReferenceAfter(tokenizer, real[:i + 1]))
