@@ -115,6 +115,19 @@ def call_schema(specs: list[dict], name: str | None = None) -> dict:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
+def call_grammar(specs: list[dict], tokenizer, name: str | None = None, parallel: bool = True) -> str:
+    """The llguidance (Lark) grammar of an answer that is only calls: <tool_call>, a newline, call_schema's JSON,
+    a newline, </tool_call> (one call, or several separated by newlines when `parallel`). A tag that is one token
+    of the tokenizer (Qwen's added tokens) is written as that token, else as its text. What tool_choice required /
+    named hand to the grammar (speculative.grammar) once requests carry one."""
+    def tag(text: str) -> str:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(text)
+    calls = 'call ("\\n" call)*' if parallel else "call"
+    return (f"start: {calls}\ncall: {tag(OPEN)} \"\\n\" body \"\\n\" {tag(CLOSE)}\n"
+            f"body: %json {json.dumps(call_schema(specs, name))}\n")
+
+
 def template_message(message: dict, role: str, content: str | None) -> dict:
     """One message as chat templates read it: an assistant's tool_calls with their arguments as objects (Qwen's
     template writes `arguments | tojson`: a JSON string there would be encoded twice); a tool result keeps its id."""

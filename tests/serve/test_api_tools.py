@@ -245,3 +245,28 @@ def test_the_parser_reads_the_same_however_the_text_is_cut(pieces, data):
     items = parse(text, [])
     if not any(kind == "call" for kind, _ in items):  # no call: the answer's text, exactly
         assert "".join(item for _, item in items) == text
+
+
+@pytest.mark.parametrize("tags_are_tokens", [True, False])
+def test_the_call_grammar_takes_a_call_of_the_named_tool_and_nothing_else(tmp_path, tags_are_tokens):
+    """What tool_choice required / named will hand to the grammar: the tags as one token each (Qwen) or as text."""
+    import llguidance
+    import llguidance.hf
+
+    from launch.tools import call_grammar
+    save_tiny_tokenizer(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    if tags_are_tokens:
+        tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in ("<tool_call>", "</tool_call>")])
+    wrapped = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=[tokenizer.eos_token_id])
+
+    def takes(text: str, **choice) -> bool:
+        matcher = llguidance.LLMatcher(wrapped, llguidance.grammar_from("lark", call_grammar(TOOLS, tokenizer, **choice)),
+                                       log_level=0)
+        return matcher.consume_tokens(tokenizer(text)["input_ids"]) and matcher.is_accepting()
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    other = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    assert takes(call) and takes(other) and takes(f"{call}\n{other}")
+    assert takes(call, name="get_weather") and not takes(other, name="get_weather")
+    assert not takes(f"{call}\n{other}", parallel=False)
+    assert not takes("Sure: " + call) and not takes(call.replace("Paris", "7").replace('"7"', "7"))
