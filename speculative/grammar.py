@@ -62,6 +62,16 @@ def grammar_source(schema: dict) -> str:
     return grammar
 
 
+def lark_source(lark: str) -> str:
+    """The llguidance grammar of a Lark grammar (a tool call's, launch.tools.call_grammar); checked as grammar_source."""
+    import llguidance
+    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if failed:
+        raise GrammarError(f"the grammar is not valid: {messages[0].splitlines()[0]}")
+    return grammar
+
+
 class Grammars:
     """One per process: the tokenizer wrapped for llguidance (once: ~1 s), and a Grammar per request.
     `vocab_size`: the rows of the model's head (Qwen2.5 pads 151,665 ids to 151,936; padding is never allowed).
@@ -82,10 +92,15 @@ class Grammars:
         return None if schema is None else self.from_schema(schema)
 
     def from_schema(self, schema: dict) -> Grammar:
+        return self.from_source(grammar_source(schema))
+
+    def from_source(self, source: str) -> Grammar:
+        """A Grammar from llguidance's grammar text (grammar_source's, or lark_source's): what a Request carries
+        to the last rank, which makes the matcher against its own copy of the tokenizer."""
         import llguidance
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar_source(schema), log_level=0)
+        matcher = llguidance.LLMatcher(self.tokenizer, source, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"response_format json_schema cannot be enforced: {matcher.get_error().splitlines()[0]}")
+            raise GrammarError(f"the grammar cannot be enforced: {matcher.get_error().splitlines()[0]}")
         return Grammar(matcher, self.vocab_size)
 
 
