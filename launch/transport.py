@@ -35,9 +35,8 @@ class TransportSettings:
 def transport_settings(t) -> TransportSettings:
     """The settings of `t` (cfg.transport, only read). For kind=relay the address, session and both secrets are
     resolved now, so a missing one is one PeerError line naming the setting before anything is dialed."""
-    common = dict(kind=getattr(t, "kind", "relay"), timeout_s=t.timeout_s,
-                  reconnect_s=getattr(t, "reconnect_s", DEFAULT_RECONNECT_S),
-                  emulate_delay_ms=getattr(t, "emulate_delay_ms", 0.0), emulate_mbps=getattr(t, "emulate_mbps", 0.0))
+    common = dict(kind=t.kind, timeout_s=t.timeout_s, reconnect_s=t.reconnect_s, emulate_delay_ms=t.emulate_delay_ms,
+                  emulate_mbps=t.emulate_mbps)
     if common["kind"] != "relay":
         return TransportSettings(**common)
     relay = t.relay or os.environ.get("TANDEM_RELAY")

@@ -24,12 +24,10 @@ at once as before: there is nothing to resume yet, and the join has its own time
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 import time
 
-from netbridge import auth
 from netbridge.channel import Channel, PeerError
 from netbridge.link import DATA, HEARTBEAT, PEER_LEFT, LinkClosed, LinkGarbage, LinkSocket, LinkTimeout
 from netbridge.relay_dial import DEFAULT_RECONNECT_S, Heartbeats, check_secrets, default_heartbeat, dialer, ring_link
@@ -55,11 +53,9 @@ class _LinkLost(Exception):
 
 class RelayChannel(Channel):
     """The resuming link: a Channel over an authenticated relay connection (or, for benchmarks, any connected
-    LinkSocket), carrying a SecureSession's envelopes; it re-dials, resynchronizes and heartbeats.
-
-    `redial(seconds)` returns a fresh paired LinkSocket (RelayChannel.connect passes one); without it
-    a lost link is final. `secret` is the pairing secret that authenticates the end-to-end key exchange;
-    both ends must use the same one, and the relay must not have it.
+    LinkSocket) carrying a SecureSession's envelopes; it re-dials, resynchronizes and heartbeats.
+    `redial(seconds)` returns a fresh paired LinkSocket (RelayChannel.connect passes one); without it a lost
+    link is final. `secret`: the pairing secret (the same on both ends; the relay must not have it).
 
     `rank` is this end's place in the two-member relay session (0 or 1: the wire, the keys); `ring`, with
     more than two ranks, is (this rank, the peer) on the pipeline's ring, the numbers the error lines name.
@@ -96,33 +92,6 @@ class RelayChannel(Channel):
         link = dial_and_pair(join_timeout_s, dial_s=30.0)
         return cls(link, rank, session, timeout_s, heartbeat_s, secret=secret, redial=dial_and_pair,
                    reconnect_s=reconnect_s, ring=ring, **emulation)
-
-    @classmethod
-    def from_config(cls, cfg, rank: int, peer: int | None = None, ranks: int = 2, **emulation) -> RelayChannel:
-        """TEMPORARY, for tests/netbridge/test_relay.py until it may be edited (tests frozen while they move):
-        launch.transport.transport_settings + relay_link replace it; this copy of the reading goes with it."""
-        t = cfg.transport
-        relay, session = t.relay or os.environ.get("TANDEM_RELAY"), t.session or os.environ.get("TORCHELASTIC_RUN_ID")
-        if not relay:
-            raise PeerError("transport.kind=relay needs transport.relay=HOST:PORT, the address of `tandem-relay`")
-        if not session:
-            raise PeerError("transport.kind=relay needs transport.session=ID, the same on both ranks (or torchrun --rdzv_id)")
-        try:
-            token = auth.load_secret(t.relay_token, t.relay_token_file or os.environ.get("TANDEM_RELAY_TOKEN_FILE"),
-                                     what=auth.RELAY_TOKEN)
-            secret = auth.load_secret(t.secret, t.secret_file or os.environ.get("TANDEM_SECRET_FILE"), what=auth.PAIRING_SECRET)
-        except auth.HandshakeError as e:
-            raise PeerError(str(e)) from None
-        return cls.connect(relay, session, rank, token, secret, timeout_s=t.timeout_s,
-                           reconnect_s=getattr(t, "reconnect_s", DEFAULT_RECONNECT_S), **emulation)
-
-    @property
-    def established(self) -> bool:
-        return self.secure.established
-
-    @property
-    def sealer(self):
-        return self.secure.sealer
 
     # ---- Channel -------------------------------------------------------------------------------
     def send_frame(self, frame: bytes) -> None:
@@ -222,7 +191,7 @@ class RelayChannel(Channel):
 
     def _lost_or_fatal(self, why: str, window_s: float | None = None) -> Exception:
         """What a broken link becomes: a reason to reconnect in an established session, else the error itself."""
-        if self.established and self.redial is not None and self.reconnect_s > 0 and not self._closed.is_set():
+        if self.secure.established and self.redial is not None and self.reconnect_s > 0 and not self._closed.is_set():
             return _LinkLost(why, window_s)
         return PeerError(why)
 
@@ -273,7 +242,7 @@ class RelayChannel(Channel):
                 self._read_hello(time.monotonic() + min(1.0, self.timeout_s))
             except Exception:  # noqa: BLE001 - closing: the link may be gone, or the peer never said hello
                 pass
-        if self.established and not self.secure.awaiting_hello:  # tell the peer this is on purpose, so it does not wait to resume
+        if self.secure.established and not self.secure.awaiting_hello:  # tell the peer this is on purpose, so it does not wait to resume
             try:
                 self.link.sock.settimeout(min(self.timeout_s, 2.0))  # best effort: never hang on a dead link here
                 self.link.send(DATA, self.secure.close_envelope())

@@ -119,16 +119,16 @@ class Connection(asyncio.Protocol):
         self._finish()
 
     def pause_writing(self) -> None:  # our transport's buffer is full: stop reading from whoever feeds it
-        if self.peer is not None:
-            self.peer.throttle("receiver", True)
-        elif self.store_proxy is not None:
-            self.store_proxy.pause_reading()
+        self._hold_feeder(True)
 
-    def resume_writing(self) -> None:  # drained: read again
+    def resume_writing(self) -> None:
+        self._hold_feeder(False)
+
+    def _hold_feeder(self, on: bool) -> None:
         if self.peer is not None:
-            self.peer.throttle("receiver", False)
+            self.peer.throttle("receiver", on)
         elif self.store_proxy is not None:
-            self.store_proxy.resume_reading()
+            (self.store_proxy.pause_reading if on else self.store_proxy.resume_reading)()
 
     # ---- the handshake -------------------------------------------------------------------------
     def _handshake_step(self, outcome: Claim | Refusal | None) -> None:
@@ -159,8 +159,7 @@ class Connection(asyncio.Protocol):
             self.host.handshake_over(self)
 
     def shed(self) -> None:
-        """Make room for a newer connection: this one is told SHED (an honest client retries) and its slot
-        is free at once."""
+        """Make room for a newer connection: told SHED (an honest client retries), its slot free at once."""
         _say_and_close(self.transport, bytes([auth.SHED]))
         self._finish()
 
@@ -192,8 +191,7 @@ class Connection(asyncio.Protocol):
         self.store_proxy = proxy
 
     def tell(self, data: bytes) -> None:
-        """Bytes to this client, if it is still connected: a NOTICE, what crossed the emulated wire, or the
-        store's answer through its pipe."""
+        """Bytes to this client if still connected: a NOTICE, what crossed the emulated wire, the store's answer."""
         if self.is_open():
             self.transport.write(data)
 
@@ -209,8 +207,7 @@ class Connection(asyncio.Protocol):
         """This side left: tell the peer (after what is still on the emulated wire) and close it."""
         self.out.end(self.silent)
 
-    def lose_peer(self) -> None:
-        """The peer left; this connection is being closed."""
+    def lose_peer(self) -> None:  # the peer left; this connection is being closed
         self.peer = None
         self.state = "closed"
 

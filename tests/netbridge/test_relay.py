@@ -5,7 +5,6 @@ shared with the other netbridge tests.
 """
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
@@ -207,39 +206,28 @@ def test_no_relay_and_no_peer_errors_say_what_to_check(relay, tmp_path):
     assert time.monotonic() - t0 < 3
 
 
-def test_from_config_reads_the_relay_token_and_pairing_secret_files(relay, tmp_path):
-    from types import SimpleNamespace
+def test_transport_settings_open_a_relay_link_with_the_token_and_pairing_files(relay, tmp_path):
+    """launch.transport reads the two secret files once; the link opened from those settings carries data, and the
+    relay's token given as the pairing secret is refused before dialing (the relay could then decrypt)."""
+    from launch.config import TransportConfig
+    from launch.transport import relay_link, transport_settings
     token_file, secret_file = tmp_path / "token", tmp_path / "secret"
     token_file.write_bytes(TOKEN + b"\n")
     secret_file.write_bytes(PAIRING + b"\n")
-    t = SimpleNamespace(relay=relay.addr, session="cfg", relay_token=None, relay_token_file=str(token_file), secret=None,
+    t = TransportConfig(kind="relay", relay=relay.addr, session="cfg", relay_token_file=str(token_file),
                         secret_file=str(secret_file), timeout_s=10)
-    t1, box = run_in_thread(RelayChannel.from_config, SimpleNamespace(transport=t), 1)
-    c0 = RelayChannel.from_config(SimpleNamespace(transport=t), 0)
+    settings = transport_settings(t)
+    t1, box = run_in_thread(relay_link, settings, 1)
+    c0 = relay_link(settings, 0)
     t1.join(10)
     c1 = box["value"]
     c0.send("hi", x=torch.tensor([9]))
     assert c1.recv("hi").tensors["x"].item() == 9
     c0.close()
     c1.close()
-    # the relay's token given as the pairing secret: refused before dialing, since the relay could then decrypt
-    same = SimpleNamespace(**{**vars(t), "secret_file": str(token_file)})
+    same = transport_settings(TransportConfig(**{**vars(t), "secret_file": str(token_file)}))
     with pytest.raises(PeerError, match=r"the pairing secret \(transport.secret_file\) is the relay's token"):
-        RelayChannel.from_config(SimpleNamespace(transport=same), 0)
-    no_pairing = SimpleNamespace(**{**vars(t), "secret_file": None})
-    env = {k: os.environ.pop(k) for k in ("TANDEM_SECRET_FILE",) if k in os.environ}
-    try:
-        with pytest.raises(PeerError, match=r"no pairing secret: set transport.secret_file=PATH"):
-            RelayChannel.from_config(SimpleNamespace(transport=no_pairing), 0)
-    finally:
-        os.environ.update(env)
-    t_missing = SimpleNamespace(relay=None, session="cfg", secret=None, secret_file=None, timeout_s=1)
-    env = {k: os.environ.pop(k) for k in ("TANDEM_RELAY",) if k in os.environ}
-    try:
-        with pytest.raises(PeerError, match=r"transport.relay=HOST:PORT"):
-            RelayChannel.from_config(SimpleNamespace(transport=t_missing), 0)
-    finally:
-        os.environ.update(env)
+        relay_link(same, 0)
 
 
 def test_oversized_and_unknown_frames_close_only_that_session(relay):
