@@ -1,6 +1,7 @@
 """The emulated delay line holds no sender (issues 28, 29): a message arrives transport.emulate_delay_ms after
 it was sent, while the sender goes on at once; bandwidth is serialization time per direction, in order.
-In-process (local_pair), so the Channel's own emulation is what is measured."""
+In-process (local_pair), so the Channel's own emulation is what is measured; once through the relay too,
+since every transport inherits it from Channel."""
 from __future__ import annotations
 
 import threading
@@ -10,6 +11,7 @@ import torch
 
 from netbridge.channel import local_pair
 from netbridge.delay import WireSchedule
+from tests.support.relay_harness import pair, relay_process
 
 DELAY_S = 0.15
 
@@ -27,8 +29,7 @@ def receive_times(channel, count: int) -> tuple[threading.Thread, list[float]]:
     return t, times
 
 
-def test_the_sender_is_not_held_and_the_message_arrives_one_delay_after_its_send():
-    a, b = local_pair(timeout_s=10, emulate_delay_ms=DELAY_S * 1000)
+def assert_not_held_and_one_delay_each(a, b):
     t, arrived = receive_times(b, 2)
     sends = []
     for i in range(2):  # back to back
@@ -41,6 +42,20 @@ def test_the_sender_is_not_held_and_the_message_arrives_one_delay_after_its_send
         assert returned - started < DELAY_S / 5, "send waited out the delay: the sender is held"
         assert got - started >= DELAY_S - 0.005, "the message arrived before the emulated delay"
         assert got - started < 1.6 * DELAY_S, "the second message waited for the first one's delay too"
+
+
+def test_the_sender_is_not_held_and_the_message_arrives_one_delay_after_its_send():
+    assert_not_held_and_one_delay_each(*local_pair(timeout_s=10, emulate_delay_ms=DELAY_S * 1000))
+
+
+def test_the_relay_channel_holds_no_sender_either(tmp_path):
+    with relay_process(tmp_path, "--no-store") as relay:
+        a, b = pair(relay, "delay-line", emulate_delay_ms=DELAY_S * 1000)
+        try:
+            assert_not_held_and_one_delay_each(a, b)
+        finally:
+            a.close()
+            b.close()
 
 
 def test_bandwidth_is_serialization_time_queued_in_order():
