@@ -86,8 +86,11 @@ class Telemetry:
         for tag, value in (("draft_ms", r.draft_ms), ("stage0_ms", r.stage0_ms), ("stage1_ms", r.stage1_ms),
                            ("network_ms", r.network_ms), ("ahead_ms", r.ahead_ms),
                            ("round_ms", r.draft_ms + r.stage0_ms + r.round_ms),
-                           ("drafted", r.drafted), ("accepted", r.accepted), ("tokens", r.committed)):
+                           ("drafted", r.drafted), ("accepted", r.accepted), ("tokens", r.committed),
+                           ("in_flight", r.in_flight), ("bets_lost", r.bets_lost), ("wasted_ms", r.wasted_ms)):
             w.add_scalar(f"round/{tag}", value, step)
+        if r.bet is not None:  # a round was prepared ahead on this one: 1 if its bet held
+            w.add_scalar("round/bet_won", int(r.bet), step)
         self.rank1_marks.append(list(reply.marks))
         self.middle_marks.append(list(reply.middle_marks or []))
         self.last_rank = max(self.last_rank, len(self.middle_marks[-1]) + 1)

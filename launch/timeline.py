@@ -45,6 +45,7 @@ class Span:
     start_s: float  # on rank 0's clock (rank 1's after alignment)
     end_s: float
     round: int
+    tid: int = 0  # a row of its own for a round's send and wait while several rounds are in flight (spec.in_flight)
 
 
 @dataclass
@@ -63,9 +64,10 @@ def rank0_spans(gen) -> list[Span]:
         start, sent = gen.t0_s + r.start_s, gen.t0_s + r.sent_s
         replied = sent + r.round_ms / 1000
         end = gen.t0_s + (gen.rounds[i + 1].start_s if i + 1 < len(gen.rounds) else gen.total_s)
+        row = 1 + i % r.in_flight if r.in_flight > 1 else 0  # overlapping waits cannot share one row
         spans += [Span(0, "round", start, end, i), Span(0, "draft", start, start + r.draft_ms / 1000, i),
-                  Span(0, "stage0", sent - r.stage0_ms / 1000, sent, i), Span(0, "send", sent, sent + r.send_ms / 1000, i),
-                  Span(0, "wait", sent + r.send_ms / 1000, replied, i), Span(0, "commit", replied, end, i)]
+                  Span(0, "stage0", sent - r.stage0_ms / 1000, sent, i), Span(0, "send", sent, sent + r.send_ms / 1000, i, row),
+                  Span(0, "wait", sent + r.send_ms / 1000, replied, i, row), Span(0, "commit", replied, end, i)]
     return spans
 
 
@@ -122,7 +124,7 @@ def chrome_trace(spans: list[Span], t0_s: float, alignment: ClockAlignment, meta
     events += [{"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}} for r in ranks]
     for s in spans:
         events.append({"name": s.name, "cat": "round" if s.name == "round" else "span", "ph": "X", "ts": us(s.start_s),
-                       "dur": round((s.end_s - s.start_s) * 1e6, 3), "pid": s.rank, "tid": 0, "args": {"round": s.round}})
+                       "dur": round((s.end_s - s.start_s) * 1e6, 3), "pid": s.rank, "tid": s.tid, "args": {"round": s.round}})
     by_key = {(s.rank, s.name, s.round): s for s in spans}
     n, last = len(ranks), ranks[-1]
     for (rank, name, i), s in by_key.items():

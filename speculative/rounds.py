@@ -53,6 +53,10 @@ class RoundRecord:
     from_ahead: bool = False  # drafts and stage 0 were prepared while the previous round was in flight
     ahead_ms: float = 0.0  # of round_ms: preparing the next round while this one was in flight (spec.overlap)
     middle_ms: list[float] = field(default_factory=list)  # N > 2: each middle rank's forward, as it measured
+    in_flight: int = 1  # rounds of this stream on the way when this reply came, itself included (spec.in_flight)
+    bets_lost: int = 0  # rounds sent ahead on the bet this reply broke: their replies are dropped
+    bet: bool | None = None  # whether the round prepared ahead on this one (if any) had its bet hold
+    wasted_ms: float = 0.0  # the later ranks' work on dropped rounds whose replies came just before this one
 
     @property
     def later_ms(self) -> float:
@@ -98,12 +102,12 @@ def run_rank1(stage: Stage, channel: Channel, reply_to: Channel | None = None) -
             return rounds
         if isinstance(msg, Request):
             request = msg
-            generator.manual_seed(request.seed)
         if isinstance(msg, Prefill):
             stage.run(msg.start, msg.hidden.to(stage.device), num_logits=1)
         if not isinstance(msg, Round):
             continue
         t0 = time.perf_counter()
+        generator.manual_seed(round_seed(request.seed, msg.start + msg.hidden.shape[1] - msg.drafts.numel()))
         accepted, token, t_forward = verify_round(stage, msg, request, generator)
         t_send = time.perf_counter()
         protocol.send(reply_to, Reply(accepted, token, (t_send - t0) * 1000, [t_wait, t0, t_forward, t_send], msg.marks))
@@ -127,6 +131,18 @@ def run_middle(stage: Stage, prev: Channel, next: Channel) -> int:
         protocol.send(next, msg)
         if isinstance(msg, protocol.Bye):
             return rounds
+
+
+def round_seed(seed: int, decides: int) -> int:
+    """The last rank's seed for the round whose first decision is the token at position `decides` (the
+    committed length the round was built on; how the prompt was split into chunks or reused does not
+    change it). A round's randomness is a function of that, not of how many rounds came before: rounds
+    rank 0 sent ahead on a bet that failed (spec.in_flight, spec.overlap) are verified and thrown away,
+    and must not shift the draws of the rounds that are kept. Kept rounds decide strictly increasing
+    positions, so their draws stay independent. A dropped round may decide a position a kept one later
+    does and use the same draws: harmless, as whether it is dropped was settled by the round before it,
+    never by those draws."""
+    return (seed * 0x9E3779B97F4A7C15 + decides) % 2**63
 
 
 def verify_round(stage: Stage, msg: Round, request: Request, generator: torch.Generator) -> tuple[int, int, float]:

@@ -19,6 +19,7 @@ computed in other blocks than a fresh prefill would use, so a near-tie can fall 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,7 @@ import torch
 from netbridge import protocol
 from netbridge.protocol import Prefill, Reply, Request, Round
 from speculative.drafters import Drafts
+from speculative.in_flight import in_flight_policy
 from speculative.k_choice import k_policy
 from speculative.output import Output
 from speculative.rounds import Generation, RoundRecord
@@ -39,6 +41,7 @@ class SpecSettings:
     overlap: bool = False  # while a round is in flight, prepare the next one (Session.draft_ahead)
     k_from_costs: bool = False  # K from measured acceptance and costs (k_choice.KFromCosts)
     prefill_chunk: int = 512  # a longer prompt crosses in Prefill messages of this many tokens
+    in_flight: int | str = 1  # rounds of a stream on the way at once (1: one; "auto": speculative.in_flight)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -55,15 +58,24 @@ def _ms(t0: float) -> float:
 
 
 @dataclass
-class Ahead:
-    """The next round, prepared while this one was in flight, on the bet that every draft is accepted
-    and the target's next token is the drafter's own guess. It is used only if the reply says so."""
-    guess: int
+class Block:
+    """A round rank 0 prepared: where it starts, its drafts and stage 0's output. A block prepared while
+    the one before it was in flight is a bet (`guess`): that every draft before it is accepted and the
+    target's next token is the drafter's own guess, the token this block begins with."""
+    start: int
+    fed: list[int]  # the tokens stage 0 ran over from `start`: the pending ones or the guess, then the drafts
     drafts: Drafts
-    hidden: torch.Tensor
-    ms: float
+    hidden: torch.Tensor | None  # stage 0's output, dropped once sent
+    k: int  # the K this block was drafted at (the K policy's state on the bet)
+    draft_ms: float = 0.0  # drafting and stage 0 while no round was in flight (0 for a bet)
+    stage0_ms: float = 0.0
+    guess: int | None = None  # on a bet: the token the target must give after the block before
+    prepared_ms: float = 0.0  # on a bet: drafting + stage 0, in the wait of an earlier round
+    sent_at: float | None = None  # perf_counter when its send began; None while held
+    send_ms: float = 0.0
 
-    def hit(self, reply: Reply, drafted: int) -> bool:
+    def holds(self, reply: Reply, drafted: int) -> bool:
+        """Whether the bet this block was prepared on held, given the reply to the block before it."""
         return reply.accepted == drafted and reply.token == self.guess
 
 
@@ -75,18 +87,22 @@ class Stream:
     gen: Generation
     committed: list[int]  # prompt + every token kept so far
     pending: list[int]  # the tail of `committed` the target has not seen: the prompt's rest, then the newest token
-    k_now: int  # this stream's K for its next round
-    ahead: Ahead | None = None  # its next round, prepared during the last one (spec.overlap)
+    k_now: int  # this stream's K for its next fresh round
+    chain: deque = field(default_factory=deque)  # its blocks on the way (sent) and prepared ahead (held), in order
     t_start: float = field(default_factory=time.perf_counter)
 
     @property
     def start(self) -> int:
-        """Where the next block begins: every cache holds exactly the tokens before it."""
+        """Where the next fresh block begins: every cache holds exactly the tokens before it."""
         return len(self.committed) - len(self.pending)
 
     @property
     def remaining(self) -> int:
         return self.output.max_new_tokens - len(self.output.tokens)
+
+    @property
+    def sent(self) -> int:
+        return sum(b.sent_at is not None for b in self.chain)
 
 
 class Session:
@@ -95,7 +111,9 @@ class Session:
         self.replies = replies or channel  # the last rank's link with more than two ranks
         self.spec = spec
         self.k_policy = k_policy(spec.k, spec.adaptive, spec.k_from_costs, spec.overlap)
+        self.depth = in_flight_policy(spec.in_flight, spec.overlap)
         self.cached: list[int] = []  # the tokens every cache holds, in order
+        self.unanswered = 0  # rounds sent on a bet that failed whose replies are still to come (dropped)
 
     # --- a whole generation -------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], output: Output, request: Request = Request(), on_round=None,
@@ -110,6 +128,8 @@ class Session:
             record, reply = self.step(stream)
             if on_round is not None:
                 on_round(record, reply)
+        self.drop_chain(stream)
+        self.drain()
         gen = stream.gen
         gen.total_s = time.perf_counter() - stream.t_start
         # the caches hold every committed token but the newest (the next round feeds it), or, when no
@@ -120,6 +140,7 @@ class Session:
     def open(self, prompt_ids: list[int], output: Output, request: Request, reuse: int = 0) -> Stream:
         """Start a stream: the Request to the later ranks, the drafter reset past `reuse` (prompt tokens every
         cache already holds), the prompt's new part prefilled but for the tail the first round carries."""
+        self.drain()  # a generation that stopped on an error may have left replies on the way
         stream = Stream(output, request, Generation(prompt_ids, output, reused=reuse), list(prompt_ids), [], 0)
         stream.gen.t0_s = stream.t_start
         protocol.send(self.channel, request)
@@ -144,68 +165,122 @@ class Session:
 
     # --- one round ----------------------------------------------------------------------------
     def step(self, s: Stream) -> tuple[RoundRecord, Reply]:
-        """One round of stream `s`: its block to the pipe, the reply back, the accepted tokens committed."""
+        """One round of stream `s`: its oldest block's reply, the accepted tokens committed. Before waiting,
+        the chain is topped up: a fresh block when nothing is on the way, then blocks prepared on the bet
+        that every earlier one is fully accepted, sent while fewer than the depth (spec.in_flight) are on
+        the way, and one more held back under spec.overlap."""
         t_round = time.perf_counter()
-        start, ahead = s.start, s.ahead
-        if ahead is not None:  # prepared during the last round, which accepted everything and the guess
-            drafts, hidden, draft_ms, stage0_ms = ahead.drafts, ahead.hidden, 0.0, 0.0
-        else:
-            drafts, hidden, draft_ms, stage0_ms = self.draft_and_stage0(s)
-        t0 = time.perf_counter()
-        protocol.send(self.channel, Round(start, hidden, drafts.tokens, drafts.q_ids, drafts.q_probs))
-        send_ms = _ms(t0)
-        s.ahead = self.use_the_wait(s, drafts)
-        reply = protocol.recv(self.replies, Reply)
-        round_ms = _ms(t0)
-        kept = self.commit(s, drafts, reply)
+        if not s.chain:
+            s.chain.append(self.fresh_block(s))
+        self.send_held(s)
+        ahead_ms = self.use_the_wait(s)
+        in_flight = s.sent
+        reply, wasted_ms = self.receive()
+        block = s.chain.popleft()
+        round_ms = _ms(block.sent_at)
+        kept = self.commit(s, block, reply)
         if not s.gen.rounds:
             s.gen.ttft_s = time.perf_counter() - s.t_start
-        record = RoundRecord(len(drafts), reply.accepted, kept, draft_ms, stage0_ms, round_ms, reply.stage1_ms,
-                             t_round - s.t_start, send_ms, t0 - s.t_start, ahead is not None,
-                             s.ahead.ms if s.ahead is not None else 0.0,
-                             [(m[2] - m[1]) * 1000 for m in reply.middle_marks or []])
+        bet = s.chain[0].holds(reply, len(block.drafts)) if s.chain else None
+        lost = self.drop_chain(s) if bet is False or s.output.done else 0
+        if not s.chain:  # else the drafter's cache runs ahead on the bets that held, exactly as it should
+            self.drafter.commit(len(s.committed))
+        record = RoundRecord(len(block.drafts), reply.accepted, kept, block.draft_ms, block.stage0_ms, round_ms,
+                             reply.stage1_ms, t_round - s.t_start, block.send_ms, block.sent_at - s.t_start,
+                             block.guess is not None, ahead_ms, [(m[2] - m[1]) * 1000 for m in reply.middle_marks or []],
+                             in_flight, lost, bet, wasted_ms)
         s.gen.rounds.append(record)
         s.k_now = self.k_policy.after(s.k_now, record, decode=len(s.gen.rounds) > 1)
-        if s.ahead is not None and (s.output.done or not s.ahead.hit(reply, len(drafts))):
-            s.ahead = None
-        if s.ahead is None:  # on a hit the drafter's cache already runs ahead, exactly as it should
-            self.drafter.commit(len(s.committed))
+        self.depth.observe(record)
         return record, reply
 
-    def draft_and_stage0(self, s: Stream):
-        """Rank 0's half of a round: K drafts, then its slice over [pending..., d1..dK] from the block's start."""
+    def fresh_block(self, s: Stream) -> Block:
+        """Rank 0's half of a round from the committed tokens: K drafts, then its slice over
+        [pending..., d1..dK] from the block's start."""
         t0 = time.perf_counter()
         prefill_round = len(s.committed) == len(s.gen.prompt_ids)
         drafts = self.drafter.propose(s.committed, 0 if prefill_round else min(s.k_now, s.remaining - 1))  # never overshoot
         draft_ms, t1 = _ms(t0), time.perf_counter()
-        ids = torch.tensor([s.pending + drafts.tokens.tolist()], device=self.stage.device)
-        return drafts, self.stage.run(s.start, ids), draft_ms, _ms(t1)
+        fed = s.pending + drafts.tokens.tolist()
+        hidden = self.stage.run(s.start, torch.tensor([fed], device=self.stage.device))
+        return Block(s.start, fed, drafts, hidden, s.k_now, draft_ms, _ms(t1))
 
-    def use_the_wait(self, s: Stream, drafts: Drafts) -> Ahead | None:
-        """While the round is in flight: with spec.overlap, prepare the next one on the bet that this one is
-        fully accepted; a round that will draft nothing lets the drafter take in the committed tokens now,
-        not all at once when K rises again."""
-        k_next = min(self.k_policy.bet(s.k_now, len(drafts)), s.remaining - len(drafts) - 2)
-        if self.spec.overlap and k_next > 0:
-            return self.draft_ahead(s.committed + drafts.tokens.tolist(), k_next)
-        if k_next == 0:
-            self.drafter.catch_up(s.committed)
-        return None
+    def send_held(self, s: Stream) -> None:
+        """Send the chain's held blocks, oldest first, while fewer than the depth are on the way."""
+        for block in s.chain:
+            if block.sent_at is None and s.sent < self.depth.now():
+                self.send(block)
 
-    def draft_ahead(self, context: list[int], k_next: int) -> Ahead | None:
-        """Draft the guess plus k_next tokens after `context` (committed + this round's drafts) and run
-        stage 0 over them; both caches are then exactly where the next round needs them on a hit."""
+    def send(self, block: Block) -> None:
+        block.sent_at = time.perf_counter()
+        protocol.send(self.channel, Round(block.start, block.hidden, block.drafts.tokens, block.drafts.q_ids,
+                                          block.drafts.q_probs))
+        block.send_ms, block.hidden = _ms(block.sent_at), None
+
+    def use_the_wait(self, s: Stream) -> float:
+        """While rounds are in flight: prepare blocks on the bet, each sent at once while the depth allows,
+        one more held back under spec.overlap; returns the ms spent preparing them. When the next round will
+        draft nothing, the drafter takes in the committed tokens now, not all at once when K rises again."""
+        prepared_ms = 0.0
+        while s.chain[-1].sent_at is not None:  # else one is held back already
+            tip = s.chain[-1]
+            k_next = min(self.k_policy.bet(tip.k, len(tip.drafts)), s.remaining - self.promised(s) - 1)
+            if k_next == 0:
+                self.drafter.catch_up(s.committed)
+            if k_next <= 0 or not (s.sent < self.depth.now() or self.spec.overlap):
+                break
+            block = self.bet_block(s, tip, k_next)
+            if block is None:
+                break
+            s.chain.append(block)
+            prepared_ms += block.prepared_ms
+            if s.sent < self.depth.now():
+                self.send(block)
+        return prepared_ms
+
+    @staticmethod
+    def promised(s: Stream) -> int:
+        """The most tokens the blocks in the chain can still commit (each: its drafts + the target's token)."""
+        return sum(len(b.drafts) + 1 for b in s.chain)
+
+    def bet_block(self, s: Stream, tip: Block, k_next: int) -> Block | None:
+        """Draft the guess plus k_next tokens after the tip's drafts and run stage 0 over them: on a hit the
+        caches are exactly where this block needs them. None when the drafter has nothing to propose."""
         t0 = time.perf_counter()
+        context = s.committed[:s.chain[0].start] + [t for block in s.chain for t in block.fed]
         proposal = self.drafter.propose(context, k_next + 1)
         if len(proposal) < k_next + 1:  # a drafter with nothing to propose (n-gram miss, no drafter)
             return None
         guess, drafts = int(proposal.tokens[0]), proposal.after_first()
-        ids = torch.tensor([[guess] + drafts.tokens.tolist()], device=self.stage.device)
-        return Ahead(guess, drafts, self.stage.run(len(context), ids), _ms(t0))
+        fed = [guess] + drafts.tokens.tolist()
+        hidden = self.stage.run(len(context), torch.tensor([fed], device=self.stage.device))
+        return Block(len(context), fed, drafts, hidden, k_next, guess=guess, prepared_ms=_ms(t0))
 
-    def commit(self, s: Stream, drafts: Drafts, reply: Reply) -> int:
+    def receive(self) -> tuple[Reply, float]:
+        """The reply to the oldest round on the way, after dropping those of rounds sent on failed bets;
+        and the ms the later ranks spent on those (as they measured)."""
+        wasted_ms = self.drain()
+        return protocol.recv(self.replies, Reply), wasted_ms
+
+    def drop_chain(self, s: Stream) -> int:
+        """The bet the chain was built on failed (or the stream ended): forget its blocks. The sent ones'
+        replies will still come, in order, before any later round's: `drain` drops them. Returns how many."""
+        lost = s.sent
+        self.unanswered += lost
+        s.chain.clear()
+        return lost
+
+    def drain(self) -> float:
+        wasted_ms = 0.0
+        while self.unanswered:
+            reply = protocol.recv(self.replies, Reply)
+            wasted_ms += reply.stage1_ms + sum((m[2] - m[1]) * 1000 for m in reply.middle_marks or [])
+            self.unanswered -= 1
+        return wasted_ms
+
+    def commit(self, s: Stream, block: Block, reply: Reply) -> int:
         """The accepted drafts and the target's token, as far as the output keeps them; returns how many."""
-        new_tokens = drafts.tokens[:reply.accepted].tolist() + [reply.token]
+        new_tokens = block.drafts.tokens[:reply.accepted].tolist() + [reply.token]
         kept = s.output.commit(new_tokens)
         s.committed += new_tokens[:kept]
         s.pending = s.committed[-1:]

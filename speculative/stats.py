@@ -35,6 +35,11 @@ def summarize(gen: Generation, k: int, drafter: str) -> dict:
         "acceptance_per_position": per_position,
         "full_hit_rate": mean(r.accepted == r.drafted for r in rounds if r.drafted),
         "rounds_from_ahead": sum(r.from_ahead for r in rounds),  # spec.overlap: prepared while the last was in flight
+        "in_flight_mean": mean(r.in_flight for r in gen.rounds),  # spec.in_flight: rounds on the way at each reply
+        "bets_won": sum(r.bet is True for r in gen.rounds),  # rounds prepared ahead whose bet held
+        "bets_lost": sum(r.bet is False for r in gen.rounds),
+        "rounds_dropped": sum(r.bets_lost for r in gen.rounds),  # sent ahead on a bet that failed
+        "dropped_later_ms": sum(r.wasted_ms for r in gen.rounds),  # the later ranks' work on them
         "ttft_s": gen.ttft_s,
         "total_s": gen.total_s,
         "tokens_per_s": (tokens - 1) / decode_s if decode_s > 0 and tokens > 1 else 0.0,

@@ -19,6 +19,7 @@ import torch
 from scipy.stats import chisquare, kstest
 
 from launch.build import model_drafter
+from launch.plan import plan_here
 from launch.config import load_config
 from netbridge.protocol import Request
 from speculative.verify import target_probs, verify_sampled
@@ -202,8 +203,8 @@ def test_model_drafter_samples_follow_the_q_it_reports(sampling_qwen):
     for itself here, at TEMPERATURE; each run drafts DRAFT_K tokens after the prompt with fresh noise, so the draws
     pool over many contexts."""
     cfg = load_config(["prompt_ids=[1]", f"model.target={sampling_qwen}", "model.dtype=float32", "draft.kind=model",
-                       f"draft.model={sampling_qwen}", "draft.dtype=float32", f"spec.k={DRAFT_K}"])
-    drafter = model_drafter(cfg)
+                       f"draft.model={sampling_qwen}", "draft.dtype=float32", f"spec.k={DRAFT_K}", "model.split=null"])
+    drafter = model_drafter(plan_here(cfg, 0))
     drafter.reset(0, TEMPERATURE, seed=0)
     rng = np.random.default_rng(0)
     u, u_wrong = [], []
@@ -251,14 +252,17 @@ def next_token_pvalue(model, samples: list[tuple[list[int], int]]) -> float:
     return chi2_pvalue(np.array([observed[c] for c in cells]), np.array([expected[c] for c in cells]))
 
 
-@pytest.mark.parametrize("overlap,ranks", [(True, 2), (True, 3)], ids=["overlap-on", "overlap-on-3-ranks"])  # overlap off: the verifier's tests above
-def test_sampled_generation_keeps_the_targets_joint_distribution(overlap, ranks, sampling_qwen):
+@pytest.mark.parametrize("overlap,ranks,in_flight", [(True, 2, 1), (True, 3, 1), (True, 2, 3)],
+                         ids=["overlap-on", "overlap-on-3-ranks", "3-in-flight"])  # overlap off: the verifier's tests above
+def test_sampled_generation_keeps_the_targets_joint_distribution(overlap, ranks, in_flight, sampling_qwen):
     """Both ranks, sampled at (TEMPERATURE, TOP_P): the first two tokens' joint distribution is the reference's,
     computed from the reference model's logits, and the third token, when it is the bonus after an accepted draft,
     follows the reference given the first two. The target drafts for itself, so drafts are often accepted and,
     with spec.overlap, round 1 often runs from what was drafted ahead while round 0 was in flight. With three
-    ranks the block crosses a middle rank (model.split=[1,3]) before the last one verifies it."""
-    overrides = session_args(sampling_qwen, sampling_qwen, max_new=3) + [f"spec.overlap={str(overlap).lower()}"]
+    ranks the block crosses a middle rank (model.split=[1,3]) before the last one verifies it. With rounds in
+    flight (spec.in_flight=3) rounds 1 and 2 are sent before round 0's reply, and dropped when its bet fails."""
+    overrides = session_args(sampling_qwen, sampling_qwen, max_new=3) + [f"spec.overlap={str(overlap).lower()}",
+                                                                         f"spec.in_flight={in_flight}"]
     overrides += ["model.split=[1,3]"] if ranks == 3 else []
     n = 300
     gens = serve(overrides, [(PROMPT, Request(TEMPERATURE, TOP_P, seed)) for seed in range(n)], ranks)
@@ -288,3 +292,5 @@ def test_sampled_generation_keeps_the_targets_joint_distribution(overlap, ranks,
     assert early < 1e-6
     if overlap:
         assert sum(g.rounds[1].from_ahead for g in gens) > n / 5
+    if in_flight > 1:  # round 1 really was on the way before round 0's reply, and really was dropped at times
+        assert all(g.rounds[0].in_flight == 2 for g in gens) and sum(g.rounds[0].bets_lost for g in gens) > n / 10

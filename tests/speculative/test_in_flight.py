@@ -1,0 +1,98 @@
+"""spec.in_flight: several rounds of one stream on the way at once, each sent on the bet that the rounds
+before it are fully accepted. Lossless like every other path: greedy output equals transformers generate
+whether the bets hold (the target drafting for itself), fail often (an unrelated drafter) or there is
+nothing to bet on (K=0); EOS and max_new_tokens may fall inside a block with later blocks on the way."""
+from __future__ import annotations
+
+import pytest
+
+from netbridge.protocol import Request
+from speculative.in_flight import DepthFromCosts
+from speculative.rounds import RoundRecord
+from tests.support.session_harness import serve, session_args
+from tests.support.tiny_models import ids_arg, reference_greedy, run_pair, run_ranks, with_eos
+
+PROMPT = [5, 17, 250, 3, 99, 42, 7, 8]
+MAX_NEW = 23
+
+
+def overrides(target, drafter: str, k: int, depth, draft=None, max_new=MAX_NEW) -> list[str]:
+    args = [f"model.target={target}", "model.dtype=float32", f"spec.k={k}", f"prompt_ids={ids_arg(PROMPT)}",
+            f"gen.max_new_tokens={max_new}", "spec.adaptive=false", "spec.overlap=true", f"spec.in_flight={depth}"]
+    if drafter == "ngram":
+        return args + ["draft.kind=ngram"]
+    if drafter == "none":
+        return args + ["draft.kind=none"]
+    return args + ["draft.kind=model", f"draft.model={draft}", "draft.dtype=float32"]
+
+
+@pytest.mark.parametrize("depth", [2, 3, 4])
+@pytest.mark.parametrize("drafter", ["self", "unrelated", "ngram", "none"])
+def test_rounds_in_flight_give_generate_s_tokens(depth, drafter, tiny_qwen, tiny_qwen_draft):
+    draft = {"self": tiny_qwen, "unrelated": tiny_qwen_draft}.get(drafter)
+    out = run_pair(*overrides(tiny_qwen, drafter, 0 if drafter == "none" else 3, depth, draft))
+    assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, MAX_NEW)
+    stats = out["stats"]
+    if drafter == "self":  # every bet holds: the pipe really held several rounds, none dropped
+        assert stats["in_flight_mean"] > 1.5 and stats["rounds_dropped"] == 0 and stats["bets_lost"] == 0
+    if drafter == "unrelated":  # bets failed and rounds sent on them were dropped: the lossy path ran
+        assert stats["bets_lost"] > 0 and stats["rounds_dropped"] > 0
+
+
+@pytest.mark.parametrize("drafter", ["self", "unrelated"])
+def test_three_ranks_with_rounds_in_flight(drafter, tiny_qwen, tiny_qwen_draft):
+    draft = tiny_qwen if drafter == "self" else tiny_qwen_draft
+    out = run_ranks(3, *overrides(tiny_qwen, "model", 3, 3, draft), "model.split=[1,3]", "model.prefill_chunk=3")
+    assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, MAX_NEW)
+
+
+@pytest.mark.parametrize("max_new", [2, 6, 11])
+def test_max_new_tokens_inside_a_block_in_flight(max_new, tiny_qwen):
+    out = run_pair(*overrides(tiny_qwen, "model", 4, 3, tiny_qwen, max_new=max_new))
+    assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, max_new)
+    assert out["stats"]["stop_reason"] == "max_new_tokens"
+
+
+def test_eos_inside_a_block_with_later_blocks_in_flight(tiny_qwen, tmp_path):
+    free_run = reference_greedy(tiny_qwen, PROMPT, 40)
+    e = next(i for i in range(6, 40) if free_run[i] not in free_run[:i] and i % 5 != 0)  # a draft, not a bonus token
+    folder = with_eos(tiny_qwen, tmp_path / "with-eos", free_run[e])
+    out = run_pair(*overrides(folder, "model", 4, 3, folder, max_new=40))
+    assert out["token_ids"] == reference_greedy(folder, PROMPT, 40, eos=free_run[e])
+    assert out["stats"]["stop_reason"] == "eos" and out["stats"]["rounds_dropped"] > 0  # blocks after it were on the way
+
+
+def test_a_served_session_drops_the_replies_left_on_the_way(tiny_qwen, tmp_path):
+    """Replies of rounds still on the way when a generation ends (at EOS, with blocks after it sent) are
+    dropped before the next request's: each request through one session gives what a fresh run gives
+    (greedy, then seeded sampling, then greedy)."""
+    free_run = reference_greedy(tiny_qwen, PROMPT, 40)
+    folder = with_eos(tiny_qwen, tmp_path / "with-eos", free_run[9])
+    args = session_args(folder, folder, max_new=30) + ["spec.in_flight=4", "spec.adaptive=false"]
+    plan = [(PROMPT, Request()), (PROMPT[:5], Request(temperature=1.0, top_p=0.9, seed=3)), (PROMPT[::-1], Request())]
+    gens = serve(args, plan)
+    assert gens[0].output.stop_reason == "eos" and gens[0].rounds[-1].bets_lost > 0  # it ended with rounds on the way
+    for (ids, request), gen in zip(plan, gens):
+        alone = run_pair(*args, f"prompt_ids={ids_arg(ids)}", f"gen.temperature={request.temperature}",
+                         f"gen.top_p={request.top_p}", f"gen.seed={request.seed}")
+        assert gen.output.tokens == alone["token_ids"], request
+
+
+def record(**kw) -> RoundRecord:
+    base = dict(drafted=3, accepted=3, committed=4, draft_ms=5.0, stage0_ms=1.0, round_ms=100.0, stage1_ms=2.0)
+    return RoundRecord(**{**base, **kw})
+
+
+def test_auto_depth_goes_deeper_only_when_bets_hold_and_the_trip_is_long():
+    often = DepthFromCosts()
+    for _ in range(10):
+        often.observe(record(bet=True))
+    assert often.now() > 1  # a 100 ms trip, 6 ms to prepare a block, every bet held
+    seldom = DepthFromCosts()
+    for i in range(10):
+        seldom.observe(record(accepted=0, bet=False))
+    assert seldom.now() == 1  # no bet holds: a deeper pipe only wastes the later ranks' work
+    short = DepthFromCosts()
+    for _ in range(10):
+        short.observe(record(bet=True, round_ms=4.0))
+    assert short.now() == 1  # the trip is shorter than preparing a block: nothing to hide
