@@ -34,7 +34,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from launch.api import ApiError, Prompt, parse_chat, parse_completion, tandem_fields, usage, visible_text
 from launch.responses import ResponsesForm, parse_responses
-from launch.tools import CallParser
 from launch.build import CapacityError, check_capacity, check_ids, output_room
 from launch.config import TandemConfig
 from speculative.output import Output
@@ -394,7 +393,7 @@ class ChatForm(CompletionForm):
         super().__init__(job, model)
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         tools = job.prompt.tools
-        self.calls = CallParser(tools.parallel) if tools is not None and tools.parse else None
+        self.calls = tools.parser() if tools is not None and tools.parse else None
 
     def body(self, choice: dict, **extra) -> dict:
         streamed = "delta" in choice

@@ -10,6 +10,11 @@ read here is the Hermes format of Qwen2.5 and Qwen3 (a template that mentions `<
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
+Qwen2.5-Coder often leaves the tags out and answers with the call alone, bare or in a ```json fence (the
+embedded 0.5B and 1.5B both do, asked about the weather with a get_weather tool): an answer that is nothing but
+{"name": <a tool's name>, "arguments": {...}} (or a list of them) is read as calls too. Such an answer cannot be
+told from text until it ends, so an answer that begins with { or ``` is sent when it ends.
+
 tool_choice auto parses that text; none leaves the tools out of the prompt (nothing can call them). required
 and a named function need decoding constrained to a call (a grammar): until one is wired they are refused
 with a 400 rather than asked of the model and not guaranteed; call_schema is the JSON schema such a grammar
@@ -41,6 +46,9 @@ class ToolSetup:
     specs: list[dict] | None
     parse: bool
     parallel: bool = True
+
+    def parser(self) -> CallParser:
+        return CallParser(self.parallel, frozenset(s["function"]["name"] for s in self.specs or []))
 
 
 def tool_setup(body: dict, chat_template: str | None) -> ToolSetup | None:
@@ -177,14 +185,27 @@ class CallParser:
     """Reads <tool_call> JSON </tool_call> out of the answer as it streams. feed(text) returns what is decided:
     ("content", text) and ("call", Call) items in order; finish() the rest. Text that may be the start of a
     <tool_call> waits until it is decided; whitespace just before a call or after the last one is dropped (the
-    text is then the message around the calls); a call whose JSON does not parse is given back as text."""
+    text is then the message around the calls); a call whose JSON does not parse is given back as text.
+    With `names`, an answer that begins with { or ``` is held to its end and read as bare calls (see above)."""
     parallel: bool = True
+    names: frozenset = frozenset()  # the tools a bare call may name (none: bare calls are not read)
     calls: list[Call] = field(default_factory=list)
     _pending: str = ""  # not yet decided: a possible tag start, or a call's body until its </tool_call>
     _space: str = ""  # whitespace outside calls, held until it is known whether a call follows
     _in_call: bool = False
+    _bare: bool | None = None  # whether the answer may be a bare call (None: its first characters not yet seen)
+    _head: str = ""  # the answer so far while _bare is not False
 
     def feed(self, text: str) -> list[tuple[str, object]]:
+        if self._bare is not False:
+            self._head += text
+            start = self._head.lstrip()
+            if not start or (self.names and "```".startswith(start)):
+                return []  # not yet known
+            self._bare = bool(self.names) and start.startswith(("{", "```"))
+            if self._bare:
+                return []  # held to the end
+            text, self._head = self._head, ""
         self._pending += text
         out: list[tuple[str, object]] = []
         while not (self.calls and not self.parallel):
@@ -210,6 +231,13 @@ class CallParser:
     def finish(self) -> list[tuple[str, object]]:
         """The end of the answer: an unclosed call is read as far as it goes (a stop string may have cut its
         </tool_call>); held whitespace is content unless calls were made."""
+        if self._bare is not False:  # the whole answer was held: bare calls, or else text as it came
+            answer, self._head, self._bare = self._head, "", False
+            calls = bare_calls(answer, self.names)
+            if calls:
+                self.calls = calls[:1] if not self.parallel else calls
+                return [("call", call) for call in self.calls]
+            return self.feed(answer) + self.finish()
         rest, self._pending = self._pending, ""
         out = self._call(rest, rest) if self._in_call else self._text(rest)
         self._in_call = False
@@ -238,12 +266,34 @@ class CallParser:
 
 def parse_call(body: str) -> Call | None:
     """{"name": ..., "arguments": {...}} (Qwen; some models write "parameters"); None when it is not one."""
+    data = _json(body)
+    return _call_of(data) if isinstance(data, dict) and isinstance(data.get("name"), str) else None
+
+
+FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.S)
+
+
+def bare_calls(answer: str, names: frozenset) -> list[Call] | None:
+    """The calls of an answer that is nothing but {"name", "arguments"} objects (one, or a list) naming tools of
+    `names`, bare or in one ```json fence; None for any other answer."""
+    body = answer.strip()
+    fenced = FENCE.fullmatch(body)
+    data = _json(fenced.group(1) if fenced else body)
+    items = data if isinstance(data, list) else [data]
+    if not items or not all(isinstance(d, dict) and d.get("name") in names and set(d) <= {"name", "arguments", "parameters"}
+                            for d in items):
+        return None
+    return [_call_of(d) for d in items]
+
+
+def _json(text: str):
     try:
-        data = json.loads(body)
+        return json.loads(text)
     except (ValueError, RecursionError):
         return None
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        return None
+
+
+def _call_of(data: dict) -> Call:
     arguments = data.get("arguments", data.get("parameters", {}))
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)

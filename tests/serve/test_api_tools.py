@@ -32,6 +32,8 @@ SCRIPTS = {  # the last prompt token -> the answer's tokens (then <eos>)
                   "<tool_call>\n{\"name\": \"get_time\", ", "\"arguments\": {\"zone\": \"CET\"}}\n</tool_call>"],
     "<sunny>": ["It is sunny ", "in Paris."],
     "<ask_text>": ["Use the <tool", "kit> wisely."],
+    "<ask_fenced>": ["```json\n{\"name\": \"get_weather\", ", "\"arguments\": {\"city\": \"Rome\"}}\n```"],  # Qwen-Coder's way
+    "<ask_json>": ["{\"name\": \"Ada\", ", "\"arguments\": 3}"],  # JSON that names no tool: text
 }
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
@@ -176,6 +178,21 @@ def test_text_that_only_looks_like_a_call_is_content(client):
     assert content == "Use the <toolkit> wisely." and not calls
 
 
+def test_a_call_without_tags_alone_in_the_answer_is_a_call(client):
+    """Qwen2.5-Coder (the embedded 0.5B and 1.5B) answers with the call alone, bare or in a ```json fence."""
+    r = choice_of(ask(client, "<ask_fenced>"))
+    assert r.finish_reason == "tool_calls" and r.message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in r.message.tool_calls] == \
+        [("get_weather", {"city": "Rome"})]
+    content, calls, _ = streamed(client, "<ask_fenced>")
+    assert content == "" and [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+        [("get_weather", {"city": "Rome"})]
+    text = '{"name": "Ada", "arguments": 3}'
+    r = choice_of(ask(client, "<ask_json>"))
+    assert r.message.content == text and not r.message.tool_calls and r.finish_reason == "stop"
+    assert streamed(client, "<ask_json>")[:2] == (text, {})
+
+
 def test_tool_choice_none_leaves_the_tools_out_and_reads_no_calls(client, tokenizer):
     r = ask(client, "<ask_weather>", tool_choice="none")
     assert choice_of(r).message.content.startswith("Let me check.\n<tool_call>") and not choice_of(r).message.tool_calls
@@ -217,9 +234,9 @@ def test_inert_values_are_served(client):
 
 # --- the parser alone (no server) -------------------------------------------------------------------------
 
-def parse(text: str, cuts: list[int]) -> list:
+def parse(text: str, cuts: list[int], names: frozenset) -> list:
     """`text` fed in pieces cut at `cuts`; items merged so that two feedings compare equal."""
-    parser, items = CallParser(), []
+    parser, items = CallParser(names=names), []
     for a, b in zip([0, *cuts], [*cuts, len(text)]):
         items += parser.feed(text[a:b])
     items += parser.finish()
@@ -233,16 +250,16 @@ def parse(text: str, cuts: list[int]) -> list:
 
 
 PIECES = st.sampled_from(["<tool_call>", "</tool_call>", "<tool", "_call>", "<", '{"name": "f", "arguments": {"a": 1}}',
-                          '{"name": 3}', "{", "x", " ", "\n", "é"])
+                          '{"name": 3}', "{", "x", " ", "\n", "é", "```json\n", "```", "`"])
 
 
 @settings(max_examples=300, deadline=None)
-@given(pieces=st.lists(PIECES, max_size=12), data=st.data())
-def test_the_parser_reads_the_same_however_the_text_is_cut(pieces, data):
+@given(pieces=st.lists(PIECES, max_size=12), names=st.sampled_from([frozenset(), frozenset({"f"})]), data=st.data())
+def test_the_parser_reads_the_same_however_the_text_is_cut(pieces, names, data):
     text = "".join(pieces)
     cuts = sorted(data.draw(st.sets(st.integers(0, len(text)), max_size=6)))
-    assert parse(text, cuts) == parse(text, [])
-    items = parse(text, [])
+    items = parse(text, [], names)
+    assert parse(text, cuts, names) == items
     if not any(kind == "call" for kind, _ in items):  # no call: the answer's text, exactly
         assert "".join(item for _, item in items) == text
 
@@ -270,3 +287,9 @@ def test_the_call_grammar_takes_a_call_of_the_named_tool_and_nothing_else(tmp_pa
     assert takes(call, name="get_weather") and not takes(other, name="get_weather")
     assert not takes(f"{call}\n{other}", parallel=False)
     assert not takes("Sure: " + call) and not takes(call.replace("Paris", "7").replace('"7"', "7"))
+
+
+def test_a_fenced_call_cut_anywhere_is_the_same_call():
+    text = ' ```json\n{"name": "f", "arguments": {"a": 1}}\n```'
+    for cut in range(len(text) + 1):
+        assert parse(text, [cut], frozenset({"f"})) == [("call", ("f", '{"a": 1}'))], cut
