@@ -110,17 +110,5 @@ def _drop_stdout() -> None:
     os.close(devnull)
 
 
-# TEMPORARY, until the notice "TESTS MOVED" lets tests/support call launch.ranks itself: the old names.
-def rank0(cfg, channel, listener=None, replies=None, ranks: int = 2):
-    return lives.first_rank(cfg, channel, replies=replies, listener=listener, ranks=ranks)
-
-
-def rank1(cfg, channel, reply_to=None, ranks: int = 2):
-    return lives.last_rank(cfg, channel, reply_to=reply_to, ranks=ranks)
-
-
-middle = lives.middle_rank
-
-
 if __name__ == "__main__":
     main()

@@ -118,8 +118,9 @@ def talking_model(tmp_path_factory):
 def test_every_prompt_reaches_the_tokenizer_through_the_entry(monkeypatch, tmp_path, talking_model, given):
     """main(argv) on both ranks: each prompt above as typed, and all of them (100 KB) from a file."""
     seen = []
-    monkeypatch.setattr(train_free_infer, "load_tokenizer",
-                        lambda folder, real=train_free_infer.load_tokenizer: seen.append(RecordingTokenizer(real(folder))) or seen[-1])
+    from launch import ranks as lives
+    monkeypatch.setattr(lives, "load_tokenizer",
+                        lambda folder, real=lives.load_tokenizer: seen.append(RecordingTokenizer(real(folder))) or seen[-1])
     text, arg = given, f"prompt={given}"
     if given == "file":
         text = "\n".join(PROMPTS) * 500  # 100 KB, tokenized, then refused for room (the check after the tokenizer)
@@ -186,8 +187,9 @@ def test_each_status_line_reaches_stderr_in_one_write(monkeypatch):
             pass
     monkeypatch.setattr(sys, "stderr", Recorder())
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
-    train_free_infer.announce(["model.target: x", "draft.model: y"])
-    train_free_infer.status("[prefill: 3 prompt tokens]")
+    from launch.ranks import announce, status
+    announce(["model.target: x", "draft.model: y"])
+    status("[prefill: 3 prompt tokens]")
     report("stopped by SIGINT", 1)
     assert writes == ["[model.target: x]\n", "[draft.model: y]\n", "[prefill: 3 prompt tokens]\n",
                       "tandem[rank 1]: stopped by SIGINT\n"]

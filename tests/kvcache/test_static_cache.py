@@ -11,6 +11,7 @@ import torch._dynamo
 
 from kvcache.static_cache import CacheOverflowError
 from launch.build import model_drafter
+from launch.plan import plan_here
 from launch.config import load_config
 from model_parallel.loader import load_stage
 from speculative.draft_step import DraftStep
@@ -60,8 +61,9 @@ def test_cache_rewind_matches_from_scratch(family, tiny_qwen, tiny_llama):
 def drafter_for(folder, max_len: int, max_k: int = 8) -> ModelDrafter:
     """A greedy fp32 drafter built the way the entry builds it (launch.build)."""
     cfg = load_config([f"model.target={folder}", f"draft.model={folder}", "draft.dtype=float32",
-                       f"draft.max_len={max_len}", f"spec.k={max_k}", "prompt_ids=[1]", "gen.max_new_tokens=16"])
-    drafter = model_drafter(cfg)
+                       f"draft.max_len={max_len}", f"spec.k={max_k}", "prompt_ids=[1]", "gen.max_new_tokens=16",
+                       "model.split=null"])
+    drafter = model_drafter(plan_here(cfg, 0))
     drafter.reset(0, temperature=0.0, seed=0)
     return drafter
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-import train_free_infer
+from launch import ranks as lives
 from launch.config import ConfigError
 from model_parallel.loader import ModelLoadError
 from tests.support.tiny_models import VOCAB, ids_arg, run_pair, save_tiny, save_tiny_tokenizer
@@ -14,12 +14,12 @@ from tests.support.tiny_models import VOCAB, ids_arg, run_pair, save_tiny, save_
 def loads(monkeypatch):
     """The ranks whose stage build_stage was asked for (rank 0 must not get there)."""
     ranks = []
-    real = train_free_infer.build_stage
+    real = lives.build_stage
 
-    def recording(cfg, rank, *more):
-        ranks.append(rank)
-        return real(cfg, rank, *more)
-    monkeypatch.setattr(train_free_infer, "build_stage", recording)
+    def recording(plan):
+        ranks.append(plan.rank)
+        return real(plan)
+    monkeypatch.setattr(lives, "build_stage", recording)
     return ranks
 
 

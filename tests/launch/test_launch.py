@@ -135,10 +135,12 @@ def test_the_drafter_runs_where_the_target_runs_by_default(tiny_qwen, tiny_qwen_
     """draft.device=auto (the default): rank 0's target device, its GPU on a GPU host, where the CUDA
     graph is then captured (draft.graph=auto); a device given explicitly is kept."""
     import torch
-    from launch.build import build_draft_stage, build_stage, draft_device, use_graph
+    from launch.build import build_draft_stage, build_stage, use_graph
+    from launch.plan import draft_device, plan_here
     cfg = load_config(["prompt=hi", f"model.target={tiny_qwen}", f"draft.model={tiny_qwen_draft}", "model.split=2"])
     assert cfg.draft.device == "auto"
-    target, drafter = build_stage(cfg, 0), build_draft_stage(cfg)
+    plan = plan_here(cfg, 0)
+    target, drafter = build_stage(plan), build_draft_stage(plan)
     devices = {p.device for p in target.parameters()} | {p.device for p in drafter.parameters()}
     assert len(devices) == 1, devices  # here: the CPU, for both
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a host with two GPUs, rank 0 on the second

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Qwen2Config
 
 from launch.build import build_stage
+from launch.plan import plan_here
 from launch.config import load_config as load_tandem_config
 from model_parallel.loader import ModelLoadError, checkpoint_index, load_config, load_stage, stage_tensor_names
 from model_parallel.quant import NF4Settings
@@ -161,7 +162,7 @@ def test_rank_materializes_only_its_share_not_even_briefly(family, tiny_qwen, ti
     for rank in (0, 1):  # half the layers each
         read.clear()
         held.clear()
-        stage = build_stage(cfg, rank)
+        stage = build_stage(plan_here(cfg, rank))
         mine = sum(p.numel() * p.element_size() for p in stage.parameters())
         allocated, mapped = sum(held.nbytes.values()), sum(held.mapped.values())
         print(f"{family} rank {rank}: {mine} of {whole} parameter bytes ({mine / whole:.0%}); torch ops held "
@@ -178,7 +179,7 @@ def test_loaded_weights_are_in_memory_of_their_own(tiny_qwen):
     """A loaded stage's weights are copies, not views of the checkpoint's mapping (which run slower on
     CPU, and would keep the file's pages mapped): no parameter lies on a .safetensors mapping."""
     cfg = load_tandem_config([f"model.target={tiny_qwen}", "model.dtype=float32", "prompt_ids=[1]", "model.split=null"])
-    stage = build_stage(cfg, 0)
+    stage = build_stage(plan_here(cfg, 0))
     on_mapping = [name for name, p in stage.named_parameters() if on_checkpoint_mapping(p.untyped_storage().data_ptr())]
     assert not on_mapping, on_mapping
 

@@ -17,10 +17,12 @@ import random
 import pytest
 import torch
 
-from launch.build import build_draft_stage, rank_costs
+from launch.build import build_draft_stage
 from launch.config import ConfigError, load_config as load_tandem_config
-from model_parallel.loader import load_stage
-from model_parallel.memory import human, model_bytes, nf4_bytes, parse_size
+from launch.plan import open_models, plan_here, rank_costs
+from model_parallel.lines import human
+from model_parallel.loader import ModelSource, load_stage
+from model_parallel.memory import model_bytes, nf4_bytes, parse_size
 from model_parallel.quant import NF4Settings, nf4_linear, weight_bytes
 from model_parallel.split import NoFit, RankCosts, layer_counts, place_layers
 from tests.support.tiny_models import ids_arg, reference_greedy, run_pair
@@ -141,7 +143,7 @@ QUANTS = {"none": None, "nf4": NF4Settings(torch.float32), "nf4-single-head": NF
                                          ("bfloat16", "nf4-single-head")])
 def test_estimated_bytes_match_a_loaded_stage(family, dtype, quant, tiny_qwen, tiny_llama):
     folder = tiny_qwen if family == "qwen2" else tiny_llama
-    estimate = model_bytes(folder, dtype, QUANTS[quant], max_len=96)
+    estimate = model_bytes(ModelSource.open(folder, dtype), QUANTS[quant], max_len=96)
     for first, last, embed, head in [(0, 1, True, False), (1, 4, False, True), (0, 4, True, True), (2, 3, False, False)]:
         stage = load_stage(folder, first, last, embed=embed, head=head, dtype=dtype, quant=QUANTS[quant])
         stage.allocate_cache(96, torch.float32 if dtype == "float32" else torch.bfloat16)
@@ -149,18 +151,23 @@ def test_estimated_bytes_match_a_loaded_stage(family, dtype, quant, tiny_qwen, t
         assert abs(estimated - held) <= 0.05 * held, (first, last, embed, head, estimated, held)
 
 
+def costs_of(cfg, rank: int):
+    """(RankCosts, where the budget came from) of rank `rank` of two, from shapes alone (launch.plan)."""
+    return rank_costs(cfg, open_models(cfg, rank), rank, 2)
+
+
 def test_rank_costs_count_the_drafter_and_its_cache_on_rank_0(tiny_qwen, tiny_qwen_draft):
     args = [f"model.target={tiny_qwen}", "prompt=hi", "model.dtype=float32", "draft.kind=model",
             f"draft.model={tiny_qwen_draft}", "draft.dtype=float32", "draft.max_len=200", "gen.max_new_tokens=64",
             "model.max_memory=[1GB,2GB]"]
     cfg = load_tandem_config(args)
-    (rank0, source0), (rank1, source1) = (rank_costs(cfg, r, timed=False) for r in (0, 1))
+    (rank0, source0), (rank1, source1) = (costs_of(cfg, r) for r in (0, 1))
     assert (rank0.budget, source0, rank1.budget, source1) == (10**9, "model.max_memory[0]", 2 * 10**9, "model.max_memory[1]")
-    assert rank_costs(load_tandem_config([*args, "model.max_memory=[null,2GB]"]), 0, timed=False)[1] == "MemAvailable, less 10%"
+    assert costs_of(load_tandem_config([*args, "model.max_memory=[null,2GB]"]), 0)[1] == "MemAvailable, less 10%"
     with pytest.raises(ConfigError, match="model.max_memory lists 3 sizes for 2 ranks"):
-        rank_costs(load_tandem_config([*args, "model.max_memory=[1GB,1GB,1GB]"]), 0, timed=False)
-    drafter = build_draft_stage(cfg)
-    no_draft = rank_costs(load_tandem_config([*args, "draft.kind=none"]), 0, timed=False)[0]
+        costs_of(load_tandem_config([*args, "model.max_memory=[1GB,1GB,1GB]"]), 0)
+    drafter = build_draft_stage(plan_here(cfg, 0))
+    no_draft = costs_of(load_tandem_config([*args, "draft.kind=none"]), 0)[0]
     assert abs(rank0.fixed_bytes - no_draft.fixed_bytes - held_bytes(drafter)) <= 0.05 * held_bytes(drafter)
     stage = load_stage(tiny_qwen, 2, 4, embed=False, head=True, dtype="float32")
     stage.allocate_cache(cfg.model.max_len, torch.float32)
@@ -170,7 +177,7 @@ def test_rank_costs_count_the_drafter_and_its_cache_on_rank_0(tiny_qwen, tiny_qw
 def test_unset_budget_is_free_memory_less_headroom(tiny_qwen, monkeypatch):
     cfg = load_tandem_config([f"model.target={tiny_qwen}", "prompt=hi", "draft.kind=none"])
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    costs, source = rank_costs(cfg, 1, timed=False)
+    costs, source = costs_of(cfg, 1)
     available = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
     assert source == "MemAvailable / 2 ranks on this host, less 10%"
     assert 0.8 * available / 2 < costs.budget < 0.95 * available / 2
@@ -180,7 +187,7 @@ def test_unset_budget_is_free_memory_less_headroom(tiny_qwen, monkeypatch):
 
 def budgets(folder, rank0_layers: int | None, rank1_layers: int | None, dtype="float32") -> str:
     """model.max_memory that lets each rank hold exactly this many layers (None: plenty)."""
-    b = model_bytes(folder, dtype, None, max_len=4096)
+    b = model_bytes(ModelSource.open(folder, dtype), None, max_len=4096)
     fixed = [b.stage(0, 0, True, False), b.stage(0, 0, False, True)]
     sizes = [BIG if n is None else f + n * b.layer() for f, n in zip(fixed, (rank0_layers, rank1_layers))]
     return f"model.max_memory=[{sizes[0]},{sizes[1]}]"
@@ -204,7 +211,8 @@ def test_auto_split_with_a_drafter_runs_and_is_exact(tiny_qwen, tiny_qwen_draft,
                    f"draft.model={tiny_qwen_draft}", "draft.dtype=float32", "spec.k=4", "spec.overlap=true",
                    f"prompt_ids={ids_arg(PROMPT)}", "gen.max_new_tokens=16")
     assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, 16)
-    line = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("[rank 0: "))
+    # wherever it lands: rank 1's loading bar may hold the same terminal line
+    line = re.findall(r"\[rank 0: [^\n]*\]$", capsys.readouterr().err, re.MULTILINE)[0]
     assert "+ embeddings + the drafter;" in line and "the drafter's 5 steps" in line and "(MemAvailable" in line, line
 
 
@@ -236,28 +244,28 @@ def test_budgets_no_split_fits_stop_before_loading(tiny_qwen, no_loading):
     assert "\n" not in message and message.startswith("model.max_memory: no split of the 4 layers fits")
     for fix in ("model.quant=nf4", "a smaller model.max_len", "the drafter elsewhere", "another machine"):
         assert fix in message
-    b = model_bytes(tiny_qwen, "float32", None, max_len=4096)
+    b = model_bytes(ModelSource.open(tiny_qwen, "float32"), None, max_len=4096)
     assert f"a layer with its KV cache needs {human(b.layer())}" in message
 
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_ranks_time_at_once_with_overlap_and_in_turns_without(tiny_qwen, tiny_qwen_draft, overlap, monkeypatch):
-    """model.split=auto's timing runs the way a round runs (rank 0's spec.overlap, sent in Timing): with
+    """model.split=auto's timing runs the way a round runs (each rank's spec.overlap: the same config on every rank): with
     overlap the ranks work at the same time, so they time at the same time (ranks sharing a host's cores
     then see each other); without it they take turns, so rank 1 times only after rank 0 is done."""
     import time
 
-    import train_free_infer
+    import launch.handshake
     spans = {}
-    real = train_free_infer.rank_speed
+    real = launch.handshake.rank_speed
 
-    def timed(cfg, rank, world=2):
+    def timed(cfg, models, rank, ranks):
         start = time.perf_counter()
-        result = real(cfg, rank, world)
+        result = real(cfg, models, rank, ranks)
         time.sleep(0.3)  # a span long enough that two at once cannot miss each other
         spans[rank] = (start, time.perf_counter())
         return result
-    monkeypatch.setattr(train_free_infer, "rank_speed", timed)
+    monkeypatch.setattr(launch.handshake, "rank_speed", timed)
     out = run_pair(f"model.target={tiny_qwen}", "model.dtype=float32", "model.split=auto", "draft.kind=model",
                    f"draft.model={tiny_qwen_draft}", "draft.dtype=float32", f"spec.overlap={str(overlap).lower()}",
                    f"prompt_ids={ids_arg(PROMPT)}", "gen.max_new_tokens=8")

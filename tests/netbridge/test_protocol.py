@@ -13,7 +13,7 @@ import torch
 
 from netbridge import protocol
 from netbridge.channel import PeerError, local_pair
-from netbridge.protocol import MESSAGES, Bye, Error, Hello, Idle, Prefill, Reply, Request, Round, Timing
+from netbridge.protocol import MESSAGES, Bye, Error, Hello, Hellos, Idle, Prefill, Reply, Request, Round
 
 
 def same(a, b) -> bool:
@@ -39,10 +39,9 @@ def round_trip(msg, *expect):
 
 
 MESSAGES_OF_EVERY_KIND = [
-    Timing(together=True),
-    Timing(together=False),
-    Hello(split=14, num_layers=28, dtype="bfloat16", quant="nf4"),
-    Hello(split=1, num_layers=2, dtype="float32", quant="none", version=99),
+    Hellos([Hello(cuts=[14], num_layers=28, dtype="bfloat16", quant="nf4")]),
+    Hellos([Hello(cuts=[1], num_layers=2, dtype="float32", quant="none", version=99),
+            Hello(cuts=None, num_layers=2, dtype="float32", quant="none", budget=10**9, layer_ms=1.5)]),
     Request(),
     Request(temperature=0.7, top_p=0.9, seed=12345),
     Prefill(0, torch.randn(1, 64, 16)),  # a long prompt's leading chunk
@@ -118,10 +117,10 @@ def test_an_unexpected_kind_is_a_peer_error():
 
 def test_a_missing_field_is_a_peer_error():
     a, b = local_pair(timeout_s=5)
-    a.send("hello", {"split": 2, "num_layers": 4, "dtype": "float32"})  # no quant
+    a.send("hellos", {"hellos": [{"cuts": [2], "num_layers": 4, "dtype": "float32"}]})  # a Hello without quant
     with pytest.raises(PeerError) as info:
-        protocol.recv(b, Hello)
-    assert_one_line_peer_error(info, "protocol error", "'hello'", "['dtype', 'num_layers', 'split']", "same Tandem version")
+        protocol.recv(b, Hellos)
+    assert_one_line_peer_error(info, "protocol error", "'hellos'", "['hellos']", "same Tandem version")
     a.send("round", {"start": 3}, drafts=torch.tensor([1, 2]))  # no hidden tensor
     with pytest.raises(PeerError) as info:
         protocol.recv(b, Round)

@@ -55,7 +55,7 @@ def served(*overrides: str, timeout_s: float = 20.0):
     """Yield a Served for a pair of ranks started with these config overrides (serve.port is chosen here)."""
     import uvicorn
 
-    import train_free_infer
+    from launch import ranks as lives
     from launch.config import load_config
     from netbridge.channel import local_pair
 
@@ -72,7 +72,7 @@ def served(*overrides: str, timeout_s: float = 20.0):
 
     def run(rank: int) -> None:
         try:
-            (train_free_infer.rank0 if rank == 0 else train_free_infer.rank1)(cfg[rank], channels[rank])
+            (lives.first_rank if rank == 0 else lives.last_rank)(cfg[rank], channels[rank])
             s.outcome[rank] = None
         except BaseException as e:  # noqa: BLE001 - examined by the tests
             s.outcome[rank] = e

@@ -2,14 +2,14 @@
 over the same caches, as a server sends them (the speculative and sampling tests share it)."""
 import threading
 
-import train_free_infer
 from launch.build import build_drafter, build_stage, eos_ids
+from launch.ranks import last_rank, meet, middle_rank
 from launch.config import load_config
 from netbridge.channel import local_ring
 from netbridge.protocol import Request
 from speculative.output import Output
 from speculative.rounds import Generation
-from speculative.session import Session, SpecSettings
+from speculative.session import Session
 
 PROMPT = [11, 42, 7, 250, 3, 99, 180, 5, 42, 7]
 MAX_NEW = 23  # not a multiple of K+1 for any K tested
@@ -22,9 +22,9 @@ def session_args(target, draft, max_new=MAX_NEW):
 
 
 def serve(overrides: list[str], requests: list[tuple[list[int], Request]], ranks: int = 2) -> list[Generation]:
-    """One Session on rank 0 (built as train_free_infer.rank0 builds it) serving `requests` in a row,
-    rank 1 (train_free_infer.rank1) in a thread, over local_pair; with `ranks` > 2 the middle ranks
-    (train_free_infer.middle) in threads too, over local_ring."""
+    """One Session on rank 0 (built as launch.ranks.first_rank builds it) serving `requests` in a row,
+    the last rank (launch.ranks.last_rank) in a thread, over local_pair; with `ranks` > 2 the middle ranks
+    (launch.ranks.middle_rank) in threads too, over local_ring."""
     cfg = load_config(["output.stream=false", "chat=false", "prompt_ids=[1]", *overrides])
     links = local_ring(ranks, 30.0)  # (from the rank before, to the rank after); with two ranks local_pair's
     errors = []
@@ -33,9 +33,9 @@ def serve(overrides: list[str], requests: list[tuple[list[int], Request]], ranks
         prev, next = links[r]
         try:
             if r == ranks - 1:
-                train_free_infer.rank1(cfg, prev, reply_to=next, ranks=ranks)
+                last_rank(cfg, prev, reply_to=next, ranks=ranks)
             else:
-                train_free_infer.middle(cfg, prev, next, r, ranks)
+                middle_rank(cfg, prev, next, r, ranks)
         except BaseException as e:  # noqa: BLE001 - handed to the test
             errors.append(e)
             prev.close()
@@ -45,14 +45,11 @@ def serve(overrides: list[str], requests: list[tuple[list[int], Request]], ranks
         thread.start()
     replies, channel = links[0]
     try:
-        stage = build_stage(cfg, 0, ranks)
-        drafter = build_drafter(cfg, None, stage.config)
-        train_free_infer.handshake(cfg, replies, 0, ranks, onward=channel)
-        spec = SpecSettings(cfg.spec.k, cfg.spec.adaptive, cfg.spec.overlap, prefill_chunk=cfg.model.prefill_chunk)
-        session = Session(stage, drafter, channel, spec, replies=replies)
+        plan = meet(cfg, replies, channel, 0, ranks)
+        session = Session(build_stage(plan), build_drafter(plan), channel, plan.spec, replies=replies)
         gens = []
         for ids, request in requests:
-            output = Output(None, eos_ids(cfg.model.target), cfg.gen.max_new_tokens, [], stream=False)
+            output = Output(None, eos_ids(plan.models.target), cfg.gen.max_new_tokens, [], stream=False)
             gens.append(session.generate(ids, output, request))
             session.idle()  # between requests, as a server does
         session.close()

@@ -138,11 +138,11 @@ def emulated_local_pair(cfg, timeout_s: float):
 
 
 def run_pair(*overrides: str, timeout_s: float = 60.0, rank1: tuple[str, ...] = ()) -> dict:
-    """Both ranks of train_free_infer in this process, as two threads over an in-process channel pair
+    """Both ranks (launch.ranks, as train_free_infer runs them) in this process, as two threads over an in-process channel pair
     (netbridge.channel.local_pair): the whole entry path but torchrun, in seconds. Each rank has its own
     config (as on two hosts); `rank1`: overrides for rank 1 alone. Returns rank 0's result (the output
     JSON); an exception on either rank is raised here."""
-    import train_free_infer
+    from launch import ranks as lives
     from launch.config import load_config
 
     cfgs = [load_config(["output.stream=false", "chat=false", *overrides, *(rank1 if r else ())]) for r in (0, 1)]
@@ -151,7 +151,7 @@ def run_pair(*overrides: str, timeout_s: float = 60.0, rank1: tuple[str, ...] = 
 
     def rank(r: int) -> None:
         try:
-            results[r] = (train_free_infer.rank0 if r == 0 else train_free_infer.rank1)(cfgs[r], channels[r])
+            results[r] = (lives.first_rank if r == 0 else lives.last_rank)(cfgs[r], channels[r])
         except BaseException as e:  # noqa: BLE001 - handed to the test
             errors[r] = e
             channels[r].close()  # the other rank fails at once instead of waiting out its timeout
@@ -163,11 +163,11 @@ def run_pair(*overrides: str, timeout_s: float = 60.0, rank1: tuple[str, ...] = 
 
 
 def run_ranks(ranks: int, *overrides: str, timeout_s: float = 60.0, only: dict[int, tuple[str, ...]] | None = None) -> dict:
-    """run_pair for N ranks: every rank of train_free_infer in this process, as N threads on a ring of
+    """run_pair for N ranks: every rank (launch.ranks) in this process, as N threads on a ring of
     in-process channels (netbridge.channel.local_ring: 0 -> 1 -> ... -> N-1 -> 0). `only`: overrides
     for one rank alone ({rank: (...)}). Returns rank 0's result; the root cause of a failure on any
     rank is raised here."""
-    import train_free_infer
+    from launch import ranks as lives
     from launch.config import load_config
     from netbridge.channel import PeerError, local_ring
 
@@ -180,11 +180,11 @@ def run_ranks(ranks: int, *overrides: str, timeout_s: float = 60.0, only: dict[i
         prev, next = links[r]
         try:
             if r == 0:
-                results[r] = train_free_infer.rank0(cfgs[r], next, replies=prev, ranks=ranks)
+                results[r] = lives.first_rank(cfgs[r], next, replies=prev, ranks=ranks)
             elif r == ranks - 1:
-                train_free_infer.rank1(cfgs[r], prev, reply_to=next, ranks=ranks)
+                lives.last_rank(cfgs[r], prev, reply_to=next, ranks=ranks)
             else:
-                train_free_infer.middle(cfgs[r], prev, next, r, ranks)
+                lives.middle_rank(cfgs[r], prev, next, r, ranks)
         except BaseException as e:  # noqa: BLE001 - handed to the test
             errors[r] = e
             prev.close()  # the ranks waiting on this one fail at once instead of waiting out their timeout
