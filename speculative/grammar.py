@@ -104,6 +104,21 @@ class Grammars:
         return Grammar(matcher, self.vocab_size)
 
 
+class FolderGrammars:
+    """The last rank's Grammars: the model folder's tokenizer loaded on the first request that carries a grammar
+    (a launch that never gets one never loads it)."""
+
+    def __init__(self, folder, vocab_size: int, eos_ids: set[int]):
+        self.folder, self.vocab_size, self.eos_ids = folder, vocab_size, sorted(eos_ids)
+        self._grammars: Grammars | None = None
+
+    def from_source(self, source: str) -> Grammar:
+        if self._grammars is None:
+            from transformers import AutoTokenizer
+            self._grammars = Grammars(AutoTokenizer.from_pretrained(self.folder), self.vocab_size, self.eos_ids)
+        return self._grammars.from_source(source)
+
+
 class Grammar:
     """The matcher of one request: which tokens may come next, and the tokens consumed so far (`consumed`).
     The mask is computed once per state and kept until a token is accepted or rolled back."""
@@ -112,6 +127,7 @@ class Grammar:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.tokens: list[int] = []  # the accepted tokens, in order
+        self.origin: int | None = None  # the position of the answer's first token (at())
         # per accepted token, whether the matcher counted it: once the grammar is complete (stopped) it takes the
         # end-of-sequence token without counting it, and a rollback must not ask it for more than it holds
         self._counted: list[bool] = []
@@ -172,28 +188,17 @@ class Grammar:
             raise RuntimeError(f"the grammar holds {self.consumed} tokens, fewer than the {consumed} committed")
         self.rollback(self.consumed - consumed)
 
-    def sync(self, before: int, pending: list[int]) -> bool:
-        """Put the grammar where a round starts: `before` tokens of the answer committed ahead of the tokens the
-        round feeds again (`pending`: the newest committed one, chosen by the last round's verification). With
-        rounds sent ahead on a bet (the last round keeps every draft and the guessed token), a round whose bet
-        failed does not continue the answer the grammar holds: then False, the grammar as it was (its reply is
-        dropped, whatever it says). Every later round starts at or before such a round's start, so rewinding
-        to it forgets whatever that round left."""
-        end = before + len(pending)
-        if end <= self.consumed and self.tokens[before:end] == pending:
-            self.rewind(end)  # the usual case: the grammar chose those tokens itself
-            return True
-        if before > self.consumed:
+    def at(self, position: int) -> bool:
+        """Before verifying a round that decides the token at `position` (its start + fed - drafts): back to the
+        answer's tokens before it; the first round of a request fixes where the answer starts. False when the
+        grammar holds fewer: the round was sent ahead on a bet that failed (spec.in_flight) and its reply will be
+        dropped (verify it without the grammar). A dropped round within what the grammar holds may leave tokens
+        after its position; every later round decides at or before it, so the rewind here forgets them."""
+        if self.origin is None:
+            self.origin = position
+        if position - self.origin > self.consumed:
             return False
-        held = self.tokens[before:]
-        self.rewind(before)
-        for i, token in enumerate(pending):
-            if not self.allows(token):
-                self.rollback(i)
-                for t in held:  # back as it was
-                    self.accept(t)
-                return False
-            self.accept(token)
+        self.rewind(position - self.origin)
         return True
 
     def _check(self) -> None:

@@ -302,20 +302,21 @@ def test_top_logprobs_above_20_is_refused():
         token_logprobs(torch.zeros(1, 30), [0], 21)
 
 
-def test_sync_follows_the_committed_answer_through_rounds_sent_on_a_failed_bet(tiny):
-    """The last rank's grammar at each round's start (Grammar.sync): a usual round; rounds sent ahead on a bet that
-    failed (further ahead than the answer, or on another token) leave it able to continue the real answer."""
+def test_at_follows_the_committed_answer_through_rounds_sent_on_a_failed_bet(tiny):
+    """The last rank's grammar at each round (Grammar.at, by the position the round decides): rounds sent ahead on
+    a bet that failed (beyond what the grammar holds; or within it, on another token) leave it able to go on with
+    the real answer."""
     _, tokenizer, grammars = tiny
     real = tokenizer.encode('{"a": [1, 2]}', add_special_tokens=False)
-    one, two = (tokenizer.encode(d, add_special_tokens=False)[0] for d in "12")
-    i = real.index(one)  # the bet: the position of "1" held another digit
+    origin, i = 40, real.index(tokenizer.encode("1", add_special_tokens=False)[0])
     grammar = grammars.make({"type": "json_object"})
+    assert grammar.at(origin)  # the first round fixes where the answer starts
     for token in real[:i + 1]:
         grammar.accept(token)
-    assert grammar.sync(i, [real[i]]) and grammar.tokens == real[:i + 1]  # a usual round
-    assert not grammar.sync(i + 3, [real[i]]) and grammar.tokens == real[:i + 1]  # beyond the answer
-    assert not grammar.sync(i, [tokenizer.encode("x")[0]]) and grammar.tokens == real[:i + 1]  # refused there
-    assert grammar.sync(i, [two]) and grammar.tokens == real[:i] + [two]  # allowed there: it runs on
-    grammar.accept(tokenizer.encode(",", add_special_tokens=False)[0])
-    assert grammar.sync(i, [real[i]]) and grammar.tokens == real[:i + 1]  # the real round after it
+    assert not grammar.at(origin + i + 3) and grammar.tokens == real[:i + 1]  # a bet beyond the answer: untouched
+    assert grammar.at(origin + i + 1) and grammar.tokens == real[:i + 1]  # a bet at the answer's end
+    for token in tokenizer.encode("]}", add_special_tokens=False):  # that round's own picks (dropped)
+        grammar.accept(token)
+    assert grammar.at(origin + i + 1) and grammar.tokens == real[:i + 1]  # the real round after it
     assert torch.equal(grammar.allowed(), ReferenceAfter(tokenizer, real[:i + 1]))
+    assert grammar.at(origin + 2) and grammar.tokens == real[:2]  # a rewind as far as rank 0 says
