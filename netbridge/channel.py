@@ -216,10 +216,13 @@ def local_pair(timeout_s: float = 60.0, **emulation) -> tuple[LocalChannel, Loca
 
 def local_ring(ranks: int, timeout_s: float = 60.0, **emulation) -> list[tuple[LocalChannel, LocalChannel]]:
     """Each rank's (link from the rank before, link to the rank after) on the ring 0 -> 1 -> ... -> N-1 -> 0,
-    for N ranks as threads of one process; with two ranks, local_pair's one channel both ways."""
-    if ranks == 2:
-        return [(c, c) for c in local_pair(timeout_s, **emulation)]
-    edges = [local_pair(timeout_s, **emulation) for _ in range(ranks)]  # edge r: rank r -> rank r+1
-    for r, (out, into) in enumerate(edges):
-        out.peer_name, into.peer_name = f"rank {(r + 1) % ranks}", f"rank {r}"
-    return [(edges[r - 1][1], edges[r][0]) for r in range(ranks)]
+    for N ranks as threads of one process: one local_pair per two neighbours (launch.distributed.open_links'
+    rule), so with two ranks both links are one channel."""
+    pairs = {frozenset((r, (r + 1) % ranks)): local_pair(timeout_s, **emulation) for r in range(ranks)}
+
+    def end(rank: int, peer: int) -> LocalChannel:  # the lower rank holds a pair's first end
+        link = pairs[frozenset((rank, peer))][0 if rank < peer else 1]
+        if len(pairs) > 1:  # one neighbour is "the other rank"
+            link.peer_name = f"rank {peer}"
+        return link
+    return [(end(r, (r - 1) % ranks), end(r, (r + 1) % ranks)) for r in range(ranks)]
