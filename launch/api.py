@@ -16,6 +16,7 @@ import math
 import secrets
 from dataclasses import dataclass
 
+from launch.config import REQUEST_RANGES
 from launch.tools import CLOSE, ToolError, ToolSetup, template_message, tool_setup
 from netbridge.protocol import Request
 
@@ -46,7 +47,8 @@ _SAMPLING = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "str
 READS = {  # the fields each endpoint's parser reads and honours
     "chat": _SAMPLING | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls"},
     "completions": _SAMPLING | {"prompt", "best_of"},
-    "responses": {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream"},
+    "responses": {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools",
+                  "tool_choice", "parallel_tool_calls"},
 }
 
 
@@ -71,8 +73,7 @@ INERT = {  # field: whether a value changes nothing (then it is accepted; any ot
     "store": lambda v: v is not True,  # nothing is stored: a stored completion could not be fetched back
     "user": _anything, "metadata": _anything, "safety_identifier": _anything, "prompt_cache_key": _anything,
     "service_tier": lambda v: v in (None, "auto", "default"),
-    "tools": lambda v: v is None or v == [], "tool_choice": lambda v: v in (None, "none", "auto"),  # (responses)
-    "parallel_tool_calls": _anything, "truncation": lambda v: v in (None, "disabled"),
+    "truncation": lambda v: v in (None, "disabled"),
     "include": _falsy, "reasoning": _falsy, "reasoning_effort": _falsy, "previous_response_id": _falsy,
 }
 UNRECOGNIZED = "{field} is not a field this server knows for {path}; leave it out (see docs/api.md)"
@@ -169,7 +170,7 @@ def _check_common(body, model_name: str) -> None:
     _integer(body, "best_of", 1, 1, 1)  # one answer per request (n, best_of); logprobs and echo: INERT
 
 
-SEED_RANGE = (-2**63, 2**63 - 1)  # what every generator it seeds takes (torch.Generator: 64 bits; the drafter's is seed + 1)
+SEED_RANGE = REQUEST_RANGES["seed"]  # the range gen.seed takes too (launch.config: one table)
 MAX_TEMPERATURE = 2.0  # OpenAI's bound: beyond it sampling is noise
 
 
@@ -193,7 +194,7 @@ def read_settings(body: dict, cfg) -> Settings:
     if max_tokens is not None and max_tokens > limit:
         raise ApiError(400, f"{key}={max_tokens} exceeds this server's gen.max_new_tokens={limit}", param=key)
     temperature = _float(body, "temperature", cfg.gen.temperature, 0.0, MAX_TEMPERATURE)
-    top_p = _float(body, "top_p", cfg.gen.top_p, 0.0, 1.0)
+    top_p = _float(body, "top_p", cfg.gen.top_p, *REQUEST_RANGES["top_p"])
     if top_p == 0:
         raise ApiError(400, "top_p must be in (0, 1]", param="top_p")
     seed = _integer(body, "seed", None, *SEED_RANGE)

@@ -105,7 +105,9 @@ def test_the_api_key_is_checked(server):
     ({"seed": 3}, "seed"),  # not a Responses API field
     ({"max_output_tokens": 33}, "max_output_tokens"),  # > gen.max_new_tokens
     ({"temperature": 3}, "temperature"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),  # no call_id
+    ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"input": ""}, "input"),
     ({"instructions": ["x"]}, "instructions"),
 ])

@@ -293,3 +293,50 @@ def test_a_fenced_call_cut_anywhere_is_the_same_call():
     text = ' ```json\n{"name": "f", "arguments": {"a": 1}}\n```'
     for cut in range(len(text) + 1):
         assert parse(text, [cut], frozenset({"f"})) == [("call", ("f", '{"a": 1}'))], cut
+
+
+# --- the same tools on the Responses API ------------------------------------------------------------------
+
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+def items_of(output) -> list[tuple]:
+    return [("message", o.content[0].text) if o.type == "message" else (o.type, o.name, json.loads(o.arguments))
+            for o in output]
+
+
+def test_responses_read_calls_as_function_call_items_streamed_and_not(client):
+    r = client.responses.create(model="scripted", input="hi <ask_weather>", tools=RESPONSES_TOOLS)
+    assert items_of(r.output) == [("message", "Let me check."), ("function_call", "get_weather", {"city": "Paris", "unit": "°C"})]
+    chat = choice_of(ask(client, "<ask_weather>"))
+    assert r.output[1].arguments == chat.message.tool_calls[0].function.arguments and r.status == "completed"
+    assert r.output[1].call_id.startswith("call_") and r.output[1].status == "completed"
+    events = list(client.responses.create(model="scripted", input="hi <ask_weather>", tools=RESPONSES_TOOLS, stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert items_of(done) == items_of(r.output) == items_of(events[-1].response.output)
+    arguments = [e for e in events if e.type.startswith("response.function_call_arguments")]
+    assert "".join(e.delta for e in arguments if e.type.endswith("delta")) == arguments[-1].arguments == r.output[1].arguments
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_function_call_outputs_reach_the_template(client, model, tokenizer):
+    r = client.responses.create(model="scripted", tools=RESPONSES_TOOLS, input=[
+        {"role": "user", "content": "hi <ask_weather>"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "22 °C <sunny>"}])
+    assert items_of(r.output) == [("message", "It is sunny in Paris.")]
+    chat = client.chat.completions.create(model="scripted", tools=TOOLS, messages=[
+        {"role": "user", "content": "hi <ask_weather>"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 °C <sunny>"}])
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.tandem["token_ids"] == chat.tandem["token_ids"]
+
+
+@pytest.mark.parametrize("fields,param", [({"tool_choice": "required"}, "tool_choice"),
+                                          ({"tool_choice": {"type": "function", "name": "get_time"}}, "tool_choice"),
+                                          ({"tools": [{"type": "web_search"}]}, "tools")])
+def test_responses_tool_fields_not_honoured_are_400s(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="scripted", input="hi <ask_weather>", extra_body={"tools": RESPONSES_TOOLS, **fields})
+    assert e.value.body["param"] == param
