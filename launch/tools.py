@@ -140,13 +140,13 @@ def template_message(message: dict, role: str, content: str | None) -> dict:
     """One message as chat templates read it: an assistant's tool_calls with their arguments as objects (Qwen's
     template writes `arguments | tojson`: a JSON string there would be encoded twice); a tool result keeps its id."""
     out = {"role": role, "content": content}
+    if isinstance(message.get("name"), str):  # a participant's (or a tool's) name: for the templates that show it
+        out["name"] = message["name"]
     if role == "tool":
         call_id = message.get("tool_call_id")
         if not isinstance(call_id, str):
             raise ToolError("a tool message needs the tool_call_id of the call it answers", "messages")
         out["tool_call_id"] = call_id
-        if isinstance(message.get("name"), str):
-            out["name"] = message["name"]
     elif role == "assistant" and message.get("tool_calls") is not None:
         out["tool_calls"] = [_template_call(c) for c in _list(message["tool_calls"])]
     return out

@@ -214,6 +214,7 @@ def test_tool_choice_none_leaves_the_tools_out_and_reads_no_calls(client, tokeni
     ({"logprobs": True}, "logprobs"),
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"store": True}, "store"),
+    ({"stream_options": {"include_usage": "yes"}}, "stream_options"),
     ({"top_k": 5}, "top_k"),  # not an OpenAI field: refused like OpenAI's "Unrecognized request argument"
     ({"max_token": 5}, "max_token"),  # a typo is not silently ignored
 ])
