@@ -170,7 +170,7 @@ def test_invalid_index(tiny_qwen, tmp_path, text):
 # --- config.json --------------------------------------------------------------------------------------
 
 def assert_config_refused(folder: Path, *needles: str) -> None:
-    """Both entry points refuse it: load_config (split_point, the drafter) and load_stage."""
+    """Both entry points refuse it: load_config (the Plan, the drafter) and load_stage."""
     path = str(folder / "config.json")
     with pytest.raises(ModelLoadError) as caught:
         load_config(folder)
