@@ -15,6 +15,7 @@ import json
 import signal
 import sys
 import threading
+from functools import partial
 
 from launch.build import (build_drafter, build_stage, check_vocabularies, eos_ids, load_tokenizer, prompt_ids)
 from launch.config import TandemConfig
@@ -23,6 +24,7 @@ from launch.handshake import handshake
 from launch.plan import Plan, open_models
 from netbridge.protocol import Request
 from speculative.output import Output
+from speculative.grammar import FolderGrammars
 from speculative.rounds import run_middle, run_rank1
 from speculative.session import Session
 from speculative.stats import broken_drafter_warning, summarize
@@ -111,8 +113,11 @@ def write_output(cfg: TandemConfig, result: dict) -> None:
 def last_rank(cfg: TandemConfig, prev, reply_to=None, ranks: int = 2) -> None:
     """The last rank: from the rank before it on `prev`, replies to rank 0 on `reply_to` (with two, `prev`)."""
     reply_to = reply_to or prev
-    stage = build_stage(meet(cfg, prev, reply_to, ranks - 1, ranks))
-    _serve_rounds(run_rank1, stage, prev, reply_to)
+    plan = meet(cfg, prev, reply_to, ranks - 1, ranks)
+    stage = build_stage(plan)
+    target = plan.models.target  # structured outputs: the last rank masks by each request's grammar
+    grammars = FolderGrammars(target.folder, target.config.vocab_size, eos_ids(target))
+    _serve_rounds(partial(run_rank1, grammars=grammars), stage, prev, reply_to)
 
 
 def middle_rank(cfg: TandemConfig, prev, next, rank: int, ranks: int) -> None:

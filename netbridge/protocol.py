@@ -3,10 +3,11 @@
     rank 0                                   rank 1
     Hellos([Hello(layers, dtype, quant, -->  checks it against its own; both Hellos back, or Error;
         cuts, what it may hold, speed)])     both then settle the same cuts from the two Hellos
-    Request(temperature, top_p, seed)   -->  a new generation: reseed the verifier
+    Request(temperature, top_p, seed,   -->  a new generation: reseed the verifier; [a grammar it masks by,
+            [grammar, logprobs])             how many top log-probabilities each Reply carries]
     Prefill(start, hidden)              -->  a long prompt's leading chunks: extend the cache, no reply
     Round(start, hidden, drafts, [q])   -->  forward its slice from `start`, verify
-                                        <--  Reply(accepted, token, stage1_ms, marks)
+                                        <--  Reply(accepted, token, stage1_ms, marks, [logprobs])
     ... more Rounds, more Requests (serving) ...
     Idle                                -->  nothing to do yet (serving): the link is alive
     Bye                                 -->  the session is over
@@ -64,6 +65,8 @@ class Request:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    grammar: str | None = None  # structured outputs: llguidance's grammar text (speculative.grammar); the last rank masks
+    logprobs: int | None = None  # the committed tokens' log-probabilities wanted, with this many top alternatives (0..20)
 
 
 @dataclass
@@ -91,6 +94,9 @@ class Reply:
     stage1_ms: float  # the last rank's forward and verification
     marks: list[float] = field(default_factory=list)  # the last rank's clock: wait, start, forward done, send
     middle_marks: list[list[float]] | None = None  # N > 2: Round.marks as the last rank received them
+    logprobs: torch.Tensor | None = None  # Request.logprobs: [accepted + 1] the committed tokens' (verify.token_logprobs)
+    top_ids: torch.Tensor | None = None  # [accepted + 1, n] the most likely tokens at each, and theirs:
+    top_logprobs: torch.Tensor | None = None  # [accepted + 1, n]
 
 
 @dataclass

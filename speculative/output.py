@@ -13,6 +13,9 @@ class Output:
         self.stop = stop
         self.stream = stream and tokenizer is not None
         self.tokens: list[int] = []
+        # when the request asks (Request.logprobs): per kept token, the target's log-probability of it and the
+        # top alternatives there as (token, log-probability), most likely first
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
         self.done = False
         self.stop_reason = None
         self._printed = 0
@@ -43,6 +46,11 @@ class Output:
             self.done = self.stop_reason is not None
         self._stream()
         return kept
+
+    def keep_logprobs(self, chosen, top_ids, top) -> None:
+        """The log-probabilities a Reply carries for the tokens commit() just kept (the first len(chosen))."""
+        for lp, ids, lps in zip(chosen.tolist(), top_ids.tolist(), top.tolist()):
+            self.logprobs.append((lp, list(zip(ids, lps))))
 
     def _stream(self) -> None:
         if not self.stream:

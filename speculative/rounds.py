@@ -35,7 +35,7 @@ from netbridge.channel import Channel
 from netbridge.protocol import Prefill, Reply, Request, Round
 from speculative.k_choice import next_k  # noqa: F401 - its old home, for callers that import it from here
 from speculative.output import Output
-from speculative.verify import target_probs, verify_greedy, verify_sampled
+from speculative.verify import token_logprobs, verify
 
 
 @dataclass
@@ -89,11 +89,12 @@ def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-def run_rank1(stage: Stage, channel: Channel, reply_to: Channel | None = None) -> int:
+def run_rank1(stage: Stage, channel: Channel, reply_to: Channel | None = None, grammars=None) -> int:
     """Serve rounds until rank 0 says Bye; returns the number of rounds served. With more than two
-    ranks this is the last one: `channel` comes from the rank before it, replies go to `reply_to` (rank 0)."""
+    ranks this is the last one: `channel` comes from the rank before it, replies go to `reply_to` (rank 0).
+    `grammars`: what makes a Request's grammar (speculative.grammar.FolderGrammars), or None."""
     reply_to = reply_to or channel
-    request, generator = Request(), torch.Generator()
+    request, generator, grammar = Request(), torch.Generator(), None
     rounds = 0
     while True:
         t_wait = time.perf_counter()
@@ -102,15 +103,19 @@ def run_rank1(stage: Stage, channel: Channel, reply_to: Channel | None = None) -
             return rounds
         if isinstance(msg, Request):
             request = msg
+            grammar = request_grammar(grammars, request)
         if isinstance(msg, Prefill):
             stage.run(msg.start, msg.hidden.to(stage.device), num_logits=1)
         if not isinstance(msg, Round):
             continue
         t0 = time.perf_counter()
-        generator.manual_seed(round_seed(request.seed, msg.start + msg.hidden.shape[1] - msg.drafts.numel()))
-        accepted, token, t_forward = verify_round(stage, msg, request, generator)
+        decides = msg.start + msg.hidden.shape[1] - msg.drafts.numel()
+        generator.manual_seed(round_seed(request.seed, decides))
+        constrained = grammar if grammar is not None and grammar.at(decides) else None  # else a dropped round's
+        accepted, token, t_forward, logprobs = verify_round(stage, msg, request, generator, constrained)
         t_send = time.perf_counter()
-        protocol.send(reply_to, Reply(accepted, token, (t_send - t0) * 1000, [t_wait, t0, t_forward, t_send], msg.marks))
+        protocol.send(reply_to, Reply(accepted, token, (t_send - t0) * 1000, [t_wait, t0, t_forward, t_send], msg.marks,
+                                      *logprobs))
         rounds += 1
 
 
@@ -145,15 +150,27 @@ def round_seed(seed: int, decides: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + decides) % 2**63
 
 
-def verify_round(stage: Stage, msg: Round, request: Request, generator: torch.Generator) -> tuple[int, int, float]:
-    """Rank 1's half of a round: (accepted drafts, the next token, when the forward finished)."""
+def request_grammar(grammars, request: Request):
+    """The Grammar a Request asks the last rank to mask by (structured outputs), or None."""
+    if request.grammar is None:
+        return None
+    if grammars is None:
+        raise ValueError("a request carries a grammar but this rank has no tokenizer to enforce it with")
+    return grammars.from_source(request.grammar)
+
+
+def verify_round(stage: Stage, msg: Round, request: Request, generator: torch.Generator, grammar=None):
+    """Rank 1's half of a round: (accepted drafts, the next token, when the forward finished, and the committed
+    tokens' log-probabilities as Reply's (logprobs, top_ids, top_logprobs), Nones unless the Request asks)."""
     k = msg.drafts.numel()
     logits = stage.run(msg.start, msg.hidden.to(stage.device), num_logits=k + 1)[0].cpu()
     t_forward = time.perf_counter()
     if not logits.sum().isfinite():  # argmax of NaNs is a valid-looking token; a sum is 30x cheaper than isfinite().all()
         raise NonFiniteLogits(f"the target's logits at positions {msg.start}..{msg.start + k} are not finite (NaN/Inf): "
                               "the weights are corrupt or model.dtype overflows (float16?); try model.dtype=bfloat16 or float32")
-    if request.temperature > 0:
-        probs = target_probs(logits, request.temperature, request.top_p)
-        return (*verify_sampled(probs, msg.drafts, msg.q_ids, msg.q_probs, generator), t_forward)
-    return (*verify_greedy(logits, msg.drafts), t_forward)
+    accepted, token = verify(logits, msg.drafts, request.temperature, request.top_p, generator, msg.q_ids, msg.q_probs,
+                             grammar)
+    if request.logprobs is None:
+        return accepted, token, t_forward, (None, None, None)
+    lp = token_logprobs(logits, msg.drafts[:accepted].tolist() + [token], request.logprobs)
+    return accepted, token, t_forward, (lp.chosen, lp.top_ids, lp.top)

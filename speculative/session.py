@@ -282,6 +282,8 @@ class Session:
         """The accepted drafts and the target's token, as far as the output keeps them; returns how many."""
         new_tokens = block.drafts.tokens[:reply.accepted].tolist() + [reply.token]
         kept = s.output.commit(new_tokens)
+        if reply.logprobs is not None:  # the Request asked for them
+            s.output.keep_logprobs(reply.logprobs[:kept], reply.top_ids[:kept], reply.top_logprobs[:kept])
         s.committed += new_tokens[:kept]
         s.pending = s.committed[-1:]
         return kept

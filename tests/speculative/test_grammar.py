@@ -20,9 +20,11 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
-from speculative.grammar import JSON_OPTIONS, GrammarError, Grammars, schema_of
+from netbridge.protocol import Request
+from speculative.grammar import JSON_OPTIONS, GrammarError, Grammars, grammar_source, schema_of
 from speculative.verify import token_logprobs, verify
-from tests.support.tiny_models import VOCAB, load_reference, save_tiny, save_tiny_tokenizer
+from tests.support.session_harness import serve, session_args
+from tests.support.tiny_models import VOCAB, load_reference, reference_greedy, save_tiny, save_tiny_tokenizer
 
 EOS = 0  # the tiny tokenizer's <eos>
 SCHEMA = {"type": "object",
@@ -36,9 +38,17 @@ K = 4
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder = save_tiny(tmp_path_factory.mktemp("grammar") / "qwen2", "qwen2", seed=5, eos=EOS)
+def folder(tmp_path_factory):
+    """A tiny qwen2 with a tokenizer whose <eos> (0) ends the answer. Its head unscaled: logits within ~10, where
+    fp32's rounding (a cache or not, other block shapes) moves a log-probability by ~2e-5, not the ~1e-4 of
+    logits near 40 (the default head scale)."""
+    folder = save_tiny(tmp_path_factory.mktemp("grammar") / "qwen2", "qwen2", seed=5, eos=EOS, head_scale=1.0)
     save_tiny_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(folder):
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return load_reference(folder), tokenizer, Grammars(tokenizer, VOCAB, [EOS])
 
@@ -148,14 +158,42 @@ def test_logprobs_are_log_softmax_of_the_targets_logits(tiny, expected):
     answer = expected[0]
     tokens, chosen, top, top_ids = speculate(model, grammars.make(FORMAT), holed_drafter(answer))
     assert tokens == answer
-    with torch.no_grad():  # transformers' forward over the prompt and the answer: the rows that chose each token
-        raw_logits = model(torch.tensor([PROMPT + answer])).logits[0, len(PROMPT) - 1:-1].float()
-    reference_lp = torch.log_softmax(raw_logits, -1)
+    reference_lp = forward_logprobs(model, answer)
     torch.testing.assert_close(chosen, reference_lp.gather(-1, torch.tensor(answer)[:, None])[:, 0], atol=1e-4, rtol=0)
     ref_top, ref_ids = reference_lp.topk(5, -1)
     torch.testing.assert_close(top, ref_top, atol=1e-4, rtol=0)
     assert torch.equal(top_ids, ref_ids)
     assert (chosen < -1e-3).any()  # raw: the chosen tokens are not certain (T and the mask do not enter)
+
+
+def forward_logprobs(model, answer: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' forward over the prompt and the answer, at the rows that chose each token."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([PROMPT + answer])).logits[0, len(PROMPT) - 1:-1].float(), -1)
+
+
+@pytest.mark.parametrize("in_flight", [1, 3])
+def test_the_last_rank_masks_and_returns_logprobs_through_a_session(tiny, folder, expected, tmp_path, in_flight):
+    """Both ranks (session_harness): the grammar and the logprobs request travel in the Request, the last rank
+    masks (with rounds in flight: some verified on a bet and dropped) and its Replies' logprobs reach Output;
+    the next request, without a grammar, is the target's own answer again."""
+    model, _, _ = tiny
+    draft = save_tiny(tmp_path / "draft", "qwen2", seed=7, layers=2)  # mostly wrong: bets fail, drafts refused
+    gens = serve(session_args(folder, draft, max_new=MAX_NEW) + [f"spec.in_flight={in_flight}"],
+                 [(PROMPT, Request(grammar=grammar_source(SCHEMA), logprobs=3)), (PROMPT, Request())])
+    answer = expected[0]
+    assert gens[0].output.tokens == answer
+    reference_lp = forward_logprobs(model, answer)
+    got = gens[0].output.logprobs
+    torch.testing.assert_close(torch.tensor([lp for lp, _ in got]),
+                               reference_lp.gather(-1, torch.tensor(answer)[:, None])[:, 0], atol=1e-4, rtol=0)
+    ref_top, ref_ids = reference_lp.topk(3, -1)
+    assert [[t for t, _ in top] for _, top in got] == ref_ids.tolist()
+    torch.testing.assert_close(torch.tensor([[lp for _, lp in top] for _, top in got]), ref_top, atol=1e-4, rtol=0)
+    assert gens[1].output.tokens == reference_greedy(folder, PROMPT, MAX_NEW, eos=EOS) != answer
+    assert gens[1].output.logprobs == []
+    if in_flight > 1:
+        assert sum(r.bets_lost for r in gens[0].rounds) > 0  # rounds were verified on a bet and dropped
 
 
 # ---- sampling under a grammar: a Markov-chain target over the tiny vocabulary, schema {"type": "integer"} ---
