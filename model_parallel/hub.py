@@ -212,9 +212,9 @@ class Shard:
     cache) or partial (a sparse file at full size plus the record of the byte ranges it holds)."""
 
     def __init__(self, folder: Path, file: str, source: dict, rank: int):
-        self.folder, self.file, self.source, self.rank = folder, file, source, rank
+        self.folder, self.file, self.source = folder, file, source
         self.path = folder / file
-        self.record_path = folder / f"{file}.ranges.json"
+        self.part = PartialFile(self.path, source, rank, self.expected_digest())
         self.size: int | None = None
 
     def fetch(self, tensors: list[str], bar=None) -> tuple[int, int]:
@@ -223,19 +223,19 @@ class Shard:
         if whole is not None:
             self.check_cached_whole(Path(whole))
             link(self.path, whole)
-            self.record_path.unlink(missing_ok=True)
+            self.part.record_path.unlink(missing_ok=True)
             self.size = os.path.getsize(whole)
             return 0, self.share(tensors)
         if self.path.is_symlink():  # a whole file once linked, since evicted from the standard cache
             self.path.unlink()
         from filelock import FileLock
         with FileLock(str(self.path) + ".lock"):  # ranks sharing one cache extend the same file in turn
-            record = self.read_record()
-            fetched = self.get_missing(record, [(0, 8)], bar)
+            record = self.part.read_record()
+            fetched = self.part.get_missing(record, [(0, 8)], bar)
             self.size = record["size"]
             header_end = self.header_end()  # bounded before any range of the header is asked for
-            fetched += self.get_missing(record, [(8, header_end)], bar)
-            fetched += self.get_missing(record, self.tensor_ranges(tensors), bar)
+            fetched += self.part.get_missing(record, [(8, header_end)], bar)
+            fetched += self.part.get_missing(record, self.tensor_ranges(tensors), bar)
             if missing(record["ranges"], [(0, record["size"])]) == []:
                 self.check_fetched_whole(record)
         share = self.share(tensors)
@@ -251,7 +251,7 @@ class Shard:
 
     def header_end(self) -> int:
         """8 + the header's length, which must be within safetensors' limit and the file."""
-        length = struct.unpack("<Q", self.read(0, 8))[0]
+        length = struct.unpack("<Q", self.part.read(0, 8))[0]
         size = self.size if self.size is not None else os.path.getsize(self.path)
         if length > MAX_HEADER:
             raise self.broken(f"its safetensors header claims {length:,} bytes, over safetensors' limit of {MAX_HEADER:,}")
@@ -264,7 +264,7 @@ class Shard:
         header_end = self.header_end()
         size = self.size if self.size is not None else os.path.getsize(self.path)
         try:
-            header = json.loads(self.read(8, header_end - 8))
+            header = json.loads(self.part.read(8, header_end - 8))
         except ValueError as e:
             raise self.broken(f"its safetensors header is not valid JSON ({one_line(e, 100)})") from None
         if not isinstance(header, dict):
@@ -327,14 +327,24 @@ class Shard:
             return
         actual = file_digest(self.path, expected[0])
         if actual != expected[1]:
-            self.discard()
+            self.part.discard()
             raise HubError(f"{self.file} of {self.source['spec']} arrived whole with {expected[0]} {actual[:16]}... but "
                            f"the Hub lists {expected[1][:16]}...: bytes were altered in transit (a proxy or a "
                            f"faulty mirror?); what was fetched is discarded: run again to fetch it anew")
         record["verified"] = list(expected)
-        write_json(self.record_path, record)
+        write_json(self.part.record_path, record)
 
-    # --- the partial file and its record ---------------------------------------------------------
+
+class PartialFile:
+    """A shard fetched in byte ranges: a sparse file at full size plus the record of the ranges it holds and of
+    the file version they came from (the commit and ETag of the first range). `expected`: the tree API's digest
+    (kind, hex), or None."""
+
+    def __init__(self, path: Path, source: dict, rank: int, expected: tuple[str, str] | None):
+        self.path, self.source, self.rank, self.expected = path, source, rank, expected
+        self.folder, self.file = path.parent, path.name
+        self.record_path = path.parent / f"{path.name}.ranges.json"
+
     def read_record(self) -> dict:
         """What is held, and what it was checked against (the commit and ETag of the first range). A record
         without them (older than the check) is not trusted: the shard is fetched anew."""
@@ -427,7 +437,7 @@ class Shard:
         commit = hub.headers.get("X-Repo-Commit")
         etag = (hub.headers.get("X-Linked-Etag") or hub.headers.get("ETag") or "").removeprefix("W/").strip('"') or None
         if record.get("etag") is None:
-            expected = self.expected_digest()
+            expected = self.expected
             if commit == self.source["commit"] and etag is not None and (expected is None or expected[0] != "sha256"
                                                                           or etag == expected[1]):
                 record.update(commit=commit, etag=etag)
