@@ -36,16 +36,19 @@ class CacheSettings:
 
 
 class RankPrefixes:
-    """One rank's saved prefixes: its stage's slice, and on rank 0 also the drafter's (`drafter` cache)."""
+    """One rank's saved prefixes: its stage's slice, and on rank 0 also its model drafter's (`drafter`: the
+    drafter's identity and the ModelDrafter, whose `cached` tokens its cache holds)."""
 
-    def __init__(self, settings: CacheSettings, identity: str, cache: StaticKVCache,
-                 drafter: tuple[str, StaticKVCache] | None = None, warn=None):
+    def __init__(self, settings: CacheSettings, identity: str, cache: StaticKVCache, drafter=None, warn=None):
         self.settings, self.identity, self.warn = settings, identity, warn
-        self.caches = {"target": cache, **({"drafter": drafter[1]} if drafter else {})}
-        self.drafter_identity = drafter[0] if drafter else None
+        self.caches = {"target": cache}
+        self.drafter_identity, self.drafter = drafter if drafter else (None, None)
+        if self.drafter is not None:
+            self.caches["drafter"] = self.drafter.stage.cache
         self.stores: dict[tuple[str, str, int], KVDiskStore] = {}
         self.found: dict[str, SavedPrefix] = {}  # what the last lookup read, per role
         self.to_save: tuple[list[str], list[str], int] | None = None  # hashes, weights, block size
+        self.drafter_to_save: tuple[list[str], int] | None = None
 
     def store(self, role: str, weights: list[str], block: int) -> KVDiskStore:
         model = pipeline_identity(weights + [self.identity]) if role == "target" else pipeline_identity([self.drafter_identity])
@@ -56,9 +59,11 @@ class RankPrefixes:
         return self.stores[at]
 
     # --- rank 0 -------------------------------------------------------------------------------
-    def hashes(self, prompt: list[int]) -> list[str]:
-        """The prompt's blocks to look up and save; none for a prompt shorter than cache.min_tokens. The last
-        token is left out: a restored prefix must leave it to the prefill (its logits give the first token)."""
+    def begin(self, prompt: list[int]) -> list[str]:
+        """Rank 0, a new request: the last lookup forgotten; the prompt's blocks to look up and save, none for a
+        prompt shorter than cache.min_tokens. The last token is left out: a restored prefix must leave it to the
+        prefill (its logits give the first token)."""
+        self.found = {}
         if len(prompt) < self.settings.min_tokens:
             return []
         return prefix_hashes(prompt[:-1], self.settings.block_tokens)
@@ -66,6 +71,20 @@ class RankPrefixes:
     def look(self, hashes: list[str]) -> int:
         """Rank 0: read what it holds of `hashes` (its drafter's too); the target's blocks."""
         return self.on_lookup(hashes, [], len(hashes), self.settings.block_tokens)
+
+    def restore_drafter(self, tokens: int) -> None:
+        """Rank 0's drafter, after its reset: what its lookup found, up to `tokens`, loaded after what it holds."""
+        found = self.found.pop("drafter", None)
+        tokens = min(tokens, found.tokens if found is not None else 0)
+        if tokens > self.drafter.cached:
+            found.load_into(self.caches["drafter"], tokens, self.drafter.cached)
+            self.drafter.holds(tokens)
+
+    def after_generation(self) -> None:
+        """Rank 0: queue the drafter's blocks of the prompt, as far as it has taken the prompt in."""
+        if self.drafter_to_save is not None:
+            (hashes, block), self.drafter_to_save = self.drafter_to_save, None
+            self.store("drafter", [], block).save(self.caches["drafter"], hashes[:self.drafter.cached // block])
 
     # --- every rank ---------------------------------------------------------------------------
     def on_lookup(self, hashes: list[str], weights: list[str], held: int, block: int) -> int:
@@ -81,28 +100,30 @@ class RankPrefixes:
             target.load_into(self.caches["target"], tokens, start)
         self.to_save = (hashes, weights, block) if hashes else None
 
-    def restore_drafter(self, cached: int, tokens: int) -> int:
-        """Rank 0's drafter, holding `cached` tokens of the prompt: what its lookup found, up to `tokens`, loaded
-        after them. Returns its new length."""
-        found = self.found.pop("drafter", None)
-        tokens = min(tokens, found.tokens if found is not None else 0)
-        if tokens <= cached:
-            return cached
-        found.load_into(self.caches["drafter"], tokens, cached)
-        return tokens
-
-    def after_prefill(self, drafter_cached: int | None = None) -> None:
-        """The caches hold the prompt: queue its new blocks for the writer thread (the drafter's as far as it
-        has taken the prompt in)."""
-        if self.to_save is None:
-            return
-        hashes, weights, block = self.to_save
-        self.to_save = None
-        self.store("target", weights, block).save(self.caches["target"], hashes)
-        if drafter_cached is not None and "drafter" in self.caches:
-            self.store("drafter", weights, block).save(self.caches["drafter"], hashes[:drafter_cached // block])
+    def after_prefill(self) -> None:
+        """The stage's cache holds the prompt (its first round has run): queue its new blocks for the writer."""
+        if self.to_save is not None:
+            (hashes, weights, block), self.to_save = self.to_save, None
+            self.store("target", weights, block).save(self.caches["target"], hashes)
+            if self.drafter is not None:
+                self.drafter_to_save = (hashes, block)
 
     def close(self) -> None:
         """Every queued block on disk (a one-shot run ends right after)."""
         for store in self.stores.values():
             store.close()
+
+
+def pass_on(prefixes: RankPrefixes | None, msg):
+    """A later rank's part of a Lookup or Restore (netbridge.protocol); what it sends on. A rank without cache.dir
+    holds nothing and names no weights (""), so no rank after it uses the cache either: its files' key would
+    miss those weights."""
+    from netbridge.protocol import Lookup, Restore
+    mine = prefixes if prefixes is not None and "" not in msg.weights else None
+    weights = msg.weights + [mine.identity if mine else ""]
+    if isinstance(msg, Lookup):
+        held = mine.on_lookup(msg.hashes, msg.weights, msg.held, msg.block) if mine else 0
+        return Lookup(msg.hashes, weights, held, msg.block)
+    if mine:
+        mine.on_restore(msg.hashes, msg.weights, msg.block, msg.start, msg.tokens)
+    return Restore(msg.hashes, weights, msg.block, msg.start, msg.tokens)

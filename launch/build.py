@@ -137,6 +137,37 @@ def model_drafter(plan: Plan):
                         use_graph=use_graph(cfg.draft, plan.draft_device))
 
 
+def build_prefixes(plan: Plan, stage, drafter=None):
+    """cache.dir: this rank's saved prefixes (kvcache.prefixes), rank 0's model drafter's too; None when off.
+    A folder that cannot be made or written is one line now, not a failure at the first long prompt."""
+    c = plan.settings.cache
+    if c.dir is None:
+        return None
+    import os
+    from kvcache.identity import numerics, stage_identity
+    from kvcache.prefixes import CacheSettings, RankPrefixes
+    from model_parallel.memory import parse_size
+    from speculative.drafters import ModelDrafter
+    try:
+        Path(c.dir).mkdir(parents=True, exist_ok=True)
+        if not os.access(c.dir, os.W_OK | os.X_OK):
+            raise PermissionError("not writable by this user")
+    except OSError as e:
+        raise ConfigError(f"cache.dir={c.dir} cannot be used on rank {plan.rank} ({one_line(e)}); give a writable folder, "
+                          "or leave cache.dir unset") from None
+    settings = CacheSettings(c.dir, c.min_tokens, parse_size(c.max_bytes, "cache.max_bytes"), c.block_tokens)
+    cfg, layers, rank = plan.settings, plan.layers(), plan.rank
+    identity = stage_identity(plan.models.target.folder, layers.start, layers.stop, rank == 0, rank == plan.ranks - 1,
+                              numerics(dtype=cfg.model.dtype, quant=str(quantizer(cfg, "model"))))
+    draft = None
+    if isinstance(drafter, ModelDrafter):
+        model = plan.models.drafter
+        draft = (stage_identity(model.folder, 0, model.num_layers, True, True,
+                                numerics(dtype=cfg.draft.dtype, quant=str(quantizer(cfg, "draft")))), drafter)
+    warn = (lambda line: print(f"[rank {rank}] warning: {line}", file=sys.stderr, flush=True))
+    return RankPrefixes(settings, identity, stage.cache, draft, warn)
+
+
 def use_graph(d, device: str) -> bool:
     """draft.graph: auto = capture on CUDA; on = insist (and say why it cannot be)."""
     import torch

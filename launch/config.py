@@ -126,6 +126,14 @@ class ServeConfig:
 
 
 @dataclass
+class CacheConfig:
+    dir: str | None = None  # each rank saves its layers' KV of long prompts here and later requests and launches restore it (kvcache.disk); null = off
+    min_tokens: int = 512  # prompts at least this long are looked up and saved
+    max_bytes: Any = "20GiB"  # the folder's size bound (least recently used blocks go first): 20GiB, 500MB
+    block_tokens: int = 256  # a prompt is saved in blocks of this many tokens; a shared prefix is reused to the last whole block
+
+
+@dataclass
 class TandemConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
@@ -135,6 +143,7 @@ class TandemConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     log: LogConfig = field(default_factory=LogConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     prompt: str | None = None  # plain text, taken as typed (no YAML on the command line); the chat template is applied when the model has one
     prompt_file: str | None = None  # the prompt from this UTF-8 file, as it is (- = stdin, read by rank 0)
     prompt_ids: list[int] | None = None  # token ids, used as they are: a JSON list [1,2,3]
@@ -194,7 +203,7 @@ def load_config(overrides: list[str], config_file: str | Path | None = None) -> 
         section = ".".join(parts[:-1]) or "top level"
         raise ConfigError(f"unknown config key {key!r} ({where}); valid keys in {section}: {', '.join(valid)}") from None
     except OmegaConfBaseException as e:
-        raise ConfigError(f"bad config value: {one_line(str(e).splitlines()[0])} (full key: {getattr(e, 'full_key', '?')})") from None
+        raise ConfigError(f"bad config value: {one_line(e, first=True)} (full key: {getattr(e, 'full_key', '?')})") from None
     _set_typed(cfg, typed)
     for name in ("target",):
         setattr(cfg.model, name, _expand(getattr(cfg.model, name)))
@@ -202,6 +211,7 @@ def load_config(overrides: list[str], config_file: str | Path | None = None) -> 
     cfg.model.hub_cache = _expand(cfg.model.hub_cache)
     cfg.transport.secret_file = _expand(cfg.transport.secret_file)
     cfg.serve.api_key_file = _expand(cfg.serve.api_key_file)
+    cfg.cache.dir = _expand(cfg.cache.dir)
     cfg.transport.relay_token_file = _expand(cfg.transport.relay_token_file)
     # YAML 1.1 reads a bare on/off as a boolean, which omegaconf then stores in this str field as True/False
     cfg.draft.graph = {"True": "on", "False": "off"}.get(cfg.draft.graph, cfg.draft.graph)
@@ -219,7 +229,7 @@ def _dotlist(items: list[str]):
                 OmegaConf.from_dotlist([item])
             except yaml.YAMLError as e:
                 key, _, value = item.partition("=")
-                raise ConfigError(f"{key}={value!r} is not a value YAML can read ({one_line(str(e).strip().splitlines()[0])}); quote it as YAML "
+                raise ConfigError(f"{key}={value!r} is not a value YAML can read ({one_line(e, first=True)}); quote it as YAML "
                                   f"does, e.g. {key}='\"...\"'") from None
         raise
 
@@ -300,6 +310,7 @@ def validate(cfg: TandemConfig) -> None:
     _choice(cfg.draft.graph, ("auto", "on", "off"), "draft.graph")
     _choice(cfg.transport.kind, ("gloo", "relay"), "transport.kind")
     _check_sizes(cfg.model.max_memory)
+    _check_sizes(cfg.cache.max_bytes if cfg.cache.max_bytes is not None else "null", "cache.max_bytes")
     for key, low, high in BOUNDS:
         _bounded(cfg, key, low, high)
     if cfg.spec.in_flight != "auto" and (isinstance(cfg.spec.in_flight, str) or not 1 <= cfg.spec.in_flight <= 8):
@@ -357,7 +368,8 @@ BOUNDS = [("model.max_len", 1, MAX_TOKENS), ("draft.max_len", 1, MAX_TOKENS), ("
           ("spec.k", 0, 1024), ("draft.top_k", 1, 2**20), ("draft.ngram_max", 1, 1024), ("draft.ngram_min", 1, 1024),
           ("gen.max_new_tokens", 1, MAX_TOKENS), ("serve.max_queue", 0, 2**20), ("serve.max_body_bytes", 1, 2**31),
           ("transport.timeout_s", 0.001, 7 * 86400), ("transport.reconnect_s", 0, 7 * 86400),
-          ("transport.emulate_delay_ms", 0, 3600_000), ("transport.emulate_mbps", 0, 10**9)]
+          ("transport.emulate_delay_ms", 0, 3600_000), ("transport.emulate_mbps", 0, 10**9),
+          ("cache.min_tokens", 1, MAX_TOKENS), ("cache.block_tokens", 1, MAX_TOKENS)]
 
 
 def _bounded(cfg: TandemConfig, key: str, low, high) -> None:
@@ -390,13 +402,13 @@ def output_room(cfg: TandemConfig, prompt_tokens: int) -> tuple[int, str]:
     return capacity - prompt_tokens - cfg.spec.k, setting
 
 
-def _check_sizes(max_memory) -> None:
+def _check_sizes(max_memory, key: str = "model.max_memory") -> None:
     from model_parallel.memory import parse_size
     values = list(max_memory) if OmegaConf.is_list(max_memory) or isinstance(max_memory, list) else [max_memory]
     for i, value in enumerate(values):
         if value is not None:  # None: that rank's free memory
             try:
-                parse_size(value, "model.max_memory" + (f"[{i}]" if len(values) > 1 else ""))
+                parse_size(value, key + (f"[{i}]" if len(values) > 1 else ""))
             except ValueError as e:
                 raise ConfigError(str(e)) from None
 

@@ -112,6 +112,11 @@ class ModelDrafter:
         self.cached = len(context) + k - 1
         return Drafts(tokens, q_ids, q_probs) if q_ids is not None else Drafts(tokens)
 
+    def holds(self, n: int) -> None:
+        """Its cache now holds the context's first n tokens (cache.dir loaded them: kvcache.prefixes)."""
+        self.cached = n
+        self.stage.cache.rewind(n)
+
     def commit(self, n_committed: int) -> None:
         # Valid: the committed prefix the cache saw. Its last committed token is fed next round.
         self.cached = min(self.cached, n_committed - 1)

@@ -43,7 +43,7 @@ def ranks_of(stages, ids, folder_dir, **settings):
 
 def agree(ranks, prompt, memory: int = 0) -> int:
     """What the round loops do: rank 0 looks, the Lookup goes round, the Restore goes round."""
-    hashes = ranks[0].hashes(prompt)
+    hashes = ranks[0].begin(prompt)
     held, weights = ranks[0].look(hashes), [ranks[0].identity]
     for rank in ranks[1:]:
         held = rank.on_lookup(hashes, weights, held, B)
@@ -93,7 +93,7 @@ def test_the_ranks_agree_on_what_every_rank_holds(folder, tmp_path):
     ranks = ranks_of(stages, ids, tmp_path)
     prefill_and_save(stages, ranks, PROMPT)
     middle = ranks[1].store("target", [ids[0]], B)
-    middle.paths(ranks[0].hashes(PROMPT))[2].unlink()  # the middle rank lost its third block
+    middle.paths(ranks[0].begin(PROMPT))[2].unlink()  # the middle rank lost its third block
     fresh, _ = pipeline(folder)
     assert agree(ranks_of(fresh, ids, tmp_path), PROMPT) == 2 * B
     assert all(int(stage.cache.length) == 2 * B for stage in fresh)
@@ -115,7 +115,7 @@ def test_a_split_change_or_an_earlier_ranks_new_weights_never_load_old_files(fol
     assert agree(ranks_of(resplit, new_ids, tmp_path), PROMPT) == 0
     ranks = ranks_of(*pipeline(folder), tmp_path)
     ranks[0].identity = "rank 0 loads other weights"  # rank 0 alone changed: every later rank's KV is stale too
-    hashes = ranks[0].hashes(PROMPT)
+    hashes = ranks[0].begin(PROMPT)
     assert ranks[1].on_lookup(hashes, [ranks[0].identity], len(hashes), B) == 0
     assert ranks[2].on_lookup(hashes, [ranks[0].identity, ids[1]], len(hashes), B) == 0
 
@@ -123,7 +123,7 @@ def test_a_split_change_or_an_earlier_ranks_new_weights_never_load_old_files(fol
 def test_a_short_prompt_is_neither_looked_up_nor_saved(folder, tmp_path):
     stages, ids = pipeline(folder)
     ranks = ranks_of(stages, ids, tmp_path)
-    assert ranks[0].hashes(PROMPT[:15]) == []
+    assert ranks[0].begin(PROMPT[:15]) == []
     prefill_and_save(stages, ranks, PROMPT[:15])
     assert not list(tmp_path.glob("*.kv.safetensors"))
 
