@@ -90,7 +90,7 @@ def _init_gloo(settings, rank: int) -> None:
         raise
     except Exception as e:  # noqa: BLE001 - torch raises several types here; all mean the same to a user
         raise LaunchError(f"rank {rank} could not form the gloo group via {endpoint} within {settings.timeout_s:.0f} s "
-                          f"({one_line(e, 200)}); "
+                          f"({one_line(e, 200, first=True)}); "
                           "is the other rank running, and can each host reach the other? If not, use transport.kind=relay") from None
 
 

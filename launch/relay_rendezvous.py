@@ -43,6 +43,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from launch.rendezvous import FixedGroup
+from model_parallel.lines import one_line
 from netbridge import auth
 from netbridge.link import RDZV_BODY, RDZV_DONE, LinkClosed, LinkGarbage, LinkSocket, LinkTimeout, NoticeBoard, UnexpectedFrame
 
@@ -153,7 +154,7 @@ class RelayRendezvousHandler(FixedGroup):
             store = TCPStore("127.0.0.1", self._proxy.port, None, False, timedelta(seconds=self.join_timeout_s))
         except Exception as e:  # noqa: BLE001 - DistStoreError, RuntimeError: all mean the same here
             raise RendezvousConnectionError(f"could not reach the rendezvous store of run {self.run_id!r} through the relay "
-                                            f"{self.endpoint} ({str(e).splitlines()[0][:160]})") from None
+                                            f"{self.endpoint} ({one_line(e, 160, first=True)})") from None
         log.info("tandem-relay rendezvous: run %s node rank %d of %d via %s", self.run_id, rank, world, self.endpoint)
         if self.node_rank is not None:
             os.environ["TANDEM_NODE_RANK"] = str(self.node_rank)  # the workers inherit it: their start-up line names it

@@ -32,6 +32,8 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
+from model_parallel.lines import one_line
+
 BACKEND = "tandem"
 DEFAULT_PORT = 29400
 DEFAULT_JOIN_TIMEOUT_S = 120  # as the relay's backend: long enough to start a second host by hand
@@ -147,7 +149,7 @@ class NodeRankRendezvous(FixedGroup):
             store = TCPStore(self.host, self.port, None, is_server, timedelta(seconds=self.join_timeout_s),
                              wait_for_workers=False, multi_tenant=True)
         except Exception as e:  # noqa: BLE001 - DistNetworkError, DistStoreError, RuntimeError: one cause each way
-            detail = str(e).splitlines()[0][:160]
+            detail = one_line(e, 160, first=True)
             if is_server:
                 raise RendezvousConnectionError(f"node rank 0 could not serve the rendezvous on port {self.port} ({detail}): "
                                                 "is another torchrun with node_rank=0 already running on this host? "

@@ -4,10 +4,13 @@ Imports nothing heavy: the config (read before torch loads, for --help) uses it 
 from __future__ import annotations
 
 
-def one_line(error: BaseException | str, limit: int = 300, named: bool = False) -> str:
+def one_line(error: BaseException | str, limit: int = 300, named: bool = False, first: bool = False) -> str:
     """A library's message fit for our one-line errors: whitespace (newlines too) collapsed, length bounded;
-    `named`: after the exception's type, for a failure nobody foresaw (its message alone may say little)."""
-    text = " ".join(str(error).split()) or type(error).__name__
+    `named`: after the exception's type, for a failure nobody foresaw (its message alone may say little);
+    `first`: its first line only (where the rest is a C++ stack or generic advice: torch.distributed, YAML)."""
+    text = str(error).strip()
+    text = " ".join((text.splitlines()[:1] if first else [text])[0].split()) if text else ""
+    text = text or type(error).__name__
     if named and isinstance(error, BaseException):
         text = f"{type(error).__name__}: {text}"
     return text if len(text) <= limit else text[:limit - 3] + "..."
