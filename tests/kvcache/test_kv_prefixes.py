@@ -134,3 +134,14 @@ def test_the_prompts_last_token_is_always_prefilled(folder, tmp_path):
     prefill_and_save(stages, ranks_of(stages, ids, tmp_path), PROMPT)
     fresh, _ = pipeline(folder)
     assert agree(ranks_of(fresh, ids, tmp_path), PROMPT[:5 * B]) == 4 * B
+
+
+def test_a_request_without_blocks_to_save_forgets_the_last_ones(folder, tmp_path):
+    """A long request cancelled before its first round, then a short one: the short one's KV must not be saved
+    under the long prompt's blocks (rank 0 sends a Restore for every request)."""
+    stages, ids = pipeline(folder)
+    ranks = ranks_of(stages, ids, tmp_path)
+    agree(ranks, PROMPT)  # the long request's Restore; no round follows
+    short = [(i * 11 + 3) % 300 for i in range(12)]
+    prefill_and_save(stages, ranks, short)
+    assert not list(tmp_path.glob("*.kv.safetensors"))
