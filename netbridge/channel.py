@@ -5,7 +5,9 @@ they differ only in how bytes reach the peer: gloo point-to-point here, the rela
 from __future__ import annotations
 
 import math
+import queue
 import re
+import threading
 import time
 from abc import ABC, abstractmethod
 from datetime import timedelta
@@ -74,19 +76,53 @@ class Channel(ABC):
 
 
 class GlooChannel(Channel):
-    """Frames over torch.distributed point-to-point (gloo): a length, then the bytes."""
+    """Frames over torch.distributed point-to-point (gloo): a length, then the bytes.
+
+    A gloo send completes only when the peer receives it. Two ranks that both send before they receive
+    (rank 0 with several rounds in flight, rank 1 with a reply to give) would wait on each other for good,
+    so frames leave from a sender thread of this channel, in order; `send_frame` returns at once, as a
+    socket's send does, and a failed send is raised by the next send or receive."""
 
     def __init__(self, peer: int, timeout_s: float, **emulation):
         super().__init__(timeout_s, **emulation)
         self.peer = peer
+        self._outbox: queue.Queue = queue.Queue()
+        self._send_error: PeerError | None = None
+        self._sender: threading.Thread | None = None
 
     def send_frame(self, frame: bytes) -> None:
+        self._raise_send_error()
+        if self._sender is None:
+            self._sender = threading.Thread(target=self._send_loop, name=f"gloo-send-{self.peer}", daemon=True)
+            self._sender.start()
+        self._outbox.put(frame)
+
+    def _send_loop(self) -> None:
+        while (frame := self._outbox.get()) is not None:
+            try:
+                self._send_now(frame)
+            except PeerError as e:
+                self._send_error = e
+                return
+
+    def _send_now(self, frame: bytes) -> None:
         import torch.distributed as dist
         payload = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
         self._wait(lambda: dist.isend(torch.tensor([payload.numel()], dtype=torch.int64), self.peer))
         self._wait(lambda: dist.isend(payload, self.peer))
 
+    def _raise_send_error(self) -> None:
+        if self._send_error is not None:
+            raise self._send_error
+
+    def close(self) -> None:
+        """Let the frames already handed over leave (a Bye, an Error), within the timeout."""
+        if self._sender is not None:
+            self._outbox.put(None)
+            self._sender.join(self.timeout_s)
+
     def recv_frame(self) -> bytes:
+        self._raise_send_error()
         import torch.distributed as dist
         length = torch.zeros(1, dtype=torch.int64)
         self._wait(lambda: dist.irecv(length, self.peer))

@@ -50,6 +50,8 @@ class DepthFromCosts:
             self.hold = self._ema(self.hold, float(r.bet))
         if not r.from_ahead and r.drafted:
             self.prep_ms = self._ema(self.prep_ms, r.draft_ms + r.stage0_ms)
+        elif r.prepared:  # under spec.overlap nearly every block is prepared in a wait
+            self.prep_ms = self._ema(self.prep_ms, r.ahead_ms / r.prepared)
         self.trip_ms = self._ema(self.trip_ms, max(r.round_ms - r.ahead_ms, 0.0))
         if self.seen >= self.warmup and None not in (self.hold, self.prep_ms):
             self.depth = self.best()

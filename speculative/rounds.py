@@ -32,7 +32,8 @@ import torch
 from model_parallel.stage import Stage
 from netbridge import protocol
 from netbridge.channel import Channel
-from netbridge.protocol import Prefill, Reply, Request, Round
+from kvcache.prefixes import pass_on
+from netbridge.protocol import Lookup, Prefill, Reply, Request, Restore, Round
 from speculative.k_choice import next_k  # noqa: F401 - its old home, for callers that import it from here
 from speculative.output import Output
 from speculative.verify import token_logprobs, verify
@@ -48,7 +49,7 @@ class RoundRecord:
     round_ms: float  # send -> reply received: network + rank 1's compute (N > 2: every later rank's)
     stage1_ms: float  # rank 1's forward + verification, as it measured (N > 2: the last rank's)
     start_s: float = 0.0  # when the round started, seconds since generation started
-    send_ms: float = 0.0  # the part of round_ms spent in channel.send (an emulated delay included)
+    send_ms: float = 0.0  # the part of round_ms spent in channel.send (handing the frame over: the wire is in the wait)
     sent_s: float = 0.0  # when the send began, seconds since generation started (round_ms starts here)
     from_ahead: bool = False  # drafts and stage 0 were prepared while the previous round was in flight
     ahead_ms: float = 0.0  # of round_ms: preparing the next round while this one was in flight (spec.overlap)
@@ -57,6 +58,7 @@ class RoundRecord:
     bets_lost: int = 0  # rounds sent ahead on the bet this reply broke: their replies are dropped
     bet: bool | None = None  # whether the round prepared ahead on this one (if any) had its bet hold
     wasted_ms: float = 0.0  # the later ranks' work on dropped rounds whose replies came just before this one
+    prepared: int = 0  # blocks prepared ahead in this round's wait (ahead_ms is their drafting + stage 0)
 
     @property
     def later_ms(self) -> float:
@@ -79,6 +81,7 @@ class Generation:
     total_s: float = 0.0
     t0_s: float = 0.0  # time.perf_counter() at the start: start_s + t0_s is a round's clock reading
     reused: int = 0  # prompt tokens found in the caches (not prefilled again)
+    reused_disk: int = 0  # of them, those read from cache.dir (kvcache.prefixes); the rest were in memory
 
 
 class NonFiniteLogits(RuntimeError):
@@ -89,18 +92,24 @@ def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-def run_rank1(stage: Stage, channel: Channel, reply_to: Channel | None = None, grammars=None) -> int:
+def run_rank1(stage: Stage, channel: Channel, reply_to: Channel | None = None, prefixes=None, grammars=None) -> int:
     """Serve rounds until rank 0 says Bye; returns the number of rounds served. With more than two
     ranks this is the last one: `channel` comes from the rank before it, replies go to `reply_to` (rank 0).
-    `grammars`: what makes a Request's grammar (speculative.grammar.FolderGrammars), or None."""
+    `prefixes`: this rank's cache.dir (kvcache.prefixes.RankPrefixes), or None. `grammars`: what makes a
+    Request's grammar (speculative.grammar.FolderGrammars), or None."""
     reply_to = reply_to or channel
     request, generator, grammar = Request(), torch.Generator(), None
     rounds = 0
     while True:
         t_wait = time.perf_counter()
-        msg = protocol.recv(channel, Request, Prefill, Round, protocol.Idle, protocol.Bye)
+        msg = protocol.recv(channel, Request, Lookup, Restore, Prefill, Round, protocol.Idle, protocol.Bye)
         if isinstance(msg, protocol.Bye):
             return rounds
+        if isinstance(msg, (Lookup, Restore)):
+            answer = pass_on(prefixes, msg)
+            if isinstance(answer, Lookup):  # back to rank 0, which decides
+                protocol.send(reply_to, answer)
+            continue
         if isinstance(msg, Request):
             request = msg
             grammar = request_grammar(grammars, request)
@@ -117,15 +126,20 @@ def run_rank1(stage: Stage, channel: Channel, reply_to: Channel | None = None, g
         protocol.send(reply_to, Reply(accepted, token, (t_send - t0) * 1000, [t_wait, t0, t_forward, t_send], msg.marks,
                                       *logprobs))
         rounds += 1
+        if prefixes is not None:  # after the reply: a prompt's first round filled the cache, save it
+            prefixes.after_prefill()
 
 
-def run_middle(stage: Stage, prev: Channel, next: Channel) -> int:
+def run_middle(stage: Stage, prev: Channel, next: Channel, prefixes=None) -> int:
     """A middle rank (N > 2): its layers over every Prefill's and Round's hidden states, passed on to
-    the next rank; every other message passed on as it came. Returns the number of rounds served."""
+    the next rank; a Lookup or Restore (cache.dir) after its own part; every other message passed on as it
+    came. Returns the number of rounds served."""
     rounds = 0
     while True:
         t_wait = time.perf_counter()
-        msg = protocol.recv(prev, Request, Prefill, Round, protocol.Idle, protocol.Bye)
+        msg = protocol.recv(prev, Request, Lookup, Restore, Prefill, Round, protocol.Idle, protocol.Bye)
+        if isinstance(msg, (Lookup, Restore)):
+            msg = pass_on(prefixes, msg)
         if isinstance(msg, (Prefill, Round)):
             t0 = time.perf_counter()
             msg.hidden = stage.run(msg.start, msg.hidden.to(stage.device))
@@ -134,6 +148,8 @@ def run_middle(stage: Stage, prev: Channel, next: Channel) -> int:
                 msg.marks = (msg.marks or []) + [[t_wait, t0, t_done, t_done]]  # as Reply.marks: wait, start, forward, send
                 rounds += 1
         protocol.send(next, msg)
+        if isinstance(msg, Round) and prefixes is not None:
+            prefixes.after_prefill()
         if isinstance(msg, protocol.Bye):
             return rounds
 

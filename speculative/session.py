@@ -106,8 +106,9 @@ class Stream:
 
 
 class Session:
-    def __init__(self, stage, drafter, channel, spec: SpecSettings = SpecSettings(), replies=None):
+    def __init__(self, stage, drafter, channel, spec: SpecSettings = SpecSettings(), replies=None, prefixes=None):
         self.stage, self.drafter, self.channel = stage, drafter, channel
+        self.prefixes = prefixes  # cache.dir: rank 0's saved prefixes (kvcache.prefixes.RankPrefixes), or None
         self.replies = replies or channel  # the last rank's link with more than two ranks
         self.spec = spec
         self.k_policy = k_policy(spec.k, spec.adaptive, spec.k_from_costs, spec.overlap)
@@ -134,7 +135,9 @@ class Session:
         gen.total_s = time.perf_counter() - stream.t_start
         # the caches hold every committed token but the newest (the next round feeds it), or, when no
         # round ran at all, just the reused prefix
-        self.cached = (prompt_ids + output.tokens)[:-1] if gen.rounds else prompt_ids[:reuse]
+        self.cached = (prompt_ids + output.tokens)[:-1] if gen.rounds else prompt_ids[:gen.reused]
+        if self.prefixes is not None:
+            self.prefixes.after_generation()
         return gen
 
     def open(self, prompt_ids: list[int], output: Output, request: Request, reuse: int = 0) -> Stream:
@@ -143,11 +146,34 @@ class Session:
         self.drain()  # a generation that stopped on an error may have left replies on the way
         stream = Stream(output, request, Generation(prompt_ids, output, reused=reuse), list(prompt_ids), [], 0)
         stream.gen.t0_s = stream.t_start
+        held = self.restore(stream.gen, reuse)
         protocol.send(self.channel, request)
-        self.drafter.reset(reuse, request.temperature, request.seed + 1)
-        stream.pending = self.prefill_chunks(prompt_ids, reuse)
+        self.drafter.reset(reuse, request.temperature, request.seed + 1)  # what memory holds: a drafter may hold less
+        if self.prefixes is not None and self.prefixes.drafter is not None:
+            self.prefixes.restore_drafter(held)
+        stream.pending = self.prefill_chunks(prompt_ids, held)
         stream.k_now = self.k_policy.first()
         return stream
+
+    def restore(self, gen: Generation, reuse: int) -> int:
+        """cache.dir (kvcache.prefixes): the longest saved prefix of the prompt that every rank holds, loaded on
+        every rank when longer than the `reuse` tokens the caches hold (one Lookup around the ring, only when rank
+        0 holds more); the Restore, sent for every request, tells every rank which blocks to save (none for a
+        short prompt: a cancelled request's must not be saved after the next one's prefill). Returns what the
+        caches hold."""
+        if self.prefixes is None:
+            return reuse
+        p, block = self.prefixes, self.prefixes.settings.block_tokens
+        hashes = p.begin(gen.prompt_ids)
+        held = p.look(hashes) if len(hashes) * block > reuse else 0
+        if held * block > reuse:
+            protocol.send(self.channel, protocol.Lookup(hashes, [p.identity], held, block))
+            held = protocol.recv(self.replies, protocol.Lookup).held
+        tokens = max(reuse, held * block)
+        p.on_restore(hashes, [], block, reuse, tokens)
+        protocol.send(self.channel, protocol.Restore(hashes, [p.identity], block, reuse, tokens))
+        gen.reused, gen.reused_disk = tokens, tokens - reuse
+        return tokens
 
     def prefill_chunks(self, prompt_ids: list[int], reuse: int) -> list[int]:
         """Send all but the last `prefill_chunk` tokens of the prompt's new part as Prefill messages; returns
@@ -173,7 +199,7 @@ class Session:
         if not s.chain:
             s.chain.append(self.fresh_block(s))
         self.send_held(s)
-        ahead_ms = self.use_the_wait(s)
+        ahead_ms, prepared = self.use_the_wait(s)
         in_flight = s.sent
         reply, wasted_ms = self.receive()
         block = s.chain.popleft()
@@ -181,6 +207,8 @@ class Session:
         kept = self.commit(s, block, reply)
         if not s.gen.rounds:
             s.gen.ttft_s = time.perf_counter() - s.t_start
+            if self.prefixes is not None:  # the prompt is in the cache: its new blocks to the writer thread
+                self.prefixes.after_prefill()
         bet = s.chain[0].holds(reply, len(block.drafts)) if s.chain else None
         lost = self.drop_chain(s) if bet is False or s.output.done else 0
         if not s.chain:  # else the drafter's cache runs ahead on the bets that held, exactly as it should
@@ -188,7 +216,7 @@ class Session:
         record = RoundRecord(len(block.drafts), reply.accepted, kept, block.draft_ms, block.stage0_ms, round_ms,
                              reply.stage1_ms, t_round - s.t_start, block.send_ms, block.sent_at - s.t_start,
                              block.guess is not None, ahead_ms, [(m[2] - m[1]) * 1000 for m in reply.middle_marks or []],
-                             in_flight, lost, bet, wasted_ms)
+                             in_flight, lost, bet, wasted_ms, prepared)
         s.gen.rounds.append(record)
         s.k_now = self.k_policy.after(s.k_now, record, decode=len(s.gen.rounds) > 1)
         self.depth.observe(record)
@@ -217,11 +245,11 @@ class Session:
                                           block.drafts.q_probs))
         block.send_ms, block.hidden = _ms(block.sent_at), None
 
-    def use_the_wait(self, s: Stream) -> float:
+    def use_the_wait(self, s: Stream) -> tuple[float, int]:
         """While rounds are in flight: prepare blocks on the bet, each sent at once while the depth allows,
-        one more held back under spec.overlap; returns the ms spent preparing them. When the next round will
+        one more held back under spec.overlap; returns the ms spent preparing them and how many. When the next round will
         draft nothing, the drafter takes in the committed tokens now, not all at once when K rises again."""
-        prepared_ms = 0.0
+        prepared_ms, prepared = 0.0, 0
         while s.chain[-1].sent_at is not None:  # else one is held back already
             tip = s.chain[-1]
             k_next = min(self.k_policy.bet(tip.k, len(tip.drafts)), s.remaining - self.promised(s) - 1)
@@ -233,10 +261,10 @@ class Session:
             if block is None:
                 break
             s.chain.append(block)
-            prepared_ms += block.prepared_ms
+            prepared_ms, prepared = prepared_ms + block.prepared_ms, prepared + 1
             if s.sent < self.depth.now():
                 self.send(block)
-        return prepared_ms
+        return prepared_ms, prepared
 
     @staticmethod
     def promised(s: Stream) -> int:
@@ -295,3 +323,5 @@ class Session:
 
     def close(self) -> None:
         protocol.send(self.channel, protocol.Bye())
+        if self.prefixes is not None:
+            self.prefixes.close()  # every saved block on disk before a one-shot run exits

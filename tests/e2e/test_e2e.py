@@ -23,11 +23,15 @@ MAX_NEW = 23
 # --- torchrun: two processes over gloo -----------------------------------------------------------
 
 def test_torchrun_qwen2_model_drafter_matches_generate(tiny_qwen, tiny_qwen_draft, tmp_path):
-    """GQA, untied head, the default split (half), a neural drafter with adaptive K (the defaults)."""
+    """GQA, untied head, the default split (half), a neural drafter with adaptive K (the defaults), and three
+    rounds in flight over gloo (whose send completes only when the peer receives: both ranks send before they
+    receive, so a channel that sent in line would hold both until transport.timeout_s)."""
     out, proc = run_tandem(tmp_path, f"model.target={tiny_qwen}", "model.dtype=float32", "draft.kind=model",
                            f"draft.model={tiny_qwen_draft}", "draft.dtype=float32", "spec.k=4",
-                           f"prompt_ids={ids_arg(PROMPT)}", f"gen.max_new_tokens={MAX_NEW}")
+                           f"prompt_ids={ids_arg(PROMPT)}", f"gen.max_new_tokens={MAX_NEW}", "spec.in_flight=3",
+                           "transport.timeout_s=30")
     assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, MAX_NEW)
+    assert out["stats"]["in_flight_mean"] > 1.5
     assert out["stats"]["stop_reason"] == "max_new_tokens" and out["stats"]["drafted_tokens"] > 0
     assert "tokens/round" in proc.stderr  # rank 0's summary line
 
