@@ -45,8 +45,9 @@ class Prompt:
 
 _SAMPLING = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n"}
 READS = {  # the fields each endpoint's parser reads and honours
-    "chat": _SAMPLING | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls"},
-    "completions": _SAMPLING | {"prompt", "best_of"},
+    "chat": _SAMPLING | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
+                         "response_format", "logprobs", "top_logprobs"},  # these three: launch.structured
+    "completions": _SAMPLING | {"prompt", "best_of", "logprobs"},
     "responses": {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools",
                   "tool_choice", "parallel_tool_calls"},
 }
@@ -118,6 +119,8 @@ def parse_chat(body, tokenizer, cfg, model_name: str) -> Prompt:
         raise ApiError(400, str(e), param=e.param) from None
     settings = read_settings(body, cfg)
     check_fields(body, "chat")
+    from launch.structured import read_chat_logprobs, read_grammar  # (which imports this module)
+    settings.request.grammar, settings.request.logprobs = read_grammar(body), read_chat_logprobs(body)
     prompt = with_ids(settings, template_ids(tokenizer, conversation, tools.specs if tools else None))
     prompt.tools = tools
     if tools and tools.parse and not tools.parallel:
@@ -143,6 +146,8 @@ def parse_completion(body, tokenizer, cfg, model_name: str) -> Prompt:
         prompt = prompt[0]
     request = read_settings(body, cfg)
     check_fields(body, "completions")
+    from launch.structured import read_completion_logprobs
+    request.request.logprobs = read_completion_logprobs(body)
     if isinstance(prompt, str) and prompt:
         if tokenizer is None:
             raise ApiError(400, f"{model_name} has no tokenizer: send the prompt as a list of token ids", param="prompt")

@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from launch.api import ApiError, Prompt, parse_chat, parse_completion, tandem_fields, usage, visible_text
 from launch.responses import ResponsesForm, parse_responses
+from launch.structured import chat_logprobs, completion_logprobs
 from launch.build import CapacityError, check_capacity, check_ids, output_room
 from launch.config import TandemConfig
 from speculative.output import Output
@@ -50,6 +51,7 @@ class Job:
     arrived: float = 0.0  # time.perf_counter() when the request arrived: ttft_ms counts from here
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    tokenizer: object = None  # writes logprobs' tokens as text (launch.structured)
 
     def emit(self, kind: str, value) -> None:
         try:
@@ -125,16 +127,19 @@ class Engine:
         p = job.prompt
         started = time.perf_counter()
         output = Output(self.tokenizer, self.eos_ids, p.max_tokens, p.stop)
-        sent = ""
+        sent, reported = "", 0
 
         def on_round(record, reply) -> None:
-            nonlocal sent
+            nonlocal sent, reported
             if self.telemetry is not None:
                 self.telemetry.on_round(record, reply)
             text = visible_text(output.text(), p.stop, output.done)
             if len(text) > len(sent):
                 job.emit("text", text[len(sent):])
                 sent = text
+            if len(output.logprobs) > reported:  # the request asked for them: the new tokens' (tokens, rows)
+                job.emit("logprobs", (output.tokens[reported:len(output.logprobs)], output.logprobs[reported:]))
+                reported = len(output.logprobs)
         try:
             gen = self.session.generate(p.ids, output, p.request, on_round=on_round, cancelled=job.cancelled.is_set)
         except Exception as e:
@@ -150,7 +155,8 @@ class Engine:
         self.served += 1
         self.cancelled += job.cancelled.is_set() and not output.done
         job.emit("done", {"text": visible_text(output.text(), p.stop, True), "token_ids": output.tokens,
-                          "finish_reason": FINISH.get(output.stop_reason, "stop"), "stats": stats})
+                          "finish_reason": FINISH.get(output.stop_reason, "stop"), "stats": stats,
+                          "logprobs": (output.tokens, output.logprobs) if p.request.logprobs is not None else None})
 
     def _fail_waiting(self, cause: BaseException) -> None:
         while True:
@@ -205,7 +211,7 @@ def build_app(cfg: TandemConfig, engine: Engine, tokenizer, vocab_size: int, mod
         arrived = time.perf_counter()
         raw = await read_body(http, cfg.serve.max_body_bytes)
         prompt = await asyncio.to_thread(parse_and_check, raw, parse)
-        job = Job(prompt, asyncio.get_running_loop(), arrived)
+        job = Job(prompt, asyncio.get_running_loop(), arrived, tokenizer=tokenizer)
         engine.submit(job)
         if prompt.stream:
             return StreamingResponse(stream(job, form(job, model_name)), media_type="text/event-stream")
@@ -340,9 +346,9 @@ async def stream(job: Job, form):
             yield event
         while True:
             what, value = await job.events.get()
-            for event in getattr(form, what)(value):  # form.text / form.done / form.error
+            for event in getattr(form, what)(value):  # form.text / form.logprobs / form.done / form.error
                 yield event
-            if what != "text":
+            if what in ("done", "error"):
                 break
         for event in form.end():
             yield event
@@ -359,14 +365,22 @@ class CompletionForm:
 
     def __init__(self, job: Job, model: str):
         self.job, self.model, self.id, self.created = job, model, f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        self.offset = 0  # streamed logprobs: where the next token's text starts in the answer
 
     def body(self, choice: dict, **extra) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "logprobs": None, **choice}], **extra}
 
     def answer(self, done: dict) -> dict:
-        return self.body({"text": done["text"], "finish_reason": done["finish_reason"]}, usage=usage(self.job.prompt, done),
-                         tandem=tandem_fields(done))
+        logprobs = done.get("logprobs") and completion_logprobs(self.job.tokenizer, *done["logprobs"])
+        return self.body({"text": done["text"], "finish_reason": done["finish_reason"], "logprobs": logprobs},
+                         usage=usage(self.job.prompt, done), tandem=tandem_fields(done))
+
+    def logprobs(self, value) -> list[str]:
+        """Streamed: the log-probabilities of the tokens a round committed, in a chunk of their own."""
+        logprobs = completion_logprobs(self.job.tokenizer, *value, offset=self.offset)
+        self.offset += sum(map(len, logprobs["tokens"]))
+        return [sse(self.body({"text": "", "logprobs": logprobs, "finish_reason": None}))]
 
     def start(self) -> list[str]:
         return []
@@ -412,8 +426,13 @@ class ChatForm(CompletionForm):
             message["content"] = "".join(item for kind, item in items if kind == "content") or (None if calls else "")
             if calls:
                 message["tool_calls"] = calls
-        return self.body({"message": message, "finish_reason": self.finish_reason(done)}, usage=usage(self.job.prompt, done),
-                         tandem=tandem_fields(done))
+        logprobs = done.get("logprobs") and chat_logprobs(self.job.tokenizer, *done["logprobs"])
+        return self.body({"message": message, "finish_reason": self.finish_reason(done), "logprobs": logprobs},
+                         usage=usage(self.job.prompt, done), tandem=tandem_fields(done))
+
+    def logprobs(self, value) -> list[str]:
+        return [sse(self.body({"delta": {"content": ""}, "logprobs": chat_logprobs(self.job.tokenizer, *value),
+                               "finish_reason": None}))]
 
     def start(self) -> list[str]:
         return [sse(self.body({"delta": {"role": "assistant", "content": ""}, "finish_reason": None}))]

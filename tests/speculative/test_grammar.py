@@ -1,7 +1,7 @@
 """Structured outputs and logprobs where verification happens (speculative.grammar, speculative.verify):
 
 - greedy speculation under a JSON schema gives token for token what transformers' generate gives with the
-  same schema as a logits processor (the reference below is llguidance's own matcher, fed the whole output at
+  same schema as a logits processor (tests.support.grammar_reference: llguidance's own matcher, fed the whole output at
   every step, never speculative.grammar), whatever the drafts: the target's own unmasked choices (which the
   grammar often refuses), the reference answer with holes (full hits, bonus tokens), random tokens;
 - the answers parse and fit the schema;
@@ -12,17 +12,16 @@
 """
 import json
 
-import llguidance
-import llguidance.hf
 import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
+from transformers import AutoTokenizer
 
 from netbridge.protocol import Request
-from speculative.grammar import JSON_OPTIONS, GrammarError, Grammars, grammar_source, schema_of
+from speculative.grammar import GrammarError, Grammars, grammar_source, schema_of
 from speculative.verify import token_logprobs, verify
+from tests.support.grammar_reference import ReferenceGrammar, constrained_greedy
 from tests.support.session_harness import serve, session_args
 from tests.support.tiny_models import VOCAB, load_reference, reference_greedy, save_tiny, save_tiny_tokenizer
 
@@ -59,34 +58,16 @@ def expected(tiny):
     return reference(tiny[0], tiny[1])
 
 
-# ---- the reference: transformers generate with llguidance's matcher as a logits processor ---------------
-class ReferenceGrammar(LogitsProcessor):
-    """Feeds the matcher every token generated since the last call, then sets the logits of the tokens its
-    byte mask refuses to -inf (llguidance's compute_logit_bias: one byte per token, 0 where refused)."""
-
-    def __init__(self, tokenizer, schema: dict, prompt_len: int):
-        lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=VOCAB, eos_token=EOS)
-        self.matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS))
-        self.prompt_len, self.fed = prompt_len, 0
-
-    def allowed(self) -> torch.Tensor:
-        return torch.frombuffer(bytearray(self.matcher.compute_logit_bias()), dtype=torch.uint8)[:VOCAB] > 0
-
-    def __call__(self, input_ids, scores):
-        new = input_ids[0, self.prompt_len + self.fed:].tolist()
-        assert self.matcher.consume_tokens(new), self.matcher.get_error()
-        self.fed += len(new)
-        return scores.masked_fill(~self.allowed(), float("-inf"))
-
-
 def reference(model, tokenizer, schema=SCHEMA):
-    """(tokens, raw logits per step) of generate(do_sample=False) under the grammar (the logits only differ from
-    a forward over the whole answer by the cache's rounding: up to ~1e-4 with this model's large logits)."""
-    ids = torch.tensor([PROMPT])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
-                         eos_token_id=EOS, pad_token_id=EOS, output_logits=True, return_dict_in_generate=True,
-                         logits_processor=LogitsProcessorList([ReferenceGrammar(tokenizer, schema, len(PROMPT))]))
-    return out.sequences[0, len(PROMPT):].tolist(), torch.cat(out.logits).float()
+    """(tokens, raw logits per step) of generate(do_sample=False) under the grammar (tests.support.grammar_reference)."""
+    return constrained_greedy(model, tokenizer, PROMPT, schema, MAX_NEW, EOS)
+
+
+def ReferenceAfter(tokenizer, tokens, schema={"type": "object"}) -> torch.Tensor:
+    """The reference's mask after `tokens`."""
+    ref = ReferenceGrammar(tokenizer, schema, 0, VOCAB, EOS)
+    assert ref.matcher.consume_tokens(tokens)
+    return ref.allowed()
 
 
 # ---- speculation: a plain loop of rounds around speculative.verify, with one of three drafters ----------
@@ -225,7 +206,7 @@ def reference_probs(logits, allowed, temperature, top_p) -> np.ndarray:
 def reference_pairs(tokenizer, temperature) -> np.ndarray:
     """The joint distribution of the first two tokens [V, V] under the grammar, through llguidance directly."""
     logits = chain_logits().numpy()
-    first = ReferenceGrammar(tokenizer, {"type": "integer"}, 0)
+    first = ReferenceGrammar(tokenizer, {"type": "integer"}, 0, VOCAB, EOS)
     p1 = reference_probs(logits[START], first.allowed().numpy(), temperature, TOP_P)
     joint = np.zeros((VOCAB, VOCAB))
     for t1 in np.flatnonzero(p1):
@@ -313,10 +294,6 @@ def test_the_end_token_after_a_complete_answer_rolls_back(tiny):
     assert torch.equal(grammar.allowed(), ReferenceAfter(tokenizer, [], {"type": "integer"}))
 
 
-def ReferenceAfter(tokenizer, tokens, schema={"type": "object"}) -> torch.Tensor:
-    ref = ReferenceGrammar(tokenizer, schema, 0)
-    assert ref.matcher.consume_tokens(tokens)
-    return ref.allowed()
 
 
 @pytest.mark.parametrize("response_format,message", [

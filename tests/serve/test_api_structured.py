@@ -1,0 +1,147 @@
+"""Issue 30: logprobs and structured outputs through the real `openai` client against the real server in process
+(tests.support.serve_harness: both ranks, the last one masking and computing the log-probabilities):
+
+- chat logprobs (top_logprobs 3) and completions logprobs (2) equal transformers' log_softmax of the same model
+  within 1e-4, streamed and not;
+- a json_schema answer parses, fits the schema, and is token for token generate's with the same grammar as a
+  logits processor (tests.support.grammar_reference); json_object parses as an object;
+- a response_format or logprobs the server cannot honour is a 400 naming the field.
+"""
+import json
+
+import openai
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from tests.support.grammar_reference import constrained_greedy
+from tests.support.serve_harness import CHAT_TEMPLATE, served
+from tests.support.tiny_models import load_reference, save_tiny, save_tiny_tokenizer
+
+EOS = 0  # the tiny tokenizer's <eos>
+MAX_NEW = 48
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"}},
+          "required": ["name", "ok"], "additionalProperties": False}
+MESSAGES = [{"role": "user", "content": "héllo wörld"}]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A tiny qwen2 with a tokenizer, a chat template and an end token; its head unscaled (logits within ~10, where
+    fp32 rounding moves a log-probability by ~2e-5)."""
+    folder = save_tiny(tmp_path_factory.mktemp("structured") / "qwen2", "qwen2", seed=5, eos=EOS, head_scale=1.0)
+    save_tiny_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    draft = save_tiny(tmp_path_factory.mktemp("structured-draft") / "qwen2", "qwen2", seed=7, layers=2)
+    save_tiny_tokenizer(draft)  # the target's (the drafter must share it)
+    args = [f"model.target={model}", "model.dtype=float32", "model.max_len=512", "draft.kind=model", f"draft.model={draft}",
+            "draft.dtype=float32", "draft.max_len=512", f"gen.max_new_tokens={MAX_NEW}", "transport.timeout_s=20",
+            "spec.k=3"]
+    with served(*args) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return load_reference(model), tokenizer, list(prompt["input_ids"])
+
+
+def logprobs_of(model, prompt: list[int], answer: list[int]) -> torch.Tensor:
+    """transformers' forward over prompt + answer: log_softmax at the rows that chose each answer token."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1:-1].float(), -1)
+
+
+def test_chat_logprobs_equal_transformers(client, reference):
+    model, tokenizer, prompt = reference
+    answer = client.chat.completions.create(model="qwen2", messages=MESSAGES, max_tokens=12, temperature=0,
+                                            logprobs=True, top_logprobs=3)
+    tokens = answer.model_extra["tandem"]["token_ids"]
+    content = answer.choices[0].logprobs.content
+    assert len(content) == len(tokens) == 12
+    ref = logprobs_of(model, prompt, tokens)
+    chosen = torch.tensor([c.logprob for c in content])
+    torch.testing.assert_close(chosen, ref.gather(-1, torch.tensor(tokens)[:, None])[:, 0], atol=1e-4, rtol=0)
+    values, ids = ref.topk(3, -1)
+    assert [[t.token for t in c.top_logprobs] for c in content] == [[tokenizer.decode([i]) for i in row] for row in ids.tolist()]
+    torch.testing.assert_close(torch.tensor([[t.logprob for t in c.top_logprobs] for c in content]), values, atol=1e-4, rtol=0)
+    # each token's own bytes (half a character, some of them): together, the answer's text
+    assert bytes(b for c in content for b in c.bytes).decode(errors="replace") == answer.choices[0].message.content
+
+    stream = client.chat.completions.create(model="qwen2", messages=MESSAGES, max_tokens=12, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True)
+    streamed = [c for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for c in chunk.choices[0].logprobs.content]
+    assert [(c.token, [t.token for t in c.top_logprobs]) for c in streamed] == \
+        [(c.token, [t.token for t in c.top_logprobs]) for c in content]
+    # the second request reuses the first's cached prompt (other block shapes): fp32 rounding apart, the same
+    torch.testing.assert_close(torch.tensor([[c.logprob] + [t.logprob for t in c.top_logprobs] for c in streamed]),
+                               torch.tensor([[c.logprob] + [t.logprob for t in c.top_logprobs] for c in content]),
+                               atol=1e-5, rtol=0)
+
+
+def test_completion_logprobs_equal_transformers(client, reference):
+    model, tokenizer, _ = reference
+    prompt = tokenizer("print('ok')")["input_ids"]
+    answer = client.completions.create(model="qwen2", prompt="print('ok')", max_tokens=12, temperature=0, logprobs=2)
+    tokens = answer.model_extra["tandem"]["token_ids"]
+    lp = answer.choices[0].logprobs
+    ref = logprobs_of(model, prompt, tokens)
+    torch.testing.assert_close(torch.tensor(lp.token_logprobs), ref.gather(-1, torch.tensor(tokens)[:, None])[:, 0],
+                               atol=1e-4, rtol=0)
+    values, ids = ref.topk(2, -1)
+    for top, row_ids, row_values in zip(lp.top_logprobs, ids.tolist(), values.tolist()):
+        assert top == pytest.approx({tokenizer.decode([i]): v for i, v in zip(row_ids, row_values)}, abs=1e-4)
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(tokens))]
+    assert max(map(len, lp.tokens)) > 1  # (else any offsets counting one a token would pass)
+
+
+def test_json_schema_answers_parse_and_equal_constrained_generate(client, reference):
+    model, tokenizer, prompt = reference
+    answer = client.chat.completions.create(
+        model="qwen2", messages=MESSAGES, max_tokens=MAX_NEW, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "thing", "strict": True, "schema": SCHEMA}})
+    expected, _ = constrained_greedy(model, tokenizer, prompt, SCHEMA, MAX_NEW, EOS)
+    assert answer.model_extra["tandem"]["token_ids"] == expected
+    assert answer.choices[0].finish_reason == "stop"  # the grammar ended it, not max_tokens
+    parsed = json.loads(answer.choices[0].message.content)
+    assert set(parsed) == {"name", "ok"} and isinstance(parsed["name"], str) and len(parsed["name"]) <= 6
+    assert type(parsed["ok"]) is bool
+    plain = client.chat.completions.create(model="qwen2", messages=MESSAGES, max_tokens=MAX_NEW, temperature=0)
+    with pytest.raises(ValueError):  # without the grammar the same model writes no JSON
+        json.loads(plain.choices[0].message.content)
+
+
+def test_json_object_answers_parse_as_an_object(client):
+    answer = client.chat.completions.create(model="qwen2", messages=MESSAGES, max_tokens=MAX_NEW, temperature=0,
+                                            response_format={"type": "json_object"})
+    if answer.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(answer.choices[0].message.content), dict)
+    else:  # cut by max_tokens: still the start of an object
+        assert answer.choices[0].message.content.startswith("{")
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+])
+def test_what_cannot_be_honoured_is_a_400_naming_it(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="qwen2", messages=MESSAGES, max_tokens=4, **extra)
+    assert info.value.body["param"] == param
