@@ -17,7 +17,8 @@ import sys
 import threading
 from functools import partial
 
-from launch.build import (build_drafter, build_stage, check_vocabularies, eos_ids, load_tokenizer, prompt_ids)
+from launch.build import (build_drafter, build_prefixes, build_stage, check_vocabularies, eos_ids, load_tokenizer,
+                          prompt_ids)
 from launch.config import TandemConfig
 from launch.distributed import Interrupted, error_line
 from launch.handshake import handshake
@@ -64,7 +65,8 @@ def first_rank(cfg: TandemConfig, next, replies=None, listener=None, ranks: int 
     check_vocabularies(plan, tokenizer)
     ids = prompt_ids(cfg, tokenizer, target.config.vocab_size) if cfg.serve.port is None else None
     stage = build_stage(plan)
-    session = Session(stage, build_drafter(plan), next, plan.spec, replies)
+    drafter = build_drafter(plan)
+    session = Session(stage, drafter, next, plan.spec, replies, build_prefixes(plan, stage, drafter))
     if cfg.serve.port is not None:
         from launch.server import serve
         serve(cfg, session, tokenizer, eos_ids(target), stage.config.vocab_size, listener, plan.models.name)
@@ -117,19 +119,22 @@ def last_rank(cfg: TandemConfig, prev, reply_to=None, ranks: int = 2) -> None:
     stage = build_stage(plan)
     target = plan.models.target  # structured outputs: the last rank masks by each request's grammar
     grammars = FolderGrammars(target.folder, target.config.vocab_size, eos_ids(target))
-    _serve_rounds(partial(run_rank1, grammars=grammars), stage, prev, reply_to)
+    _serve_rounds(partial(run_rank1, grammars=grammars), stage, prev, reply_to, build_prefixes(plan, stage))
 
 
 def middle_rank(cfg: TandemConfig, prev, next, rank: int, ranks: int) -> None:
     """A middle rank (N > 2): its layers between the rank before it (`prev`) and the one after it (`next`)."""
-    stage = build_stage(meet(cfg, prev, next, rank, ranks))
-    _serve_rounds(run_middle, stage, prev, next)
+    plan = meet(cfg, prev, next, rank, ranks)
+    stage = build_stage(plan)
+    _serve_rounds(run_middle, stage, prev, next, build_prefixes(plan, stage))
 
 
-def _serve_rounds(run, stage, prev, next) -> None:
+def _serve_rounds(run, stage, prev, next, prefixes=None) -> None:
     if threading.current_thread() is threading.main_thread():
         _stop_after_grace()
-    run(stage, prev, next)
+    run(stage, prev, next, prefixes)
+    if prefixes is not None:
+        prefixes.close()  # every saved block on disk before the process exits
     if signalled:  # rank 0 ended the session because the same signal stopped it
         raise Interrupted(signalled[0])
 

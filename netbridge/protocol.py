@@ -3,6 +3,9 @@
     rank 0                                   rank 1
     Hellos([Hello(layers, dtype, quant, -->  checks it against its own; both Hellos back, or Error;
         cuts, what it may hold, speed)])     both then settle the same cuts from the two Hellos
+    Lookup(hashes, weights, held)       -->  cache.dir: a long prompt's saved blocks; each rank lowers `held`
+                                        <--  to what it holds on disk; the last rank's comes back (kvcache.prefixes)
+    Restore(hashes, weights, start, n)  -->  cache.dir: load tokens [start, n) from disk; save the prompt's blocks
     Request(temperature, top_p, seed,   -->  a new generation: reseed the verifier; [a grammar it masks by,
             [grammar, logprobs])             how many top log-probabilities each Reply carries]
     Prefill(start, hidden)              -->  a long prompt's leading chunks: extend the cache, no reply
@@ -32,7 +35,7 @@ import torch
 
 from netbridge.channel import Channel, PeerError
 
-VERSION = 6  # bumped when a message changes; Hello carries it
+VERSION = 7  # bumped when a message changes; Hello carries it
 
 
 @dataclass
@@ -67,6 +70,27 @@ class Request:
     seed: int = 0
     grammar: str | None = None  # structured outputs: llguidance's grammar text (speculative.grammar); the last rank masks
     logprobs: int | None = None  # the committed tokens' log-probabilities wanted, with this many top alternatives (0..20)
+
+
+@dataclass
+class Lookup:
+    """cache.dir: which of a prompt's blocks every rank holds on disk (kvcache.prefixes). Each rank reads its own,
+    lowers `held` to what it has, adds its weights' identity and sends it on; the last rank's goes to rank 0."""
+    hashes: list[str]  # the prompt's whole blocks (kvcache.disk.prefix_hashes): no token ids travel
+    weights: list[str]  # the weights' identity of each rank so far (kvcache.identity), in rank order
+    held: int  # leading blocks every rank so far holds
+    block: int  # tokens a block
+
+
+@dataclass
+class Restore:
+    """cache.dir, ahead of a Request whose prompt is long enough to save: load tokens [start, tokens) of the last
+    Lookup's blocks (start: what the caches already hold) and save the prompt's blocks once its first Round ran."""
+    hashes: list[str]
+    weights: list[str]
+    block: int
+    start: int
+    tokens: int
 
 
 @dataclass
@@ -114,7 +138,8 @@ class Error:
     error: str
 
 
-MESSAGES = {cls.__name__.lower(): cls for cls in (Hellos, Request, Prefill, Round, Reply, Idle, Bye, Error)}
+MESSAGES = {cls.__name__.lower(): cls for cls in (Hellos, Request, Lookup, Restore, Prefill, Round, Reply, Idle, Bye,
+                                                  Error)}
 
 
 def send(channel: Channel, msg) -> None:

@@ -105,16 +105,37 @@ class Stream:
         return sum(b.sent_at is not None for b in self.chain)
 
 
+class Replies:
+    """The replies from the last rank, in the order their rounds were sent, less those of rounds dropped on a
+    failed bet (`unanswered`: still to come, read and thrown away before the next one that counts)."""
+
+    def __init__(self, channel):
+        self.channel, self.unanswered = channel, 0
+
+    def next(self) -> tuple[Reply, float]:
+        """The reply to the oldest round that counts; and the ms the later ranks spent on the dropped ones
+        before it (as they measured)."""
+        wasted_ms = self.drain()
+        return protocol.recv(self.channel, Reply), wasted_ms
+
+    def drain(self) -> float:
+        wasted_ms = 0.0
+        while self.unanswered:
+            reply = protocol.recv(self.channel, Reply)
+            wasted_ms += reply.stage1_ms + sum((m[2] - m[1]) * 1000 for m in reply.middle_marks or [])
+            self.unanswered -= 1
+        return wasted_ms
+
+
 class Session:
     def __init__(self, stage, drafter, channel, spec: SpecSettings = SpecSettings(), replies=None, prefixes=None):
         self.stage, self.drafter, self.channel = stage, drafter, channel
         self.prefixes = prefixes  # cache.dir: rank 0's saved prefixes (kvcache.prefixes.RankPrefixes), or None
-        self.replies = replies or channel  # the last rank's link with more than two ranks
+        self.replies = Replies(replies or channel)  # from the last rank (with more than two ranks, its own link)
         self.spec = spec
         self.k_policy = k_policy(spec.k, spec.adaptive, spec.k_from_costs, spec.overlap)
         self.depth = in_flight_policy(spec.in_flight, spec.overlap)
         self.cached: list[int] = []  # the tokens every cache holds, in order
-        self.unanswered = 0  # rounds sent on a bet that failed whose replies are still to come (dropped)
 
     # --- a whole generation -------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], output: Output, request: Request = Request(), on_round=None,
@@ -130,7 +151,7 @@ class Session:
             if on_round is not None:
                 on_round(record, reply)
         self.drop_chain(stream)
-        self.drain()
+        self.replies.drain()
         gen = stream.gen
         gen.total_s = time.perf_counter() - stream.t_start
         # the caches hold every committed token but the newest (the next round feeds it), or, when no
@@ -143,7 +164,7 @@ class Session:
     def open(self, prompt_ids: list[int], output: Output, request: Request, reuse: int = 0) -> Stream:
         """Start a stream: the Request to the later ranks, the drafter reset past `reuse` (prompt tokens every
         cache already holds), the prompt's new part prefilled but for the tail the first round carries."""
-        self.drain()  # a generation that stopped on an error may have left replies on the way
+        self.replies.drain()  # a generation that stopped on an error may have left replies on the way
         stream = Stream(output, request, Generation(prompt_ids, output, reused=reuse), list(prompt_ids), [], 0)
         stream.gen.t0_s = stream.t_start
         held = self.restore(stream.gen, reuse)
@@ -201,7 +222,7 @@ class Session:
         self.send_held(s)
         ahead_ms, prepared = self.use_the_wait(s)
         in_flight = s.sent
-        reply, wasted_ms = self.receive()
+        reply, wasted_ms = self.replies.next()
         block = s.chain.popleft()
         round_ms = _ms(block.sent_at)
         kept = self.commit(s, block, reply)
@@ -284,27 +305,13 @@ class Session:
         hidden = self.stage.run(len(context), torch.tensor([fed], device=self.stage.device))
         return Block(len(context), fed, drafts, hidden, k_next, guess=guess, prepared_ms=_ms(t0))
 
-    def receive(self) -> tuple[Reply, float]:
-        """The reply to the oldest round on the way, after dropping those of rounds sent on failed bets;
-        and the ms the later ranks spent on those (as they measured)."""
-        wasted_ms = self.drain()
-        return protocol.recv(self.replies, Reply), wasted_ms
-
     def drop_chain(self, s: Stream) -> int:
         """The bet the chain was built on failed (or the stream ended): forget its blocks. The sent ones'
-        replies will still come, in order, before any later round's: `drain` drops them. Returns how many."""
+        replies will still come, in order, before any later round's: Replies drops them. Returns how many."""
         lost = s.sent
-        self.unanswered += lost
+        self.replies.unanswered += lost
         s.chain.clear()
         return lost
-
-    def drain(self) -> float:
-        wasted_ms = 0.0
-        while self.unanswered:
-            reply = protocol.recv(self.replies, Reply)
-            wasted_ms += reply.stage1_ms + sum((m[2] - m[1]) * 1000 for m in reply.middle_marks or [])
-            self.unanswered -= 1
-        return wasted_ms
 
     def commit(self, s: Stream, block: Block, reply: Reply) -> int:
         """The accepted drafts and the target's token, as far as the output keeps them; returns how many."""

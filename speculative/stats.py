@@ -23,6 +23,8 @@ def summarize(gen: Generation, k: int, drafter: str) -> dict:
     return {
         "tokens": tokens,
         "prompt_tokens": len(gen.prompt_ids),
+        "prompt_tokens_reused": gen.reused,  # not prefilled again: in the caches from the last request, or from cache.dir
+        "prompt_tokens_reused_from": {"memory": gen.reused - gen.reused_disk, "disk": gen.reused_disk},
         "stop_reason": gen.output.stop_reason,
         "k": k,
         "drafter": drafter,

@@ -13,7 +13,7 @@ import torch
 
 from netbridge import protocol
 from netbridge.channel import PeerError, local_pair
-from netbridge.protocol import MESSAGES, Bye, Error, Hello, Hellos, Idle, Prefill, Reply, Request, Round
+from netbridge.protocol import MESSAGES, Bye, Error, Hello, Hellos, Idle, Lookup, Prefill, Reply, Request, Restore, Round
 
 
 def same(a, b) -> bool:
@@ -44,6 +44,8 @@ MESSAGES_OF_EVERY_KIND = [
             Hello(cuts=None, num_layers=2, dtype="float32", quant="none", budget=10**9, layer_ms=1.5)]),
     Request(),
     Request(temperature=0.7, top_p=0.9, seed=12345),
+    Lookup(["a" * 64, "b" * 64], ["c" * 64], 2, 256),  # cache.dir: a long prompt's saved blocks
+    Restore(["a" * 64], ["c" * 64, "d" * 64], 256, 5, 256),
     Prefill(0, torch.randn(1, 64, 16)),  # a long prompt's leading chunk
     Round(0, torch.randn(1, 9, 16), torch.zeros(0, dtype=torch.long)),  # the prefill: no drafts, no q
     Round(17, torch.randn(1, 5, 16, dtype=torch.bfloat16), torch.tensor([3, 1, 4, 1])),  # greedy: q fields None

@@ -2,7 +2,7 @@
 over the same caches, as a server sends them (the speculative and sampling tests share it)."""
 import threading
 
-from launch.build import build_drafter, build_stage, eos_ids
+from launch.build import build_drafter, build_prefixes, build_stage, eos_ids
 from launch.ranks import last_rank, meet, middle_rank
 from launch.config import load_config
 from netbridge.channel import local_ring
@@ -46,7 +46,9 @@ def serve(overrides: list[str], requests: list[tuple[list[int], Request]], ranks
     replies, channel = links[0]
     try:
         plan = meet(cfg, replies, channel, 0, ranks)
-        session = Session(build_stage(plan), build_drafter(plan), channel, plan.spec, replies=replies)
+        stage, drafter = build_stage(plan), build_drafter(plan)
+        session = Session(stage, drafter, channel, plan.spec, replies=replies,
+                          prefixes=build_prefixes(plan, stage, drafter))  # cache.dir, when the overrides set it
         gens = []
         for ids, request in requests:
             output = Output(None, eos_ids(plan.models.target), cfg.gen.max_new_tokens, [], stream=False)
