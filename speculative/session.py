@@ -189,7 +189,7 @@ class Session:
         held = p.look(hashes) if len(hashes) * block > reuse else 0
         if held * block > reuse:
             protocol.send(self.channel, protocol.Lookup(hashes, [p.identity], held, block))
-            held = protocol.recv(self.replies, protocol.Lookup).held
+            held = protocol.recv(self.replies.channel, protocol.Lookup).held
         tokens = max(reuse, held * block)
         p.on_restore(hashes, [], block, reuse, tokens)
         protocol.send(self.channel, protocol.Restore(hashes, [p.identity], block, reuse, tokens))
