@@ -268,8 +268,12 @@ class KVDiskStore:
             meta = {"format": FORMAT, "key": self.key.text(), "prefix": prefix,
                     "block_tokens": str(self.block_tokens), "sha256": tensors_digest(snapshot)}
             tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            save_file(snapshot, str(tmp), metadata=meta)
-            os.replace(tmp, path)
+            try:
+                save_file(snapshot, str(tmp), metadata=meta)
+                os.replace(tmp, path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)  # half a file (a full disk) never stays behind
+                raise
             self.write_failed = False
         stamp(job.paths)
         self.evict()

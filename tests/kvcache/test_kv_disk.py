@@ -220,3 +220,17 @@ def test_stage_identity_follows_the_weights_a_rank_loads(tmp_path):
     save_tiny(folder, "llama", seed=1)  # other weights in the same folder
     assert stage_identity(folder, 0, 2, embed=True, head=False) != first
     assert pipeline_identity(["a", "b"]) != pipeline_identity(["b", "a"])
+
+
+def test_a_failing_disk_is_one_warning_and_never_an_error(tmp_path, monkeypatch):
+    def full(*_, **__):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(disk, "save_file", full)
+    warnings = []
+    cache = filled_cache(12)
+    s = store(tmp_path, cache, warnings=warnings)
+    s.save(cache, hashes(1))
+    s.save(cache, hashes(2))
+    s.flush()
+    assert len(warnings) == 1 and "No space left" in warnings[0] and "\n" not in warnings[0]
+    assert s.held(hashes(1)) == 0 and not s.pending  # nothing half-written, nothing left queued
