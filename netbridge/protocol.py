@@ -35,7 +35,7 @@ import torch
 
 from netbridge.channel import Channel, PeerError
 
-VERSION = 7  # bumped when a message changes; Hello carries it
+VERSION = 8  # bumped when a message changes; Hello carries it
 
 
 @dataclass
@@ -109,6 +109,8 @@ class Round:
     q_ids: torch.Tensor | None = None  # [K, m] when sampling: the support of each draft's distribution
     q_probs: torch.Tensor | None = None  # [K, m]
     marks: list[list[float]] | None = None  # N > 2: each middle rank's clock marks, as in Reply.marks
+    guess: int | None = None  # a block sent on a bet (spec.in_flight): the token it begins with, which the
+    # round before must give; the last rank skips a block whose bet it already knows failed
 
 
 @dataclass

@@ -99,7 +99,7 @@ def run_rank1(stage: Stage, channel: Channel, reply_to: Channel | None = None, p
     Request's grammar (speculative.grammar.FolderGrammars), or None."""
     reply_to = reply_to or channel
     request, generator, grammar = Request(), torch.Generator(), None
-    rounds = 0
+    rounds, bet_holds_for = 0, None
     while True:
         t_wait = time.perf_counter()
         msg = protocol.recv(channel, Request, Lookup, Restore, Prefill, Round, protocol.Idle, protocol.Bye)
@@ -118,6 +118,9 @@ def run_rank1(stage: Stage, channel: Channel, reply_to: Channel | None = None, p
         if not isinstance(msg, Round):
             continue
         t0 = time.perf_counter()
+        if msg.guess is not None and (msg.start, msg.guess) != bet_holds_for:  # rank 0 drops its reply: skip the work
+            protocol.send(reply_to, Reply(-1, -1, 0.0, [t_wait, t0, t0, t0], msg.marks))
+            continue
         decides = msg.start + msg.hidden.shape[1] - msg.drafts.numel()
         generator.manual_seed(round_seed(request.seed, decides))
         constrained = grammar if grammar is not None and grammar.at(decides) else None  # else a dropped round's
@@ -126,6 +129,7 @@ def run_rank1(stage: Stage, channel: Channel, reply_to: Channel | None = None, p
         protocol.send(reply_to, Reply(accepted, token, (t_send - t0) * 1000, [t_wait, t0, t_forward, t_send], msg.marks,
                                       *logprobs))
         rounds += 1
+        bet_holds_for = (decides + accepted, token)  # the start and first token of a block sent on this round's full acceptance
         if prefixes is not None:  # after the reply: a prompt's first round filled the cache, save it
             prefixes.after_prefill()
 

@@ -263,7 +263,7 @@ class Session:
     def send(self, block: Block) -> None:
         block.sent_at = time.perf_counter()
         protocol.send(self.channel, Round(block.start, block.hidden, block.drafts.tokens, block.drafts.q_ids,
-                                          block.drafts.q_probs))
+                                          block.drafts.q_probs, guess=block.guess))
         block.send_ms, block.hidden = _ms(block.sent_at), None
 
     def use_the_wait(self, s: Stream) -> tuple[float, int]:

@@ -37,6 +37,8 @@ def test_rounds_in_flight_give_generate_s_tokens(depth, drafter, tiny_qwen, tiny
         assert stats["in_flight_mean"] > 1.5 and stats["rounds_dropped"] == 0 and stats["bets_lost"] == 0
     if drafter == "unrelated":  # bets failed and rounds sent on them were dropped: the lossy path ran
         assert stats["bets_lost"] > 0 and stats["rounds_dropped"] > 0
+        # and cost the last rank nothing: it knew each bet had failed before the block came, and skipped it
+        assert stats["dropped_later_ms"] == 0.0
 
 
 @pytest.mark.parametrize("drafter", ["self", "unrelated"])
