@@ -26,8 +26,8 @@ def overrides(target, drafter: str, k: int, depth, draft=None, max_new=MAX_NEW) 
     return args + ["draft.kind=model", f"draft.model={draft}", "draft.dtype=float32"]
 
 
-@pytest.mark.parametrize("depth", [2, 3, 4])
-@pytest.mark.parametrize("drafter", ["self", "unrelated", "ngram", "none"])
+@pytest.mark.parametrize("drafter,depth", [("self", 2), ("self", 4), ("unrelated", 3), ("unrelated", 4), ("ngram", 2),
+                                           ("ngram", 3), ("none", 4)])
 def test_rounds_in_flight_give_generate_s_tokens(depth, drafter, tiny_qwen, tiny_qwen_draft):
     draft = {"self": tiny_qwen, "unrelated": tiny_qwen_draft}.get(drafter)
     out = run_pair(*overrides(tiny_qwen, drafter, 0 if drafter == "none" else 3, depth, draft))
@@ -48,7 +48,7 @@ def test_three_ranks_with_rounds_in_flight(drafter, tiny_qwen, tiny_qwen_draft):
     assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, MAX_NEW)
 
 
-@pytest.mark.parametrize("max_new", [2, 6, 11])
+@pytest.mark.parametrize("max_new", [2, 11])
 def test_max_new_tokens_inside_a_block_in_flight(max_new, tiny_qwen):
     out = run_pair(*overrides(tiny_qwen, "model", 4, 3, tiny_qwen, max_new=max_new))
     assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, max_new)
