@@ -156,9 +156,9 @@ def run_pair(*overrides: str, timeout_s: float = 60.0, rank1: tuple[str, ...] = 
             errors[r] = e
             channels[r].close()  # the other rank fails at once instead of waiting out its timeout
     run_both(rank, timeout_s * 4)
-    if errors:  # the root cause: the other rank then only lost its peer
+    if errors:  # the root cause: the other rank then only lost its peer; rank 0's first when both have their own
         from netbridge.channel import PeerError
-        raise next((e for e in errors.values() if not isinstance(e, PeerError)), errors.get(0) or errors.get(1))
+        raise next((errors[r] for r in sorted(errors) if not isinstance(errors[r], PeerError)), errors.get(0) or errors.get(1))
     return results[0]
 
 
