@@ -115,23 +115,19 @@ def random_drafter(committed):
 
 # random drafts (padding rows among them) commit one token a round: 44 forwards, under -m slow
 @pytest.mark.parametrize("drafts", ["unmasked", "holed", pytest.param("random", marks=pytest.mark.slow)])
-def test_greedy_under_a_schema_equals_generate_with_the_grammar(tiny, expected, drafts):
+def test_greedy_under_a_schema_equals_generate_with_the_grammar_and_parses(tiny, expected, drafts):
     model, tokenizer, grammars = tiny
     answer = expected[0]
     drafter = {"unmasked": unmasked_drafter(model, answer), "holed": holed_drafter(answer),
                "random": random_drafter}[drafts]
-    assert speculate(model, grammars.make(FORMAT), drafter)[0] == answer
+    tokens = speculate(model, grammars.make(FORMAT), drafter)[0]
+    assert tokens == answer
     assert answer[-1] == EOS  # the grammar ended the answer, not max_new_tokens
-
-
-def test_answers_parse_and_fit_the_schema(tiny, expected):
-    model, tokenizer, grammars = tiny
-    tokens = speculate(model, grammars.make(FORMAT), unmasked_drafter(model, expected[0]))[0]
-    answer = json.loads(tokenizer.decode(tokens, skip_special_tokens=True))
-    assert set(answer) == {"name", "n", "ok"}
-    assert isinstance(answer["name"], str) and len(answer["name"]) <= 6
-    assert type(answer["n"]) is int and 0 <= answer["n"] <= 99
-    assert type(answer["ok"]) is bool
+    parsed = json.loads(tokenizer.decode(tokens, skip_special_tokens=True))  # and it fits the schema
+    assert set(parsed) == {"name", "n", "ok"}
+    assert isinstance(parsed["name"], str) and len(parsed["name"]) <= 6
+    assert type(parsed["n"]) is int and 0 <= parsed["n"] <= 99
+    assert type(parsed["ok"]) is bool
 
 
 def test_logprobs_are_log_softmax_of_the_targets_logits(tiny, expected):
@@ -153,7 +149,7 @@ def forward_logprobs(model, answer: list[int]) -> torch.Tensor:
         return torch.log_softmax(model(torch.tensor([PROMPT + answer])).logits[0, len(PROMPT) - 1:-1].float(), -1)
 
 
-@pytest.mark.parametrize("in_flight", [1, 3])
+@pytest.mark.parametrize("in_flight", [pytest.param(1, marks=pytest.mark.slow), 3])  # 3 covers 1's path too
 def test_the_last_rank_masks_and_returns_logprobs_through_a_session(tiny, folder, expected, tmp_path, in_flight):
     """Both ranks (session_harness): the grammar and the logprobs request travel in the Request, the last rank
     masks (with rounds in flight: some verified on a bet and dropped) and its Replies' logprobs reach Output;
