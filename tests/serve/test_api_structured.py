@@ -126,6 +126,17 @@ def test_json_schema_answers_parse_and_equal_constrained_generate(client, refere
         json.loads(plain.choices[0].message.content)
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_sampled_json_schema_answers_parse_and_fit(client, seed):
+    """At T > 0 the last rank samples from the masked target (rejection sampling against the drafter's q)."""
+    answer = client.chat.completions.create(
+        model="qwen2", messages=MESSAGES, max_tokens=MAX_NEW, temperature=0.9, seed=seed, logprobs=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}})
+    parsed = json.loads(answer.choices[0].message.content)
+    assert set(parsed) == {"name", "ok"} and len(parsed["name"]) <= 6 and type(parsed["ok"]) is bool
+    assert len(answer.choices[0].logprobs.content) == len(answer.model_extra["tandem"]["token_ids"])
+
+
 def test_json_object_answers_parse_as_an_object(client):
     answer = client.chat.completions.create(model="qwen2", messages=MESSAGES, max_tokens=MAX_NEW, temperature=0,
                                             response_format={"type": "json_object"})
