@@ -1,4 +1,6 @@
-"""spec.k_from_costs: each round's K from what rounds have cost and how often drafts were kept.
+"""How many drafts a round carries (K): fixed (spec.k), adaptive (spec.adaptive), or from costs (spec.k_from_costs).
+
+spec.k_from_costs picks each round's K from what rounds have cost and how often drafts were kept.
 
 A round with K drafts commits, on average, 1 + sum_{j=1..K} prod_{i<=j} a_i tokens, where a_i is the
 measured chance that draft i is accepted once drafts 1..i-1 were. Rank 0 works r0 = K x the drafter's
