@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from kvcache.disk import KVDiskStore, SavedPrefix, SliceKey, prefix_hashes
 from kvcache.identity import pipeline_identity
 from kvcache.static_cache import StaticKVCache
+from netbridge.protocol import Lookup, Restore
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class RankPrefixes:
         self.found: dict[str, SavedPrefix] = {}  # what the last lookup read, per role
         self.to_save: tuple[list[str], list[str], int] | None = None  # hashes, weights, block size
         self.drafter_to_save: tuple[list[str], int] | None = None
+        self.asked: tuple[list[str], int] = ([], 0)  # rank 0: the request's blocks, and how many it holds
 
     def store(self, role: str, weights: list[str], block: int) -> KVDiskStore:
         model = pipeline_identity(weights + [self.identity]) if role == "target" else pipeline_identity([self.drafter_identity])
@@ -71,6 +73,23 @@ class RankPrefixes:
     def look(self, hashes: list[str]) -> int:
         """Rank 0: read what it holds of `hashes` (its drafter's too); the target's blocks."""
         return self.on_lookup(hashes, [], len(hashes), self.settings.block_tokens)
+
+    def lookup(self, prompt: list[int], reuse: int) -> Lookup | None:
+        """Rank 0, a new request whose first `reuse` tokens the caches hold: the Lookup to send around the ring
+        when rank 0 holds more of the prompt on disk, else None (then `restore(reuse, None)` at once)."""
+        hashes, block = self.begin(prompt), self.settings.block_tokens
+        held = self.look(hashes) if len(hashes) * block > reuse else 0
+        self.asked = (hashes, held)
+        return Lookup(hashes, [self.identity], held, block) if held * block > reuse else None
+
+    def restore(self, reuse: int, answer: Lookup | None) -> Restore:
+        """Rank 0: the Restore every rank acts on (sent for every request, so that a cancelled request's blocks are
+        never saved after the next one's prefill), rank 0's own part done: load what every rank holds (the
+        last rank's `answer`) beyond `reuse`, note the blocks to save."""
+        (hashes, held), block = self.asked, self.settings.block_tokens
+        tokens = max(reuse, (answer.held if answer is not None else held) * block)
+        self.on_restore(hashes, [], block, reuse, tokens)
+        return Restore(hashes, [self.identity], block, reuse, tokens)
 
     def restore_drafter(self, tokens: int) -> None:
         """Rank 0's drafter, after its reset: what its lookup found, up to `tokens`, loaded after what it holds."""
@@ -118,7 +137,6 @@ def pass_on(prefixes: RankPrefixes | None, msg):
     """A later rank's part of a Lookup or Restore (netbridge.protocol); what it sends on. A rank without cache.dir
     holds nothing and names no weights (""), so no rank after it uses the cache either: its files' key would
     miss those weights."""
-    from netbridge.protocol import Lookup, Restore
     mine = prefixes if prefixes is not None and "" not in msg.weights else None
     weights = msg.weights + [mine.identity if mine else ""]
     if isinstance(msg, Lookup):

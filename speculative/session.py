@@ -177,24 +177,19 @@ class Session:
         return stream
 
     def restore(self, gen: Generation, reuse: int) -> int:
-        """cache.dir (kvcache.prefixes): the longest saved prefix of the prompt that every rank holds, loaded on
-        every rank when longer than the `reuse` tokens the caches hold (one Lookup around the ring, only when rank
-        0 holds more); the Restore, sent for every request, tells every rank which blocks to save (none for a
-        short prompt: a cancelled request's must not be saved after the next one's prefill). Returns what the
-        caches hold."""
+        """cache.dir: the longest saved prefix of the prompt every rank holds, loaded on every rank when longer than
+        the `reuse` tokens the caches hold (kvcache.prefixes: a Lookup around the ring when rank 0 holds more,
+        a Restore for every request). Returns what the caches hold."""
         if self.prefixes is None:
             return reuse
-        p, block = self.prefixes, self.prefixes.settings.block_tokens
-        hashes = p.begin(gen.prompt_ids)
-        held = p.look(hashes) if len(hashes) * block > reuse else 0
-        if held * block > reuse:
-            protocol.send(self.channel, protocol.Lookup(hashes, [p.identity], held, block))
-            held = protocol.recv(self.replies.channel, protocol.Lookup).held
-        tokens = max(reuse, held * block)
-        p.on_restore(hashes, [], block, reuse, tokens)
-        protocol.send(self.channel, protocol.Restore(hashes, [p.identity], block, reuse, tokens))
-        gen.reused, gen.reused_disk = tokens, tokens - reuse
-        return tokens
+        answer = self.prefixes.lookup(gen.prompt_ids, reuse)
+        if answer is not None:
+            protocol.send(self.channel, answer)
+            answer = protocol.recv(self.replies.channel, protocol.Lookup)
+        restore = self.prefixes.restore(reuse, answer)
+        protocol.send(self.channel, restore)
+        gen.reused, gen.reused_disk = restore.tokens, restore.tokens - reuse
+        return restore.tokens
 
     def prefill_chunks(self, prompt_ids: list[int], reuse: int) -> list[int]:
         """Send all but the last `prefill_chunk` tokens of the prompt's new part as Prefill messages; returns

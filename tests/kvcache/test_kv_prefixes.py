@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvcache.identity import stage_identity
-from kvcache.prefixes import CacheSettings, RankPrefixes
+from kvcache.prefixes import CacheSettings, RankPrefixes, pass_on
 from model_parallel.loader import load_stage
 from tests.support.tiny_models import save_tiny
 
@@ -42,16 +42,15 @@ def ranks_of(stages, ids, folder_dir, **settings):
 
 
 def agree(ranks, prompt, memory: int = 0) -> int:
-    """What the round loops do: rank 0 looks, the Lookup goes round, the Restore goes round."""
-    hashes = ranks[0].begin(prompt)
-    held, weights = ranks[0].look(hashes), [ranks[0].identity]
+    """What the round loops do: rank 0 looks, the Lookup goes round (when rank 0 holds more than memory), the
+    Restore goes round."""
+    lookup = ranks[0].lookup(prompt, memory)
+    for rank in ranks[1:] if lookup is not None else []:
+        lookup = pass_on(rank, lookup)
+    restore = ranks[0].restore(memory, lookup)
     for rank in ranks[1:]:
-        held = rank.on_lookup(hashes, weights, held, B)
-        weights = weights + [rank.identity]
-    tokens = max(memory, held * B)
-    for r, rank in enumerate(ranks):
-        rank.on_restore(hashes, [rk.identity for rk in ranks[:r]], B, memory, tokens)
-    return tokens
+        restore = pass_on(rank, restore)
+    return restore.tokens
 
 
 def prefill_and_save(stages, ranks, prompt) -> torch.Tensor:
