@@ -1,10 +1,11 @@
 """One rank's slice of the KV cache for a token prefix, kept on disk across requests and restarts.
 
 In a layer-split launch no rank holds the whole KV: each saves exactly its own layers' part. A prefix is
-stored in blocks of `block_tokens` tokens, one safetensors file per block, named by a chained hash:
+stored in blocks of `block_tokens` tokens, one file per block (a JSON header, then the raw tensors:
+`pack`), named by a chained hash:
 
     t_k = sha256(t_{k-1} + the token ids of block k)      (t_-1 empty): block k's prefix hash
-    file of block k: <k>-<sha256(key + t_k)>.kv.safetensors
+    file of block k: <k>-<sha256(key + t_k)>.kv
     key: the weights' identity, dtype, layer range, KV shape, device kind, role, block size
 
 so block k's name stands for the key and every token before the block's end. The prefix hashes carry no key:
@@ -40,14 +41,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from kvcache.static_cache import StaticKVCache
 
-FORMAT = "tandem-kv/1"
+FORMAT = "tandem-kv/2"
 BLOCK_TOKENS = 256
-SUFFIX = ".kv.safetensors"
+SUFFIX = ".kv"
+MAX_HEADER = 1 << 20  # a block file's JSON header; more is not one of ours
 STALE_TMP_S = 3600  # a temporary file this old was left by a writer that died mid-write
 
 
@@ -132,18 +132,13 @@ def block_index(path: Path) -> int:
 
 def read_block(path: Path, key: SliceKey, prefix: str, block_tokens: int) -> dict[str, torch.Tensor]:
     """The block's tensors, or BadBlock naming the first check it fails."""
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            meta = f.metadata() or {}
-            expected = {"format": FORMAT, "key": key.text(), "prefix": prefix, "block_tokens": str(block_tokens)}
-            wrong = [name for name, value in expected.items() if meta.get(name) != value]
-            if wrong:
-                raise BadBlock(f"its header's {wrong[0]} is not this cache's (a foreign or stale file)")
-            if sorted(f.keys()) != key.tensor_names():
-                raise BadBlock("it holds other layers than this rank's")
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except SafetensorError as e:
-        raise BadBlock(f"not a readable safetensors file ({' '.join(str(e).split())})") from None
+    meta, tensors = unpack(path.read_bytes())
+    expected = {"format": FORMAT, "key": key.text(), "prefix": prefix, "block_tokens": str(block_tokens)}
+    wrong = [name for name, value in expected.items() if meta.get(name) != value]
+    if wrong:
+        raise BadBlock(f"its header's {wrong[0]} is not this cache's (a foreign or stale file)")
+    if sorted(tensors) != key.tensor_names():
+        raise BadBlock("it holds other layers than this rank's")
     shape, dtype = (key.kv_heads, block_tokens, key.head_dim), getattr(torch, key.dtype)
     odd = [n for n, t in tensors.items() if tuple(t.shape) != shape or t.dtype != dtype]
     if odd:
@@ -151,6 +146,44 @@ def read_block(path: Path, key: SliceKey, prefix: str, block_tokens: int) -> dic
     if tensors_digest(tensors) != meta.get("sha256"):
         raise BadBlock("its tensors do not match the checksum in its header (corrupt)")
     return tensors
+
+
+def pack(tensors: dict[str, torch.Tensor], meta: dict) -> bytes:
+    """A block file: 8 bytes of header length, a JSON header (`meta` and where each tensor lies), the tensors'
+    bytes. Written with torch alone (kvcache needs nothing else), read back by `unpack`."""
+    layout, chunks, offset = {}, [], 0
+    for name in sorted(tensors):
+        raw = tensors[name].contiguous().view(torch.uint8).numpy().tobytes()
+        layout[name] = {"dtype": str(tensors[name].dtype).removeprefix("torch."), "shape": list(tensors[name].shape),
+                        "offset": offset, "nbytes": len(raw)}
+        chunks.append(raw)
+        offset += len(raw)
+    header = json.dumps({"meta": meta, "tensors": layout}).encode()
+    return len(header).to_bytes(8, "little") + header + b"".join(chunks)
+
+
+def unpack(data: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(meta, tensors) of a block file, or BadBlock: a short, foreign or garbled file never reaches torch."""
+    size = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    if not 0 < size <= min(MAX_HEADER, len(data) - 8):
+        raise BadBlock("not a block file (its header length is missing or out of range)")
+    try:
+        header = json.loads(data[8:8 + size])
+        meta, layout, body = header["meta"], header["tensors"], memoryview(data)[8 + size:]
+        tensors = {}
+        for name, t in layout.items():
+            if not 0 <= t["offset"] <= t["offset"] + t["nbytes"] <= len(body):
+                raise BadBlock(f"tensor {name} lies past the end of the file (truncated)")
+            dtype = getattr(torch, str(t["dtype"]), None)
+            if not isinstance(dtype, torch.dtype):
+                raise BadBlock(f"tensor {name} has no dtype torch knows ({str(t['dtype'])[:40]!r})")
+            raw = torch.frombuffer(bytearray(body[t["offset"]:t["offset"] + t["nbytes"]]), dtype=torch.uint8)
+            tensors[name] = raw.view(dtype).reshape(t["shape"])
+    except BadBlock:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
+        raise BadBlock(f"not a readable block file ({type(e).__name__}: {' '.join(str(e).split())[:120]})") from None
+    return meta, tensors
 
 
 @dataclass
@@ -269,7 +302,7 @@ class KVDiskStore:
                     "block_tokens": str(self.block_tokens), "sha256": tensors_digest(snapshot)}
             tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
             try:
-                save_file(snapshot, str(tmp), metadata=meta)
+                tmp.write_bytes(pack(snapshot, meta))
                 os.replace(tmp, path)
             except BaseException:
                 tmp.unlink(missing_ok=True)  # half a file (a full disk) never stays behind

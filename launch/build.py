@@ -138,14 +138,14 @@ def model_drafter(plan: Plan):
 
 
 def build_prefixes(plan: Plan, stage, drafter=None):
-    """cache.dir: this rank's saved prefixes (kvcache.prefixes), rank 0's model drafter's too; None when off.
+    """cache.dir: this rank's saved prefixes (speculative.prefixes), rank 0's model drafter's too; None when off.
     A folder that cannot be made or written is one line now, not a failure at the first long prompt."""
     c = plan.settings.cache
     if c.dir is None:
         return None
     import os
-    from kvcache.identity import numerics, stage_identity
-    from kvcache.prefixes import CacheSettings, RankPrefixes
+    from model_parallel.identity import numerics, stage_identity
+    from speculative.prefixes import CacheSettings, RankPrefixes
     from model_parallel.memory import parse_size
     from speculative.drafters import ModelDrafter
     try:

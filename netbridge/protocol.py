@@ -4,7 +4,7 @@
     Hellos([Hello(layers, dtype, quant, -->  checks it against its own; both Hellos back, or Error;
         cuts, what it may hold, speed)])     both then settle the same cuts from the two Hellos
     Lookup(hashes, weights, held)       -->  cache.dir: a long prompt's saved blocks; each rank lowers `held`
-                                        <--  to what it holds on disk; the last rank's comes back (kvcache.prefixes)
+                                        <--  to what it holds on disk; the last rank's comes back (speculative.prefixes)
     Restore(hashes, weights, start, n)  -->  cache.dir: load tokens [start, n) from disk; save the prompt's blocks
     Request(temperature, top_p, seed,   -->  a new generation: reseed the verifier; [a grammar it masks by,
             [grammar, logprobs])             how many top log-probabilities each Reply carries]
@@ -74,10 +74,10 @@ class Request:
 
 @dataclass
 class Lookup:
-    """cache.dir: which of a prompt's blocks every rank holds on disk (kvcache.prefixes). Each rank reads its own,
+    """cache.dir: which of a prompt's blocks every rank holds on disk (speculative.prefixes). Each rank reads its own,
     lowers `held` to what it has, adds its weights' identity and sends it on; the last rank's goes to rank 0."""
     hashes: list[str]  # the prompt's whole blocks (kvcache.disk.prefix_hashes): no token ids travel
-    weights: list[str]  # the weights' identity of each rank so far (kvcache.identity), in rank order
+    weights: list[str]  # the weights' identity of each rank so far (model_parallel.identity), in rank order
     held: int  # leading blocks every rank so far holds
     block: int  # tokens a block
 

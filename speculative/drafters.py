@@ -113,7 +113,7 @@ class ModelDrafter:
         return Drafts(tokens, q_ids, q_probs) if q_ids is not None else Drafts(tokens)
 
     def holds(self, n: int) -> None:
-        """Its cache now holds the context's first n tokens (cache.dir loaded them: kvcache.prefixes)."""
+        """Its cache now holds the context's first n tokens (cache.dir loaded them: speculative.prefixes)."""
         self.cached = n
         self.stage.cache.rewind(n)
 

@@ -32,7 +32,7 @@ import torch
 from model_parallel.stage import Stage
 from netbridge import protocol
 from netbridge.channel import Channel
-from kvcache.prefixes import pass_on
+from speculative.prefixes import pass_on
 from netbridge.protocol import Lookup, Prefill, Reply, Request, Restore, Round
 from speculative.k_choice import next_k  # noqa: F401 - its old home, for callers that import it from here
 from speculative.output import Output
@@ -81,7 +81,7 @@ class Generation:
     total_s: float = 0.0
     t0_s: float = 0.0  # time.perf_counter() at the start: start_s + t0_s is a round's clock reading
     reused: int = 0  # prompt tokens found in the caches (not prefilled again)
-    reused_disk: int = 0  # of them, those read from cache.dir (kvcache.prefixes); the rest were in memory
+    reused_disk: int = 0  # of them, those read from cache.dir (speculative.prefixes); the rest were in memory
 
 
 class NonFiniteLogits(RuntimeError):
@@ -95,7 +95,7 @@ def _ms(t0: float) -> float:
 def run_rank1(stage: Stage, channel: Channel, reply_to: Channel | None = None, prefixes=None, grammars=None) -> int:
     """Serve rounds until rank 0 says Bye; returns the number of rounds served. With more than two
     ranks this is the last one: `channel` comes from the rank before it, replies go to `reply_to` (rank 0).
-    `prefixes`: this rank's cache.dir (kvcache.prefixes.RankPrefixes), or None. `grammars`: what makes a
+    `prefixes`: this rank's cache.dir (speculative.prefixes.RankPrefixes), or None. `grammars`: what makes a
     Request's grammar (speculative.grammar.FolderGrammars), or None."""
     reply_to = reply_to or channel
     request, generator, grammar = Request(), torch.Generator(), None

@@ -130,7 +130,7 @@ class Replies:
 class Session:
     def __init__(self, stage, drafter, channel, spec: SpecSettings = SpecSettings(), replies=None, prefixes=None):
         self.stage, self.drafter, self.channel = stage, drafter, channel
-        self.prefixes = prefixes  # cache.dir: rank 0's saved prefixes (kvcache.prefixes.RankPrefixes), or None
+        self.prefixes = prefixes  # cache.dir: rank 0's saved prefixes (speculative.prefixes.RankPrefixes), or None
         self.replies = Replies(replies or channel)  # from the last rank (with more than two ranks, its own link)
         self.spec = spec
         self.k_policy = k_policy(spec.k, spec.adaptive, spec.k_from_costs, spec.overlap)
@@ -178,7 +178,7 @@ class Session:
 
     def restore(self, gen: Generation, reuse: int) -> int:
         """cache.dir: the longest saved prefix of the prompt every rank holds, loaded on every rank when longer than
-        the `reuse` tokens the caches hold (kvcache.prefixes: a Lookup around the ring when rank 0 holds more,
+        the `reuse` tokens the caches hold (speculative.prefixes: a Lookup around the ring when rank 0 holds more,
         a Restore for every request). Returns what the caches hold."""
         if self.prefixes is None:
             return reuse

@@ -149,15 +149,19 @@ def flip_last_byte(path) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncated"])
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "garbage", "foreign dtype"])
 def test_a_damaged_block_is_refused_in_one_line_and_the_prefix_ends_before_it(tmp_path, damage):
     cache = filled_cache(7)
     s = saved(tmp_path, cache, hashes(1, 2, 3))
     second = s.paths(hashes(1, 2, 3))[1]
     if damage == "corrupt":  # a flipped bit in the tensor data, the header intact
         flip_last_byte(second)
-    else:
+    elif damage == "truncated":
         second.write_bytes(second.read_bytes()[:-10])
+    elif damage == "garbage":  # not a block file at all: its "header length" is absurd
+        second.write_bytes(bytes(range(256)) * 4)
+    else:  # a header naming something of torch's that is not a dtype
+        second.write_bytes(second.read_bytes().replace(b'"dtype": "float32"', b'"dtype": "load"   ', 1))
     warnings = []
     restarted = store(tmp_path, cache, warnings=warnings)
     assert restarted.read(hashes(1, 2, 3)).tokens == B
@@ -171,8 +175,8 @@ def test_a_damaged_block_is_refused_in_one_line_and_the_prefix_ends_before_it(tm
 def test_save_copies_the_slice_before_the_cache_moves_on(tmp_path, monkeypatch):
     """The round after a save may overwrite the slots while the writer thread has yet to write."""
     go = threading.Event()
-    real_save_file = disk.save_file
-    monkeypatch.setattr(disk, "save_file", lambda *a, **kw: (go.wait(5), real_save_file(*a, **kw)))
+    real_pack = disk.pack
+    monkeypatch.setattr(disk, "pack", lambda *a, **kw: (go.wait(5), real_pack(*a, **kw))[1])
     cache = filled_cache(8)
     expected = cache.keys[2][:, :, :B].clone()
     s = store(tmp_path, cache)
@@ -211,7 +215,8 @@ def test_eviction_takes_a_chains_later_blocks_first(tmp_path):
 
 
 def test_stage_identity_follows_the_weights_a_rank_loads(tmp_path):
-    from kvcache.identity import pipeline_identity, stage_identity
+    from speculative.prefixes import pipeline_identity
+    from model_parallel.identity import stage_identity
     from tests.support.tiny_models import save_tiny
     folder = save_tiny(tmp_path / "m", "llama", seed=0)
     first = stage_identity(folder, 0, 2, embed=True, head=False)
@@ -225,7 +230,7 @@ def test_stage_identity_follows_the_weights_a_rank_loads(tmp_path):
 def test_a_failing_disk_is_one_warning_and_never_an_error(tmp_path, monkeypatch):
     def full(*_, **__):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(disk, "save_file", full)
+    monkeypatch.setattr(disk, "pack", full)
     warnings = []
     cache = filled_cache(12)
     s = store(tmp_path, cache, warnings=warnings)

@@ -27,7 +27,7 @@ def reused(out) -> tuple[int, int]:
 
 
 def saved_files(folder) -> list:
-    return sorted(folder.glob("*.kv.safetensors"))
+    return sorted(folder.glob("*.kv"))
 
 
 def test_two_ranks_after_a_restart_and_for_a_shared_prefix(tiny_qwen, tiny_qwen_draft, tmp_path):

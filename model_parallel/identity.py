@@ -53,8 +53,3 @@ def numerics(**settings) -> dict:
     import torch
     import transformers
     return {"torch": torch.__version__, "transformers": transformers.__version__, **settings}
-
-
-def pipeline_identity(rank_identities: list[str]) -> str:
-    """The model identity every rank keys its files by: all ranks' stage identities, in rank order."""
-    return hashlib.sha256(json.dumps(rank_identities).encode()).hexdigest()

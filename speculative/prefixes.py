@@ -15,14 +15,15 @@ enough to save (cache.min_tokens), so every rank knows what to save. A rank read
 it answers, so a file that turns out bad can only lower what it reports, never break a load agreed on.
 
 The key of a rank's files is the identity of every weight its KV depends on: its own and every earlier rank's
-(kvcache.identity), which arrive in the messages' `weights`. Rank 0's drafter has its own model, key and files.
+(model_parallel.identity), which arrive in the messages' `weights`. Rank 0's drafter has its own model, key and files.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 
 from kvcache.disk import KVDiskStore, SavedPrefix, SliceKey, prefix_hashes
-from kvcache.identity import pipeline_identity
 from kvcache.static_cache import StaticKVCache
 from netbridge.protocol import Lookup, Restore
 
@@ -145,3 +146,8 @@ def pass_on(prefixes: RankPrefixes | None, msg):
     if mine:
         mine.on_restore(msg.hashes, msg.weights, msg.block, msg.start, msg.tokens)
     return Restore(msg.hashes, weights, msg.block, msg.start, msg.tokens)
+
+
+def pipeline_identity(rank_identities: list[str]) -> str:
+    """The model identity every rank keys its files by: all ranks' stage identities, in rank order."""
+    return hashlib.sha256(json.dumps(rank_identities).encode()).hexdigest()

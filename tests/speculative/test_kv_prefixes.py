@@ -1,12 +1,12 @@
-"""kvcache.prefixes over real stages of a tiny model, three ranks in one process (no channel: the lap of the
+"""speculative.prefixes over real stages of a tiny model, three ranks in one process (no channel: the lap of the
 ring is the calls in rank order): a restored prefix gives the logits a cold prefill gives."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvcache.identity import stage_identity
-from kvcache.prefixes import CacheSettings, RankPrefixes, pass_on
+from model_parallel.identity import stage_identity
+from speculative.prefixes import CacheSettings, RankPrefixes, pass_on
 from model_parallel.loader import load_stage
 from tests.support.tiny_models import save_tiny
 
@@ -124,7 +124,7 @@ def test_a_short_prompt_is_neither_looked_up_nor_saved(folder, tmp_path):
     ranks = ranks_of(stages, ids, tmp_path)
     assert ranks[0].begin(PROMPT[:15]) == []
     prefill_and_save(stages, ranks, PROMPT[:15])
-    assert not list(tmp_path.glob("*.kv.safetensors"))
+    assert not list(tmp_path.glob("*.kv"))
 
 
 def test_the_prompts_last_token_is_always_prefilled(folder, tmp_path):
@@ -143,4 +143,4 @@ def test_a_request_without_blocks_to_save_forgets_the_last_ones(folder, tmp_path
     agree(ranks, PROMPT)  # the long request's Restore; no round follows
     short = [(i * 11 + 3) % 300 for i in range(12)]
     prefill_and_save(stages, ranks, short)
-    assert not list(tmp_path.glob("*.kv.safetensors"))
+    assert not list(tmp_path.glob("*.kv"))
