@@ -17,6 +17,7 @@ import secrets
 from dataclasses import dataclass
 
 from launch.config import REQUEST_RANGES
+from launch.structured import FieldError, read_chat_logprobs, read_completion_logprobs, read_grammar
 from launch.tools import CLOSE, ToolError, ToolSetup, template_message, tool_setup
 from netbridge.protocol import Request
 
@@ -119,8 +120,10 @@ def parse_chat(body, tokenizer, cfg, model_name: str) -> Prompt:
         raise ApiError(400, str(e), param=e.param) from None
     settings = read_settings(body, cfg)
     check_fields(body, "chat")
-    from launch.structured import read_chat_logprobs, read_grammar  # (which imports this module)
-    settings.request.grammar, settings.request.logprobs = read_grammar(body), read_chat_logprobs(body)
+    try:
+        settings.request.grammar, settings.request.logprobs = read_grammar(body), read_chat_logprobs(body)
+    except FieldError as e:
+        raise ApiError(400, str(e), param=e.param) from None
     prompt = with_ids(settings, template_ids(tokenizer, conversation, tools.specs if tools else None))
     prompt.tools = tools
     if tools and tools.parse and not tools.parallel:
@@ -146,8 +149,10 @@ def parse_completion(body, tokenizer, cfg, model_name: str) -> Prompt:
         prompt = prompt[0]
     request = read_settings(body, cfg)
     check_fields(body, "completions")
-    from launch.structured import read_completion_logprobs
-    request.request.logprobs = read_completion_logprobs(body)
+    try:
+        request.request.logprobs = read_completion_logprobs(body)
+    except FieldError as e:
+        raise ApiError(400, str(e), param=e.param) from None
     if isinstance(prompt, str) and prompt:
         if tokenizer is None:
             raise ApiError(400, f"{model_name} has no tokenizer: send the prompt as a list of token ids", param="prompt")

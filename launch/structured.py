@@ -10,11 +10,18 @@ from __future__ import annotations
 
 import functools
 
-from launch.api import ApiError
 from speculative.grammar import GrammarError, grammar_source, schema_of
 from speculative.verify import MAX_TOP_LOGPROBS
 
 MAX_COMPLETION_LOGPROBS = 5  # what OpenAI's /v1/completions allows
+
+
+class FieldError(ValueError):
+    """A request field this module reads that cannot be served; `param` names it (launch.api makes the 400)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 def read_grammar(body: dict) -> str | None:
@@ -23,7 +30,7 @@ def read_grammar(body: dict) -> str | None:
         schema = schema_of(body.get("response_format"))
         return None if schema is None else grammar_source(schema)
     except GrammarError as e:
-        raise ApiError(400, str(e), param="response_format") from None
+        raise FieldError(str(e), param="response_format") from None
 
 
 def read_chat_logprobs(body: dict) -> int | None:
@@ -31,11 +38,11 @@ def read_chat_logprobs(body: dict) -> int | None:
     None for no logprobs."""
     wanted, top = body.get("logprobs"), body.get("top_logprobs")
     if wanted is not None and not isinstance(wanted, bool):
-        raise ApiError(400, "logprobs must be true or false", param="logprobs")
+        raise FieldError("logprobs must be true or false", param="logprobs")
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
-        raise ApiError(400, f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
+        raise FieldError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
     if top is not None and not wanted:
-        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        raise FieldError("top_logprobs needs logprobs: true", param="top_logprobs")
     return (top or 0) if wanted else None
 
 
@@ -45,7 +52,7 @@ def read_completion_logprobs(body: dict) -> int | None:
     if n is None:
         return None
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_COMPLETION_LOGPROBS:
-        raise ApiError(400, f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}] on /v1/completions",
+        raise FieldError(f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}] on /v1/completions",
                        param="logprobs")
     return n
 
