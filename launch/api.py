@@ -124,11 +124,25 @@ def parse_chat(body, tokenizer, cfg, model_name: str) -> Prompt:
         settings.request.grammar, settings.request.logprobs = read_grammar(body), read_chat_logprobs(body)
     except FieldError as e:
         raise ApiError(400, str(e), param=e.param) from None
+    settings.request.grammar = forced_call(tools, tokenizer, settings.request.grammar)
     prompt = with_ids(settings, template_ids(tokenizer, conversation, tools.specs if tools else None))
     prompt.tools = tools
     if tools and tools.parse and not tools.parallel:
         prompt.stop = [*prompt.stop, CLOSE]  # one call (parallel_tool_calls=false): the answer ends with it
     return prompt
+
+
+def forced_call(tools: ToolSetup | None, tokenizer, grammar: str | None) -> str | None:
+    """The request's grammar once tool_choice required / named holds the answer to a call (launch.tools)."""
+    if tools is None or tools.forced is None:
+        return grammar
+    if grammar is not None:
+        raise ApiError(400, "tool_choice required or a named function already constrains the answer to a call: "
+                       "drop response_format", param="response_format")
+    try:
+        return tools.grammar(tokenizer)
+    except ValueError as e:  # speculative.grammar.GrammarError: a tool's parameters no grammar can hold
+        raise ApiError(400, f"the tools' parameters cannot be enforced: {e}", param="tools") from None
 
 
 def template_ids(tokenizer, conversation: list[dict], tools: list[dict] | None = None) -> list[int]:

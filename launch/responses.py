@@ -22,7 +22,8 @@ import json
 import time
 import uuid
 
-from launch.api import ApiError, Prompt, check_fields, check_model, read_settings, tandem_fields, template_ids, with_ids
+from launch.api import (ApiError, Prompt, check_fields, check_model, forced_call, read_settings, tandem_fields,
+                        template_ids, with_ids)
 from launch.tools import ToolError, template_message, tool_setup
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -45,9 +46,19 @@ def parse_responses(body, tokenizer, cfg, model_name: str) -> Prompt:
         conversation.insert(0, {"role": "system", "content": instructions})
     settings = read_settings(body, cfg)
     check_fields(body, "responses")
+    settings.request.grammar = forced_call(tools, tokenizer, settings.request.grammar)
     prompt = with_ids(settings, template_ids(tokenizer, conversation, tools.specs if tools else None))
     prompt.tools = tools
     return prompt
+
+
+def _choice_echo(tools) -> str | dict:
+    """tool_choice as the Responses API reports it back."""
+    if tools is None or not tools.parse:
+        return "none"
+    if tools.forced is None:
+        return "auto"
+    return "required" if tools.forced == "*" else {"type": "function", "name": tools.forced}
 
 
 def _as_chat_tools(body: dict) -> dict:
@@ -202,7 +213,7 @@ class ResponsesForm:
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
                 "output": output or [], "error": None, "incomplete_details": None, "instructions": None, "metadata": {},
                 "parallel_tool_calls": tools.parallel if tools is not None else True,
-                "tool_choice": "auto" if tools is not None and tools.parse else "none",
+                "tool_choice": _choice_echo(tools),
                 "tools": [{"type": "function", "strict": False, "parameters": None, **s["function"]} for s in specs],
                 "temperature": request.temperature, "top_p": request.top_p,
                 "max_output_tokens": self.job.prompt.max_tokens, "text": {"format": {"type": "text"}}, "usage": None}

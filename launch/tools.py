@@ -16,9 +16,9 @@ embedded 0.5B and 1.5B both do, asked about the weather with a get_weather tool)
 told from text until it ends, so an answer that begins with { or ``` is sent when it ends.
 
 tool_choice auto parses that text; none leaves the tools out of the prompt (nothing can call them). required
-and a named function need decoding constrained to a call (a grammar): until one is wired they are refused
-with a 400 rather than asked of the model and not guaranteed; call_schema is the JSON schema such a grammar
-enforces.
+and a named function constrain decoding to a call: the request carries call_grammar (the tags around
+call_schema's JSON), which the last rank enforces where it verifies (speculative.grammar), so the answer is a
+call that parses, of the named tool when one is named.
 """
 from __future__ import annotations
 
@@ -46,6 +46,14 @@ class ToolSetup:
     specs: list[dict] | None
     parse: bool
     parallel: bool = True
+    forced: str | None = None  # tool_choice required ("*": any tool) or the named tool: the answer must be a call
+
+    def grammar(self, tokenizer) -> str | None:
+        """The grammar the answer is held to (tool_choice required / named), as llguidance's source; else None."""
+        if self.forced is None:
+            return None
+        from speculative.grammar import lark_source
+        return lark_source(call_grammar(self.specs, tokenizer, None if self.forced == "*" else self.forced, self.parallel))
 
     def parser(self) -> CallParser:
         return CallParser(self.parallel, frozenset(s["function"]["name"] for s in self.specs or []))
@@ -66,12 +74,11 @@ def tool_setup(body: dict, chat_template: str | None) -> ToolSetup | None:
     specs = _specs(tools)
     names = [s["function"]["name"] for s in specs]
     if choice is None or choice == "auto":
-        mode = "auto"
+        forced = None
     elif choice == "none":
         return ToolSetup(None, False)
     elif choice == "required" or _named(choice, names):
-        raise ToolError(f"tool_choice={json.dumps(choice)[:100]} needs decoding constrained to a call, which this "
-                        "server does not do yet; send tool_choice=auto (the model may then answer in text)", "tool_choice")
+        forced = "*" if choice == "required" else choice["function"]["name"]
     else:
         raise ToolError('tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}',
                         "tool_choice")
@@ -80,7 +87,7 @@ def tool_setup(body: dict, chat_template: str | None) -> ToolSetup | None:
     if OPEN not in chat_template:
         raise ToolError(f"this model's tool-call format is not one this server reads (it reads {OPEN} JSON, as "
                         "Qwen2.5 and Qwen3 write it)", "tools")
-    return ToolSetup(specs, mode == "auto", parallel is not False)
+    return ToolSetup(specs, True, parallel is not False, forced)
 
 
 def _specs(tools) -> list[dict]:

@@ -202,9 +202,8 @@ def test_tool_choice_none_leaves_the_tools_out_and_reads_no_calls(client, tokeni
 
 
 @pytest.mark.parametrize("fields,param", [
-    ({"tool_choice": "required"}, "tool_choice"),  # needs a grammar: refused until one is wired
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),  # one constraint
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
@@ -333,10 +332,53 @@ def test_responses_function_call_outputs_reach_the_template(client, model, token
     assert r.usage.input_tokens == chat.usage.prompt_tokens and r.tandem["token_ids"] == chat.tandem["token_ids"]
 
 
-@pytest.mark.parametrize("fields,param", [({"tool_choice": "required"}, "tool_choice"),
-                                          ({"tool_choice": {"type": "function", "name": "get_time"}}, "tool_choice"),
+@pytest.mark.parametrize("fields,param", [({"tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
                                           ({"tools": [{"type": "web_search"}]}, "tools")])
 def test_responses_tool_fields_not_honoured_are_400s(client, fields, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="scripted", input="hi <ask_weather>", extra_body={"tools": RESPONSES_TOOLS, **fields})
     assert e.value.body["param"] == param
+
+
+FORCED_TOOLS = [{"type": "function", "function": {"name": name, "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"], "additionalProperties": False}}}
+    for name in ("set_unit", "get_unit")]
+
+
+@pytest.fixture(scope="module")
+def long_client(model):
+    """The scripted model with room for a whole call in the tiny tokenizer's short tokens."""
+    args = [f"model.target={model}", "model.dtype=float32", "model.max_len=1024", "draft.kind=model", f"draft.model={model}",
+            "draft.dtype=float32", "draft.max_len=1024", "gen.max_new_tokens=200", "transport.timeout_s=20", "spec.k=2"]
+    with served(*args) as s:
+        yield openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.mark.parametrize("choice,name", [("required", None), ({"type": "function", "function": {"name": "get_unit"}}, "get_unit")])
+def test_tool_choice_required_or_named_makes_the_answer_a_call(long_client, choice, name):
+    """The scripted model would answer in text ("It is sunny in Paris."); tool_choice required / named holds the
+    answer to a call, enforced by the grammar where the target verifies: it parses, names an offered tool (the
+    named one when named) and its arguments fit the tool's parameters."""
+    for stream in (False, True):
+        kwargs = dict(model="scripted", messages=[{"role": "user", "content": "hi <sunny>"}], tools=FORCED_TOOLS,
+                      tool_choice=choice, parallel_tool_calls=False)
+        if not stream:
+            r = long_client.chat.completions.create(**kwargs)
+            calls, finish = r.choices[0].message.tool_calls or [], r.choices[0].finish_reason
+            got = [(c.function.name, c.function.arguments) for c in calls]
+        else:
+            parts, finish = {}, None
+            for chunk in long_client.chat.completions.create(**kwargs, stream=True):
+                for d in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+                    entry = parts.setdefault(d.index, ["", ""])
+                    entry[0] += d.function.name or ""
+                    entry[1] += d.function.arguments or ""
+                finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+            got = [tuple(v) for _, v in sorted(parts.items())]
+        assert finish == "tool_calls" and len(got) == 1, (stream, finish, got)
+        assert got[0][0] == (name or got[0][0]) and got[0][0] in ("set_unit", "get_unit")
+        assert json.loads(got[0][1]) in ({"unit": "c"}, {"unit": "f"})
+    r = long_client.responses.create(model="scripted", input="hi <sunny>", tool_choice="required",
+                                     tools=[{"type": "function", **t["function"]} for t in FORCED_TOOLS])
+    assert [item.type for item in r.output] == ["function_call"] and json.loads(r.output[0].arguments)["unit"] in "cf"
+
