@@ -98,3 +98,7 @@ def test_auto_depth_goes_deeper_only_when_bets_hold_and_the_trip_is_long():
     for _ in range(10):
         short.observe(record(bet=True, round_ms=4.0))
     assert short.now() == 1  # the trip is shorter than preparing a block: nothing to hide
+    busy = DepthFromCosts()  # the embedded pair on this CPU: a block as costly as the trip, one bet in five lost
+    for i in range(10):
+        busy.observe(record(draft_ms=550.0, stage0_ms=2.0, round_ms=620.0, bet=i % 5 != 0))
+    assert busy.now() == 1  # the blocks thrown away at each lost bet would cost rank 0 more than the wire saves
