@@ -51,13 +51,17 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def cases(drafter: str, on_gpu: bool) -> dict[str, list[str]]:
+def cases(drafter: str, on_gpu: bool, tmp: Path) -> dict[str, list[str]]:
+    """Ordered: the dry run launches only the last (the path with the most code)."""
     graph = "on" if on_gpu else "off"  # a CUDA graph needs CUDA; the dry run takes the same path eagerly
+    model = ["draft.kind=model", f"draft.model={drafter}", "draft.dtype=float32", f"draft.graph={graph}", "spec.k=4"]
+    kv = [f"cache.dir={tmp / 'kv'}", "cache.min_tokens=4", "cache.block_tokens=4"]  # the prompt's 8 first tokens
     return {
         "k0 (one token per round trip)": ["spec.k=0", "draft.kind=none"],
         "n-gram drafter": ["draft.kind=ngram", "spec.k=4"],
-        f"model drafter, draft.graph={graph}": ["draft.kind=model", f"draft.model={drafter}", "draft.dtype=float32",
-                                                f"draft.graph={graph}", "spec.k=4"],
+        "cache.dir, first run (saves the prompt's blocks, the device copy on a side stream)": ["draft.kind=ngram", *kv],
+        "cache.dir, second run (restores them onto the device)": ["draft.kind=ngram", *kv],
+        f"model drafter, draft.graph={graph}, 3 rounds in flight": [*model, "spec.in_flight=3"],
     }
 
 
@@ -68,14 +72,16 @@ def entry_parity(device: str, tmp: Path, dry_run: bool = False) -> list[dict]:
     common = [f"model.target={target}", "model.dtype=float32", "chat=false", f"prompt_ids=[{','.join(map(str, PROMPT))}]",
               f"gen.max_new_tokens={NEW_TOKENS}", "model.split=null", "output.stream=false"]
     results = []
-    every = cases(drafter, device.startswith("cuda"))
+    every = cases(drafter, device.startswith("cuda"), tmp)
     for i, (name, extra) in enumerate(every.items()):
         if dry_run and i < len(every) - 1:
             results.append({"name": name, "identical": None, "skipped": "dry run: one launch covers the path"})
             continue
         out, tail = run_entry(common + extra, tmp / f"case{i}.json")
         got = out["token_ids"] if out else None
+        reused = out["stats"].get("prompt_tokens_reused_from") if out else None
         results.append({"name": f"entry, 2 ranks on {device}: {name}", "identical": got == expected,
+                        **({"reused": reused} if reused else {}),
                         **({} if got == expected else {"expected": expected, "got": got, "stderr": tail})})
     return results
 
