@@ -15,7 +15,7 @@ import torch
 from transformers import AutoTokenizer
 
 from tests.support.grammar_reference import constrained_greedy
-from tests.support.serve_harness import CHAT_TEMPLATE, served
+from tests.support.serve_harness import CHAT_TEMPLATE, served, served_args
 from tests.support.tiny_models import load_reference, save_tiny, save_tiny_tokenizer
 
 EOS = 0  # the tiny tokenizer's <eos>
@@ -41,10 +41,7 @@ def model(tmp_path_factory):
 def server(model, tmp_path_factory):
     draft = save_tiny(tmp_path_factory.mktemp("structured-draft") / "qwen2", "qwen2", seed=7, layers=2)
     save_tiny_tokenizer(draft)  # the target's (the drafter must share it)
-    args = [f"model.target={model}", "model.dtype=float32", "model.max_len=512", "draft.kind=model", f"draft.model={draft}",
-            "draft.dtype=float32", "draft.max_len=512", f"gen.max_new_tokens={MAX_NEW}", "transport.timeout_s=20",
-            "spec.k=3"]
-    with served(*args) as s:
+    with served(*served_args(model, draft, f"gen.max_new_tokens={MAX_NEW}", "spec.k=3")) as s:
         yield s
 
 

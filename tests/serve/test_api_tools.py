@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 from transformers import AddedToken, AutoModelForCausalLM, AutoTokenizer
 
 from launch.tools import CallParser
-from tests.support.serve_harness import served
+from tests.support.serve_harness import served, served_args
 from tests.support.tiny_models import randomize_norms, reference_greedy, save_tiny, save_tiny_tokenizer
 
 TEMPLATE = (
@@ -76,9 +76,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model):
-    args = [f"model.target={model}", "model.dtype=float32", "model.max_len=512", "draft.kind=model", f"draft.model={model}",
-            "draft.dtype=float32", "draft.max_len=512", "gen.max_new_tokens=32", "transport.timeout_s=20", "spec.k=2"]
-    with served(*args) as s:
+    with served(*served_args(model, model, "gen.max_new_tokens=32", "spec.k=2")) as s:
         yield s
 
 
@@ -348,8 +346,7 @@ FORCED_TOOLS = [{"type": "function", "function": {"name": name, "parameters": {
 @pytest.fixture(scope="module")
 def long_client(model):
     """The scripted model with room for a whole call in the tiny tokenizer's short tokens."""
-    args = [f"model.target={model}", "model.dtype=float32", "model.max_len=1024", "draft.kind=model", f"draft.model={model}",
-            "draft.dtype=float32", "draft.max_len=1024", "gen.max_new_tokens=200", "transport.timeout_s=20", "spec.k=2"]
+    args = served_args(model, model, "model.max_len=1024", "draft.max_len=1024", "gen.max_new_tokens=200", "spec.k=2")
     with served(*args) as s:
         yield openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
