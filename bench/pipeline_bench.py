@@ -7,7 +7,7 @@ overlap), with tokens per round and each rank's busy fraction.
 
 Each row is the real entry under `torchrun --nproc_per_node=N` (gloo on loopback), one thread per rank,
 the layers shared out evenly (model.split=null: half for two ranks, even for more), the same prompt
-and token budget. The delay is a sleep before every message leaves (netbridge/channel.py): a round at
+and token budget. The delay holds every message that long after its send (netbridge/delay.py): a round at
 N ranks crosses N hops (0 -> 1 -> ... -> N-1 -> 0), so it pays N delays once per round, not per token.
 
     tok/s      decode tokens per second ((tokens - 1) / (total - TTFT), as in Tandem's stats)

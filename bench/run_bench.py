@@ -5,8 +5,8 @@
     python bench/run_bench.py --split    # model.split=auto vs the even split vs a memory-forced one, overlap on/off
 
 Tandem runs as the real entry under torchrun (two ranks on this host), once per configuration and
-prompt, with an EMULATED one-way delay (transport.emulate_delay_ms: the sender sleeps before each
-message; this kernel has no netem). The baselines run in this process on the same prompts and token
+prompt, with an EMULATED one-way delay (transport.emulate_delay_ms: each message arrives that long after
+it was sent, the sender not held, netbridge/delay.py; this kernel has no netem). The baselines run in this process on the same prompts and token
 budget: transformers `generate` (greedy, the whole model in one process) and transformers assisted
 generation with the same drafter, with every core (`--hf-threads`; Tandem's ranks: `--threads` each).
 The prefill and first token are TTFT; tok/s is what follows.
@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> None:
                                                   tokenize=True, return_dict=True)["input_ids"]) for t in texts]
     info = {"machine": machine(args.threads, args.hf_threads), "dtype": args.dtype, "draft_dtype": args.draft_dtype, "target": args.target, "draft": args.draft,
             "max_new_tokens": args.max_new_tokens, "prompts": [{"text": t, "tokens": len(p)} for t, p in zip(texts, prompts)],
-            "delays": "EMULATED one-way delay per message (sender sleeps; netbridge/channel.py), both ranks on this host",
+            "delays": "EMULATED one-way delay per message (delivered that long after its send; netbridge/delay.py), both ranks on this host",
             "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
     print(f"# {info['machine']['cpu']}, {info['machine']['cores']} cores, {args.threads} threads per rank, "
           f"{args.hf_threads} for the baselines, {args.dtype}, "

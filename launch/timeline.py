@@ -20,8 +20,8 @@ receive), so the true theta is always inside. Every round narrows the interval [
 its midpoint and the uncertainty its half-width (at most half of one round trip's time on the wire).
 After alignment every rank-1 span of a round lies inside that round's send..reply window on rank 0. If the bounds cross (clocks drifting
 apart over a long run), the fastest round's NTP estimate is used and `consistent` is false.
-A known least one-way time tightens both bounds by it: the emulated delay (transport.emulate_delay_ms)
-is a sleep before each message leaves, so no message arrives sooner than that after its send began.
+A known least one-way time tightens both bounds by it: under the emulated delay (transport.emulate_delay_ms)
+a message is delivered that long after its send began (netbridge/delay.py), never sooner.
 
 On one host both ranks read the same monotonic clock, so the true offset is 0: a check of the method.
 
