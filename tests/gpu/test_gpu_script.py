@@ -4,9 +4,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.support.tiny_models import REPO
 
 
+@pytest.mark.slow  # ~16 s of a whole launch and every part's timing: CI runs it with -m slow
 def test_the_gpu_check_dry_run_runs_every_part(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.gpu", "--out", str(tmp_path), "--dry-run"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
