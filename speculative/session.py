@@ -104,6 +104,11 @@ class Stream:
     def sent(self) -> int:
         return sum(b.sent_at is not None for b in self.chain)
 
+    @property
+    def promised(self) -> int:
+        """The most tokens the blocks in the chain can still commit (each: its drafts + the target's token)."""
+        return sum(len(b.drafts) + 1 for b in self.chain)
+
 
 class Replies:
     """The replies from the last rank, in the order their rounds were sent, less those of rounds dropped on a
@@ -146,11 +151,13 @@ class Session:
         reuse = common_prefix(self.cached, prompt_ids[:-1])
         self.cached = []  # unknown until the generation ends cleanly (an exception leaves it so)
         stream = self.open(prompt_ids, output, request, reuse)
-        while not output.done and not cancelled():
-            record, reply = self.step(stream)
-            if on_round is not None:
-                on_round(record, reply)
-        self.drop_chain(stream)
+        try:
+            while not output.done and not cancelled():
+                record, reply = self.step(stream)
+                if on_round is not None:
+                    on_round(record, reply)
+        finally:  # also on an error (a served session goes on): the next request drains what is still on the way
+            self.drop_chain(stream)
         self.replies.drain()
         gen = stream.gen
         gen.total_s = time.perf_counter() - stream.t_start
@@ -268,7 +275,7 @@ class Session:
         prepared_ms, prepared = 0.0, 0
         while s.chain[-1].sent_at is not None:  # else one is held back already
             tip = s.chain[-1]
-            k_next = min(self.k_policy.bet(tip.k, len(tip.drafts)), s.remaining - self.promised(s) - 1)
+            k_next = min(self.k_policy.bet(tip.k, len(tip.drafts)), s.remaining - s.promised - 1)
             if k_next == 0:
                 self.drafter.catch_up(s.committed)
             if k_next <= 0 or not (s.sent < self.depth.now() or self.spec.overlap):
@@ -281,11 +288,6 @@ class Session:
             if s.sent < self.depth.now():
                 self.send(block)
         return prepared_ms, prepared
-
-    @staticmethod
-    def promised(s: Stream) -> int:
-        """The most tokens the blocks in the chain can still commit (each: its drafts + the target's token)."""
-        return sum(len(b.drafts) + 1 for b in s.chain)
 
     def bet_block(self, s: Stream, tip: Block, k_next: int) -> Block | None:
         """Draft the guess plus k_next tokens after the tip's drafts and run stage 0 over them: on a hit the

@@ -80,6 +80,22 @@ def test_a_served_session_drops_the_replies_left_on_the_way(tiny_qwen, tmp_path)
         assert gen.output.tokens == alone["token_ids"], request
 
 
+def test_a_served_session_after_a_generation_that_failed_with_rounds_on_the_way(tiny_qwen):
+    """A generation that stops on an error (here its round callback) with rounds still on the way: their replies
+    are dropped before the next request's, whose tokens are a fresh run's."""
+    rounds = []
+
+    def fails_on_the_second_round(record, reply):
+        rounds.append(record)
+        if len(rounds) == 2:
+            raise RuntimeError("the callback failed")
+    args = session_args(tiny_qwen, tiny_qwen, max_new=20) + ["spec.in_flight=4", "spec.adaptive=false"]
+    gens = serve(args, [(PROMPT, Request()), (PROMPT[::-1], Request())], on_round=fails_on_the_second_round,
+                 keep_going=True)
+    assert isinstance(gens[0], RuntimeError) and rounds[1].in_flight > 1  # it failed with rounds on the way
+    assert gens[1].output.tokens == reference_greedy(tiny_qwen, PROMPT[::-1], 20)
+
+
 def record(**kw) -> RoundRecord:
     base = dict(drafted=3, accepted=3, committed=4, draft_ms=5.0, stage0_ms=1.0, round_ms=100.0, stage1_ms=2.0)
     return RoundRecord(**{**base, **kw})

@@ -21,10 +21,13 @@ def session_args(target, draft, max_new=MAX_NEW):
             "draft.dtype=float32", "spec.k=4", f"gen.max_new_tokens={max_new}"]
 
 
-def serve(overrides: list[str], requests: list[tuple[list[int], Request]], ranks: int = 2) -> list[Generation]:
+def serve(overrides: list[str], requests: list[tuple[list[int], Request]], ranks: int = 2, on_round=None,
+          keep_going: bool = False) -> list[Generation | Exception]:
     """One Session on rank 0 (built as launch.ranks.first_rank builds it) serving `requests` in a row,
     the last rank (launch.ranks.last_rank) in a thread, over local_pair; with `ranks` > 2 the middle ranks
-    (launch.ranks.middle_rank) in threads too, over local_ring."""
+    (launch.ranks.middle_rank) in threads too, over local_ring. `on_round` goes to every generation;
+    `keep_going`: a request that raises gives its exception in the list and the session goes on, as the
+    server's does."""
     cfg = load_config(["output.stream=false", "chat=false", "prompt_ids=[1]", *overrides])
     links = local_ring(ranks, 30.0)  # (from the rank before, to the rank after); with two ranks local_pair's
     errors = []
@@ -52,7 +55,12 @@ def serve(overrides: list[str], requests: list[tuple[list[int], Request]], ranks
         gens = []
         for ids, request in requests:
             output = Output(None, eos_ids(plan.models.target), cfg.gen.max_new_tokens, [], stream=False)
-            gens.append(session.generate(ids, output, request))
+            try:
+                gens.append(session.generate(ids, output, request, on_round=on_round))
+            except Exception as e:  # noqa: BLE001 - handed to the test
+                if not keep_going:
+                    raise
+                gens.append(e)
             session.idle()  # between requests, as a server does
         session.close()
     except BaseException:
