@@ -156,7 +156,7 @@ class Session:
                 record, reply = self.step(stream)
                 if on_round is not None:
                     on_round(record, reply)
-        finally:  # also on an error (a served session goes on): the next request drains what is still on the way
+        finally:  # also on an error: a caller that keeps the session drains what is still on the way at the next open
             self.drop_chain(stream)
         self.replies.drain()
         gen = stream.gen

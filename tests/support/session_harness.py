@@ -26,8 +26,8 @@ def serve(overrides: list[str], requests: list[tuple[list[int], Request]], ranks
     """One Session on rank 0 (built as launch.ranks.first_rank builds it) serving `requests` in a row,
     the last rank (launch.ranks.last_rank) in a thread, over local_pair; with `ranks` > 2 the middle ranks
     (launch.ranks.middle_rank) in threads too, over local_ring. `on_round` goes to every generation;
-    `keep_going`: a request that raises gives its exception in the list and the session goes on, as the
-    server's does."""
+    `keep_going`: a request that raises gives its exception in the list and the same session goes on (the
+    server stops serving instead; a caller may keep the session)."""
     cfg = load_config(["output.stream=false", "chat=false", "prompt_ids=[1]", *overrides])
     links = local_ring(ranks, 30.0)  # (from the rank before, to the rank after); with two ranks local_pair's
     errors = []
