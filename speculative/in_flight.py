@@ -21,6 +21,8 @@ chosen, so `auto` only leaves 1 for a clear gain. Any depth is lossless.
 """
 from __future__ import annotations
 
+from speculative.k_choice import ema
+
 
 class FixedDepth:
     def __init__(self, depth: int):
@@ -45,19 +47,16 @@ class DepthFromCosts:
     def now(self) -> int:
         return self.depth
 
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.smoothing * (new - old)
-
     def observe(self, r) -> None:
         """A round's RoundRecord."""
         self.seen += 1
         if r.bet is not None:
-            self.hold = self._ema(self.hold, float(r.bet))
+            self.hold = ema(self.hold, float(r.bet), self.smoothing)
         if not r.from_ahead and r.drafted:
-            self.prep_ms = self._ema(self.prep_ms, r.draft_ms + r.stage0_ms)
+            self.prep_ms = ema(self.prep_ms, r.draft_ms + r.stage0_ms, self.smoothing)
         elif r.prepared:  # under spec.overlap nearly every block is prepared in a wait
-            self.prep_ms = self._ema(self.prep_ms, r.ahead_ms / r.prepared)
-        self.trip_ms = self._ema(self.trip_ms, max(r.round_ms - r.ahead_ms, 0.0))
+            self.prep_ms = ema(self.prep_ms, r.ahead_ms / r.prepared, self.smoothing)
+        self.trip_ms = ema(self.trip_ms, max(r.round_ms - r.ahead_ms, 0.0), self.smoothing)
         if self.seen >= self.warmup and None not in (self.hold, self.prep_ms):
             self.depth = self.best()
 

@@ -28,6 +28,11 @@ carries the prompt and says nothing about K).
 from __future__ import annotations
 
 
+def ema(old: float | None, new: float, smoothing: float) -> float:
+    """An exponential moving average's next value (the first sample as it is)."""
+    return new if old is None else old + smoothing * (new - old)
+
+
 def _at(points: dict[int, float], n: int) -> float:
     """The cost of a block of n from the sizes measured: interpolated between them, extended beyond
     them along the slope of the two nearest (never downwards)."""
@@ -98,22 +103,19 @@ class KFromCosts:
         self.chosen = 0  # rounds chosen from the rates since the warm-up
         self.after_undrafted = False  # the last round drafted nothing: the next one's drafting includes catch-up
 
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.smoothing * (new - old)
-
     def observe(self, r) -> None:
         """A decode round's RoundRecord (not the prefill round: it says nothing about K)."""
         for i in range(1, r.drafted + 1):
             self.tried[i] += 1
             self.kept[i] += r.accepted >= i
         n = r.drafted + 1
-        self.stage1_ms[n] = self._ema(self.stage1_ms.get(n), r.later_ms)
-        self.wire_ms = self._ema(self.wire_ms, r.network_ms)
+        self.stage1_ms[n] = ema(self.stage1_ms.get(n), r.later_ms, self.smoothing)
+        self.wire_ms = ema(self.wire_ms, r.network_ms, self.smoothing)
         self.seen += 1
         if not r.from_ahead:  # else its drafting and stage 0 ran in the last round's wait, unmeasured here
-            self.stage0_ms[n] = self._ema(self.stage0_ms.get(n), r.stage0_ms)
+            self.stage0_ms[n] = ema(self.stage0_ms.get(n), r.stage0_ms, self.smoothing)
             if r.drafted and not self.after_undrafted:
-                self.draft_ms = self._ema(self.draft_ms, r.draft_ms / r.drafted)
+                self.draft_ms = ema(self.draft_ms, r.draft_ms / r.drafted, self.smoothing)
         self.after_undrafted = r.drafted == 0
 
     def _acceptance(self, prior_weight: float = 4.0) -> list[float]:

@@ -34,7 +34,6 @@ from netbridge import protocol
 from netbridge.channel import Channel
 from speculative.prefixes import pass_on
 from netbridge.protocol import Lookup, Prefill, Reply, Request, Restore, Round
-from speculative.k_choice import next_k  # noqa: F401 - its old home, for callers that import it from here
 from speculative.output import Output
 from speculative.verify import token_logprobs, verify
 
@@ -88,8 +87,9 @@ class NonFiniteLogits(RuntimeError):
     """A forward produced NaN or Inf: no output from it can be trusted."""
 
 
-def _ms(t0: float) -> float:
-    return (time.perf_counter() - t0) * 1000
+def middle_ms(reply: Reply) -> list[float]:
+    """N > 2: each middle rank's forward in the round of `reply`, as it measured (Round.marks come back in it)."""
+    return [(m[2] - m[1]) * 1000 for m in reply.middle_marks or []]
 
 
 def run_rank1(stage: Stage, channel: Channel, reply_to: Channel | None = None, prefixes=None, grammars=None) -> int:

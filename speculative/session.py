@@ -30,7 +30,7 @@ from speculative.drafters import Drafts
 from speculative.in_flight import in_flight_policy
 from speculative.k_choice import k_policy
 from speculative.output import Output
-from speculative.rounds import Generation, RoundRecord
+from speculative.rounds import Generation, RoundRecord, middle_ms
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class Replies:
         wasted_ms = 0.0
         while self.unanswered:
             reply = protocol.recv(self.channel, Reply)
-            wasted_ms += reply.stage1_ms + sum((m[2] - m[1]) * 1000 for m in reply.middle_marks or [])
+            wasted_ms += reply.stage1_ms + sum(middle_ms(reply))
             self.unanswered -= 1
         return wasted_ms
 
@@ -238,7 +238,7 @@ class Session:
             self.drafter.commit(len(s.committed))
         record = RoundRecord(len(block.drafts), reply.accepted, kept, block.draft_ms, block.stage0_ms, round_ms,
                              reply.stage1_ms, t_round - s.t_start, block.send_ms, block.sent_at - s.t_start,
-                             block.guess is not None, ahead_ms, [(m[2] - m[1]) * 1000 for m in reply.middle_marks or []],
+                             block.guess is not None, ahead_ms, middle_ms(reply),
                              in_flight, lost, bet, wasted_ms, prepared)
         s.gen.rounds.append(record)
         s.k_now = self.k_policy.after(s.k_now, record, decode=len(s.gen.rounds) > 1)

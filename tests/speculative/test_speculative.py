@@ -15,7 +15,8 @@ from transformers import AutoTokenizer
 from netbridge.protocol import Request
 from speculative.drafters import NgramDrafter
 from speculative.output import Output
-from speculative.rounds import Generation, NonFiniteLogits, RoundRecord, next_k
+from speculative.k_choice import next_k
+from speculative.rounds import Generation, NonFiniteLogits, RoundRecord
 from speculative.session import common_prefix
 from speculative.stats import broken_drafter_warning, summarize
 from speculative.verify import verify_greedy
