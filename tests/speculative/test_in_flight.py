@@ -50,9 +50,11 @@ def test_three_ranks_with_rounds_in_flight(drafter, tiny_qwen, tiny_qwen_draft):
 
 @pytest.mark.parametrize("max_new", [2, 11])
 def test_max_new_tokens_inside_a_block_in_flight(max_new, tiny_qwen):
+    """The target drafting for itself: every bet holds, and blocks are never sent past what max_new_tokens leaves
+    (no round is wasted at the end)."""
     out = run_pair(*overrides(tiny_qwen, "model", 4, 3, tiny_qwen, max_new=max_new))
     assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, max_new)
-    assert out["stats"]["stop_reason"] == "max_new_tokens"
+    assert out["stats"]["stop_reason"] == "max_new_tokens" and out["stats"]["rounds_dropped"] == 0
 
 
 def test_eos_inside_a_block_with_later_blocks_in_flight(tiny_qwen, tmp_path):
