@@ -1,11 +1,16 @@
-"""A static KV cache indexed by position, with its write position on the device.
+"""A static KV cache indexed by position, with its write positions on the device, in one or more slots.
 
 Why not transformers' StaticCache: in 5.24 each of its layers keeps its own running length and
 appends at it, so a stage must crop every layer to rewind and the write position is implicit in how
-many updates ran. Here every layer of a stage writes at the same slots, `length + arange(T)`, read
+many updates ran. Here every layer of a stage writes at the same positions, `length + arange(T)`, read
 from one device tensor: a rejected draft is simply overwritten by the next round, rewinding is one
-in-place `fill_`, and a CUDA graph captured over a step replays at whatever position the tensor holds
+in-place write, and a CUDA graph captured over a step replays at whatever position the tensor holds
 (no Python int is baked in at capture time, the bug behind the "the the the" loops elsewhere).
+
+Slots (serve.max_concurrent): every request being served owns one slot, a [kv_heads, capacity, head_dim] row
+of every layer's keys and values with its own length. A forward writes a batch of rows, row b into slot
+`rows[b]` at that slot's positions, and reads those slots only: no request sees another's tokens. A forward
+over one slot known on the host (every eager single-request step) works on views of it, as with one slot.
 
 The decoder layers of transformers call `cache.update(key, value, layer_idx, ...)` and nothing else,
 so this class implements that one method rather than subclassing `transformers.Cache` (whose layer
@@ -13,13 +18,15 @@ machinery would bring back the per-layer lengths).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
-def within_window(slot_ids: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:
-    """[T, S]: which slots a sliding-window layer at each of `positions` may still see (at most
-    `window` behind it; the causal part is the caller's mask)."""
-    return slot_ids[None, :] > positions[:, None] - window
+def within_window(cells: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:
+    """[..., T, S]: which cache positions `cells` [S] a sliding-window layer at each of `positions` [..., T] may
+    still see (at most `window` behind it; the causal part is the caller's mask)."""
+    return cells > positions[..., None] - window
 
 
 class CacheOverflowError(RuntimeError):
@@ -28,48 +35,71 @@ class CacheOverflowError(RuntimeError):
 
 class StaticKVCache:
     def __init__(self, layer_ids, capacity: int, num_kv_heads: int, head_dim: int, dtype, device,
-                 setting: str = "model.max_len", sliding_window: int | None = None):
+                 setting: str = "model.max_len", sliding_window: int | None = None, slots: int = 1):
         self.capacity = capacity
+        self.num_slots = slots
         self.setting = setting  # the config key that sets `capacity`, for the overflow message
         self.sliding_window = sliding_window
-        shape = (1, num_kv_heads, capacity, head_dim)
+        shape = (slots, num_kv_heads, capacity, head_dim)
         self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
-        self.length = torch.zeros((), dtype=torch.long, device=device)  # committed + in-flight tokens
-        self.slot_ids = torch.arange(capacity, device=device)
-        self.slots = None  # positions being written by the current forward, set by `begin`
-        self.live = None  # slots the current forward attends over (None: all), set by `begin`
+        self.length = torch.zeros(slots, dtype=torch.long, device=device)  # each slot's committed + in-flight tokens
+        self.cells = torch.arange(capacity, device=device)  # the positions a slot holds
+        self.first_row = torch.zeros(1, dtype=torch.long, device=device)  # rows=None: slot 0
+        # set by `begin` for the current forward:
+        self.rows = self.first_row  # [B] the slot each row of the batch writes and reads
+        self.one: int | None = 0  # that slot as a host int when the batch is one known slot (views, no gather)
+        self.positions = None  # [B, T] the positions being written
+        self.live = None  # positions the current forward attends over (None: all)
 
     # --- the step: begin -> layers call update -> advance ------------------------------------
-    def begin(self, num_tokens: int, live: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions [1, T] of the next T tokens and the boolean attention mask [1, 1, T, slots].
+    def begin(self, num_tokens: int, live: int | None = None, rows: list[int] | torch.Tensor | None = None):
+        """Positions [B, T] of the next T tokens of each row and the boolean attention mask [B, 1, T, positions].
 
-        `live` (a host-side int: the cache length after this write) lets an eager step attend over
-        the live slots only; on CPU attending over all 4096 slots of a default cache costs a third of
-        a small model's step. A captured step passes None: shapes stay static, the mask does the work."""
-        positions = self.length + self.slot_ids[:num_tokens]
-        self.slots = positions
+        `rows`: the slot of each row (a list, or a device tensor a captured step keeps static); None: slot 0.
+        `live` (a host-side int: the longest slot's length after this write) lets an eager step attend over
+        the live positions only; on CPU attending over all 4096 of a default cache costs a third of a small
+        model's step. A captured step passes None: shapes stay static, the mask does the work."""
+        self.one = None
+        if rows is None:
+            rows, self.one = self.first_row, 0
+        elif isinstance(rows, list):
+            self.one = rows[0] if len(rows) == 1 else None
+            rows = self.first_row if rows == [0] else torch.tensor(rows, device=self.length.device)
+        elif self.num_slots == 1:
+            self.one = 0
+        self.rows = rows
+        positions = self.length.index_select(0, rows)[:, None] + self.cells[:num_tokens]
+        self.positions = positions
         self.live = live
-        slot_ids = self.slot_ids if live is None else self.slot_ids[:live]
-        visible = slot_ids[None, :] <= positions[:, None]
+        cells = self.cells if live is None else self.cells[:live]
+        visible = cells <= positions[..., None]
         if self.sliding_window:
-            visible &= within_window(slot_ids, positions, self.sliding_window)
-        return positions[None, :], visible[None, None]
+            visible &= within_window(cells, positions, self.sliding_window)
+        return positions, visible[:, None]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self.keys[layer_idx].index_copy_(2, self.slots, key)
-        self.values[layer_idx].index_copy_(2, self.slots, value)
-        if self.live is None:
-            return self.keys[layer_idx], self.values[layer_idx]
-        return self.keys[layer_idx][:, :, :self.live], self.values[layer_idx][:, :, :self.live]
+        return self._write(self.keys[layer_idx], key), self._write(self.values[layer_idx], value)
+
+    def _write(self, store: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Write `new` [B, heads, T, dim] at each row's slot and positions; the rows' slots back, live part only."""
+        if self.one is not None:
+            view = store[self.one:self.one + 1]
+            view.index_copy_(2, self.positions[0], new)
+            return view if self.live is None else view[:, :, :self.live]
+        store[self.rows[:, None], :, self.positions] = new.transpose(1, 2)
+        return (store if self.live is None else store[:, :, :self.live]).index_select(0, self.rows)
 
     def advance(self, num_tokens: int) -> None:
-        self.length.add_(num_tokens)
+        if self.one is not None:
+            self.length[self.one:self.one + 1].add_(num_tokens)
+        else:
+            self.length.index_add_(0, self.rows, torch.full_like(self.rows, num_tokens))
 
     # --- host-side control, outside any captured region -------------------------------------
-    def rewind(self, length: int) -> None:
-        """Keep the first `length` tokens; later slots are overwritten by the next writes. O(1), in place."""
-        self.length.fill_(length)
+    def rewind(self, length: int, slot: int = 0) -> None:
+        """Keep the first `length` tokens of `slot`; later positions are overwritten by the next writes. O(1), in place."""
+        self.length[slot:slot + 1].fill_(length)
 
     def check_room(self, needed: int) -> None:
         """Raise before a forward that would write past the end (index_copy_ on CUDA would assert)."""
@@ -77,3 +107,24 @@ class StaticKVCache:
             raise CacheOverflowError(
                 f"the KV cache holds {self.capacity} tokens but this step needs {needed}; "
                 f"raise {self.setting} (prompt + max_new_tokens + spec.k must fit)")
+
+    def slot(self, slot: int) -> SlotView:
+        """One slot as a cache of its own (views): what kvcache.disk reads and writes."""
+        return SlotView({i: k[slot:slot + 1] for i, k in self.keys.items()},
+                        {i: v[slot:slot + 1] for i, v in self.values.items()}, self, slot)
+
+
+@dataclass
+class SlotView:
+    """One slot of a StaticKVCache: its keys and values [1, heads, capacity, dim] per layer (views) and its rewind."""
+    keys: dict
+    values: dict
+    cache: StaticKVCache
+    index: int
+
+    @property
+    def length(self) -> torch.Tensor:
+        return self.cache.length[self.index]
+
+    def rewind(self, length: int) -> None:
+        self.cache.rewind(length, self.index)

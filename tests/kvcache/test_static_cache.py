@@ -106,7 +106,7 @@ def test_overflow_names_the_setting(tiny_qwen):
 
 def step_buffers(step: DraftStep):
     cache = step.stage.cache
-    named = {"length": cache.length, "slot_ids": cache.slot_ids, "token": step.token, "step_idx": step.step_idx,
+    named = {"length": cache.length, "cells": cache.cells, "token": step.token, "step_idx": step.step_idx,
              "out_tokens": step.out_tokens, "out_q_ids": step.out_q_ids, "out_q_probs": step.out_q_probs,
              "noise": step.noise, "temperature": step.temperature}
     named.update({f"k{i}": t for i, t in cache.keys.items()})

@@ -101,7 +101,7 @@ def test_sizes():
 def held_bytes(stage) -> int:
     """What a loaded stage holds: parameters, buffers and NF4 states (quant.weight_bytes), and its cache."""
     cache = stage.cache
-    tensors = [*cache.keys.values(), *cache.values.values(), cache.slot_ids, cache.length]
+    tensors = [*cache.keys.values(), *cache.values.values(), cache.cells, cache.length]
     return weight_bytes(stage) + sum(t.numel() * t.element_size() for t in tensors)
 
 
