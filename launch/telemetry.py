@@ -25,22 +25,29 @@ run/full_hit_rate, run/tokens, run/clock_offset_ms, run/clock_uncertainty_ms; ru
 (histogram of accepted drafts per decode round); position/acceptance (step = draft position 1..K);
 text run/prompt, run/output, run/config; and the config as hparams with hparam/* final figures.
 
-Serving (serve.port) writes the round/* scalars with one global step across requests, and per request
-(step = the request's index): request/ttft_ms, request/tokens_per_s, request/tokens,
-request/prompt_tokens, request/prompt_tokens_reused, request/prefilled_tokens.
+Serving (serve.port; ServeTelemetry): several requests are live at once and their rounds interleave, so
+the round/* scalars take one global step across requests (a round's index in the whole serve), and with
+each round serve/slots_in_use (requests being generated) and serve/waiting (queued for a slot);
+round/in_flight counts every live request's rounds on the way when the reply came. Per request (step =
+the request's index, in the order they ended): request/ttft_ms (from its arrival), request/queue_ms
+(arrival to admission into a slot), request/tokens_per_s, request/tokens, request/prompt_tokens,
+request/prompt_tokens_reused, request/prefilled_tokens, request/slot. At shutdown trace.json (log.trace)
+holds the last requests' rounds (up to MAX_TRACED_ROUNDS), each tagged with its slot and request, one
+block of rows per slot (launch/timeline.py).
 """
 from __future__ import annotations
 
 import json
 import re
 import time
+from collections import deque
 from dataclasses import asdict
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from launch.private_files import private_dir, private_files, write_private
-from launch.timeline import alignment_dict, build_timeline, write_trace
+from launch.timeline import Part, alignment_dict, build_timeline, merged_timeline, write_trace
 
 PROFILE_ROUNDS = dict(wait=1, warmup=1, active=3, repeat=1)  # skip the prefill, warm up, record 3 rounds
 
@@ -82,6 +89,19 @@ class Telemetry:
 
     def on_round(self, r, reply) -> None:
         """r: the round's RoundRecord; reply: rank 1's protocol.Reply (its clock marks feed the trace)."""
+        self.round_scalars(r)
+        self.rank1_marks.append(list(reply.marks))
+        self.middle_marks.append(list(reply.middle_marks or []))
+        self.last_rank = max(self.last_rank, len(self.middle_marks[-1]) + 1)
+        self.next_step()
+
+    def next_step(self) -> None:
+        self.step += 1
+        if self.profiler is not None:
+            self.profiler.step()
+
+    def round_scalars(self, r) -> None:
+        """The round/* scalars of one round at the current step."""
         w, step = self.writer, self.step
         for tag, value in (("draft_ms", r.draft_ms), ("stage0_ms", r.stage0_ms), ("stage1_ms", r.stage1_ms),
                            ("network_ms", r.network_ms), ("ahead_ms", r.ahead_ms),
@@ -91,23 +111,8 @@ class Telemetry:
             w.add_scalar(f"round/{tag}", value, step)
         if r.bet is not None:  # a round was prepared ahead on this one: 1 if its bet held
             w.add_scalar("round/bet_won", int(r.bet), step)
-        self.rank1_marks.append(list(reply.marks))
-        self.middle_marks.append(list(reply.middle_marks or []))
-        self.last_rank = max(self.last_rank, len(self.middle_marks[-1]) + 1)
         for rank, ms in enumerate(r.middle_ms, start=1):
             w.add_scalar(f"round/rank{rank}_ms", ms, step)
-        self.step += 1
-        if self.profiler is not None:
-            self.profiler.step()
-
-    def on_request(self, stats: dict, index: int) -> None:
-        """Serving: one request's figures, step = its index."""
-        for tag, value in (("ttft_ms", stats["ttft_s"] * 1000), ("tokens_per_s", stats["tokens_per_s"]),
-                           ("tokens", stats["tokens"]), ("prompt_tokens", stats["prompt_tokens"]),
-                           ("prompt_tokens_reused", stats["prompt_tokens_reused"]),
-                           ("prefilled_tokens", stats["prefilled_tokens"])):
-            self.writer.add_scalar(f"request/{tag}", value, index)
-        self.writer.flush()
 
     def close(self) -> None:
         if self.profiler is not None:
@@ -160,6 +165,53 @@ class Telemetry:
             self.writer.file_writer.add_summary(summary)
         for tag, value in metrics.items():
             self.writer.add_scalar(tag, value, 0)
+
+
+MAX_TRACED_ROUNDS = 20_000  # serving: trace.json keeps the last requests' rounds up to this many (memory stays bounded)
+
+
+class ServeTelemetry(Telemetry):
+    """Serving: the live requests' rounds come interleaved, so round/* take one step across the whole serve
+    (never two rounds on one step), with serve/slots_in_use and serve/waiting at each; request/* take the
+    request's index. At close, trace.json (log.trace) has the last requests' rounds, each on its slot's rows."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg, None)
+        self.marks: dict[int, list] = {}  # a live request's readings per round (the last rank's, the middle ranks'), by its serial
+        self.traced: deque[Part] = deque()
+        self.traced_rounds = 0
+
+    def on_round(self, r, reply, request: int = 0, live: int = 1, waiting: int = 0) -> None:
+        """One round of the request admitted `request`-th; `live` requests being generated, `waiting` queued."""
+        self.round_scalars(r)
+        self.writer.add_scalar("serve/slots_in_use", live, self.step)
+        self.writer.add_scalar("serve/waiting", waiting, self.step)
+        self.marks.setdefault(request, []).append((list(reply.marks), list(reply.middle_marks or [])))
+        self.next_step()
+
+    def on_request(self, stats: dict, index: int, request: int, gen) -> None:
+        """A request ended (finished or cancelled): its figures at step `index`, its rounds kept for the trace."""
+        for tag, value in (("ttft_ms", stats["ttft_s"] * 1000), ("queue_ms", stats["queue_s"] * 1000),
+                           ("tokens_per_s", stats["tokens_per_s"]), ("tokens", stats["tokens"]),
+                           ("prompt_tokens", stats["prompt_tokens"]), ("slot", stats["slot"]),
+                           ("prompt_tokens_reused", stats["prompt_tokens_reused"]),
+                           ("prefilled_tokens", stats["prefilled_tokens"])):
+            self.writer.add_scalar(f"request/{tag}", value, index)
+        self.writer.flush()
+        marks = self.marks.pop(request, [])
+        if self.cfg.log.trace and gen.rounds:
+            self.traced.append(Part(gen, [m for m, _ in marks], [m for _, m in marks], stats["slot"], index))
+            self.traced_rounds += len(gen.rounds)
+            while self.traced_rounds > MAX_TRACED_ROUNDS and len(self.traced) > 1:
+                self.traced_rounds -= len(self.traced.popleft().gen.rounds)
+
+    def close(self) -> None:
+        if self.traced:
+            trace, _ = merged_timeline(list(self.traced), {"run": self.dir.name, "requests": len(self.traced)},
+                                       self.cfg.transport.emulate_delay_ms / 1000)
+            write_trace(self.dir / "trace.json", trace)
+        super().close()
+        private_files(self.dir)
 
 
 def flat_config(cfg) -> dict:

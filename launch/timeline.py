@@ -29,12 +29,17 @@ With N > 2 ranks the last rank plays rank 1's part and each middle rank r puts t
 in the Round it passes on (its verify span is empty: it only forwards); the last rank's Reply carries
 them back. Every later rank receives a round after rank 0 sent it and sends before rank 0 has the
 reply, so the same bounds align each one's clock; the trace has one row per rank.
+
+Serving (launch.telemetry.ServeTelemetry) merges the rounds of the requests it served, live several at
+once in slots of their own, into one trace: each round numbered across the whole serve and tagged with
+its slot and request, every rank's spans of a slot on that slot's rows ("slot 3"), so overlapping
+requests read apart; every round's bounds go into the one clock alignment.
 Open the trace in https://ui.perfetto.dev or chrome://tracing.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 
@@ -46,6 +51,27 @@ class Span:
     end_s: float
     round: int
     tid: int = 0  # a row of its own for a round's send and wait while several rounds are in flight (spec.in_flight)
+    slot: int | None = None  # serving: the slot of the request the round belongs to (its rows: slot_row)
+    request: int | None = None  # serving: that request's index
+
+
+SLOT_ROWS = 16  # serving: each slot's rows in a rank's process (its main row, then its rounds on the way)
+
+
+def slot_row(slot: int | None, row: int = 0) -> int:
+    """The trace row (tid) of a slot's spans: one block of rows per slot, so overlapping requests read apart."""
+    return row if slot is None else slot * SLOT_ROWS + row % SLOT_ROWS
+
+
+@dataclass
+class Part:
+    """One generation's rounds in a trace and the later ranks' readings of them (per round: the last rank's
+    four marks, and with N > 2 each middle rank's). Serving merges several, overlapping in time."""
+    gen: object
+    marks: list[list[float]]
+    middle_marks: list[list[list[float]]] | None = None
+    slot: int | None = None
+    request: int | None = None
 
 
 @dataclass
@@ -56,18 +82,22 @@ class ClockAlignment:
     consistent: bool  # false: the rounds' bounds contradict each other (drift); NTP fallback used
 
 
-def rank0_spans(gen) -> list[Span]:
+def rank0_spans(gen, first: int = 0, slot: int | None = None, request: int | None = None) -> list[Span]:
     """Rank 0's spans from the round records (all on rank 0's perf_counter clock). The send, wait and
-    commit edges are exact readings; draft and stage0 are placed by their durations."""
+    commit edges are exact readings; draft and stage0 are placed by their durations. Serving: the rounds
+    are numbered from `first` and tagged with the request's slot, on that slot's rows."""
     spans = []
     for i, r in enumerate(gen.rounds):
         start, sent = gen.t0_s + r.start_s, gen.t0_s + r.sent_s
         replied = sent + r.round_ms / 1000
         end = gen.t0_s + (gen.rounds[i + 1].start_s if i + 1 < len(gen.rounds) else gen.total_s)
         row = 1 + i % r.in_flight if r.in_flight > 1 else 0  # overlapping waits cannot share one row
-        spans += [Span(0, "round", start, end, i), Span(0, "draft", start, start + r.draft_ms / 1000, i),
-                  Span(0, "stage0", sent - r.stage0_ms / 1000, sent, i), Span(0, "send", sent, sent + r.send_ms / 1000, i, row),
-                  Span(0, "wait", sent + r.send_ms / 1000, replied, i, row), Span(0, "commit", replied, end, i)]
+        main, side = slot_row(slot), slot_row(slot, row)
+        n = first + i
+        spans += [Span(0, name, a, b, n, tid, slot, request) for name, a, b, tid in (
+            ("round", start, end, main), ("draft", start, start + r.draft_ms / 1000, main),
+            ("stage0", sent - r.stage0_ms / 1000, sent, main), ("send", sent, sent + r.send_ms / 1000, side),
+            ("wait", sent + r.send_ms / 1000, replied, side), ("commit", replied, end, main))]
     return spans
 
 
@@ -97,20 +127,25 @@ def align_clocks(windows: list[tuple[float, float]], rank1_marks: list[list[floa
     return ClockAlignment(theta * 1000, wire / 2 * 1000, len(pairs), False)
 
 
-def rank1_spans(rank1_marks: list[list[float]], offset_ms: float, rank: int = 1, verifies: bool = True) -> list[Span]:
+def rank1_spans(rank1_marks: list[list[float]], offset_ms: float, rank: int = 1, verifies: bool = True,
+                parts: list[tuple[int | None, int | None]] | None = None) -> list[Span]:
     """Rank 1's spans on rank 0's clock (or, with N > 2, `rank`'s: a middle one only forwards, no verify).
-    The last reply's send has no end reading, so it is left out."""
+    A send lasts until the rank waits for its next round (the next wait in time: serving interleaves the
+    requests' rounds); the last one has no end reading, so it is left out. `parts`: per round, the
+    (slot, request) it belongs to (serving)."""
     theta = offset_ms / 1000
+    order = sorted((m[0], i) for i, m in enumerate(rank1_marks) if m)  # the rank's own order of rounds
     spans = []
-    for i, m in enumerate(rank1_marks):
-        if not m:
-            continue
-        wait_start, recv_end, forward_end, send_start = (x - theta for x in m)
-        spans += [Span(rank, "wait", wait_start, recv_end, i), Span(rank, f"stage{rank}", recv_end, forward_end, i)]
+    for n, (_, i) in enumerate(order):
+        wait_start, recv_end, forward_end, send_start = (x - theta for x in rank1_marks[i])
+        slot, request = parts[i] if parts else (None, None)
+        tid = slot_row(slot)
+        spans += [Span(rank, "wait", wait_start, recv_end, i, tid, slot, request),
+                  Span(rank, f"stage{rank}", recv_end, forward_end, i, tid, slot, request)]
         if verifies:
-            spans.append(Span(rank, "verify", forward_end, send_start, i))
-        if i + 1 < len(rank1_marks) and rank1_marks[i + 1]:
-            spans.append(Span(rank, "send", send_start, rank1_marks[i + 1][0] - theta, i))
+            spans.append(Span(rank, "verify", forward_end, send_start, i, tid, slot, request))
+        if n + 1 < len(order) and order[n + 1][0] - theta > send_start:  # rounds run as one forward share their marks
+            spans.append(Span(rank, "send", send_start, order[n + 1][0] - theta, i, tid, slot, request))
     return spans
 
 
@@ -122,9 +157,11 @@ def chrome_trace(spans: list[Span], t0_s: float, alignment: ClockAlignment, meta
     ranks = sorted({s.rank for s in spans} | {0, 1})
     events = [{"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}} for r in ranks]
     events += [{"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}} for r in ranks]
+    events += slot_row_names(spans)
     for s in spans:
+        tags = {"round": s.round} if s.slot is None else {"round": s.round, "slot": s.slot, "request": s.request}
         events.append({"name": s.name, "cat": "round" if s.name == "round" else "span", "ph": "X", "ts": us(s.start_s),
-                       "dur": round((s.end_s - s.start_s) * 1e6, 3), "pid": s.rank, "tid": s.tid, "args": {"round": s.round}})
+                       "dur": round((s.end_s - s.start_s) * 1e6, 3), "pid": s.rank, "tid": s.tid, "args": tags})
     by_key = {(s.rank, s.name, s.round): s for s in spans}
     n, last = len(ranks), ranks[-1]
     for (rank, name, i), s in by_key.items():
@@ -141,6 +178,15 @@ def chrome_trace(spans: list[Span], t0_s: float, alignment: ClockAlignment, meta
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
 
+def slot_row_names(spans: list[Span]) -> list[dict]:
+    """Serving: each slot's rows named after it (in the order of the slots)."""
+    rows = sorted({(s.rank, s.tid, s.slot) for s in spans if s.slot is not None})
+    return [event for rank, tid, slot in rows for event in (
+        {"ph": "M", "name": "thread_name", "pid": rank, "tid": tid,
+         "args": {"name": f"slot {slot}" if tid == slot_row(slot) else f"slot {slot}: rounds on the way"}},
+        {"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid, "args": {"sort_index": tid}})]
+
+
 def _flow(name, flow_id, t_from, pid_from, t_to, pid_to, us):
     common = {"name": name, "cat": "message", "id": flow_id, "tid": 0}
     return [{**common, "ph": "s", "ts": us(t_from), "pid": pid_from},
@@ -151,7 +197,18 @@ def build_timeline(gen, rank1_marks: list[list[float]], meta: dict | None = None
                    min_one_way_s: float = 0.0, middle_marks: list[list[list[float]]] | None = None) -> tuple[dict, ClockAlignment]:
     """The merged trace of one generation, and the clock alignment it used (the last rank's).
     `middle_marks` (N > 2): per round, each middle rank's readings (Reply.middle_marks)."""
-    middles = max((len(m) for m in middle_marks or []), default=0)
+    return merged_timeline([Part(gen, rank1_marks, middle_marks)], meta, min_one_way_s)
+
+
+def merged_timeline(parts: list[Part], meta: dict | None = None, min_one_way_s: float = 0.0) -> tuple[dict, ClockAlignment]:
+    """The merged trace of several generations (serving: requests whose rounds interleave through the pipe),
+    their rounds numbered one after another, and the clock alignment every round's bounds give."""
+    parts = [_trimmed(p) for p in parts]
+    middle_marks = [m for p in parts for m in p.middle_marks or [[]] * len(p.marks)]
+    rank1_marks = [m for p in parts for m in p.marks]
+    windows = [w for p in parts for w in round_windows(p.gen)]
+    tags = [(p.slot, p.request) for p in parts for _ in p.marks] if any(p.slot is not None for p in parts) else None
+    middles = max((len(m) for m in middle_marks), default=0)
     last = middles + 1
     marks = {r: [m[r - 1] if len(m) >= r else [] for m in middle_marks] for r in range(1, last)}
     marks[last] = rank1_marks
@@ -160,16 +217,27 @@ def build_timeline(gen, rank1_marks: list[list[float]], meta: dict | None = None
     def held_around(r: int) -> list[tuple[float, float]]:
         return [(sum(held[q][i] for q in range(1, r)), sum(held[q][i] for q in range(r + 1, last + 1)))
                 for i in range(len(rank1_marks))]
-    alignments = {r: align_clocks(round_windows(gen), marks[r], min_one_way_s, hops=(r, last + 1 - r),
+    alignments = {r: align_clocks(windows, marks[r], min_one_way_s, hops=(r, last + 1 - r),
                                   held=held_around(r)) for r in marks}
     alignment = alignments[last]
-    spans = rank0_spans(gen)
+    spans, first = [], 0
+    for p in parts:
+        spans += rank0_spans(p.gen, first, p.slot, p.request)
+        first += len(p.gen.rounds)
     for r in marks:
-        spans += rank1_spans(marks[r], alignments[r].offset_ms if alignments[r].rounds else 0.0, rank=r, verifies=r == last)
+        spans += rank1_spans(marks[r], alignments[r].offset_ms if alignments[r].rounds else 0.0, rank=r,
+                             verifies=r == last, parts=tags)
     if middles:
         meta = {**(meta or {}), "clock_offsets_ms": {str(r): alignments[r].offset_ms for r in sorted(alignments)},
                 "clock_uncertainties_ms": {str(r): alignments[r].uncertainty_ms for r in sorted(alignments)}}
-    return chrome_trace(spans, gen.t0_s, alignment, meta), alignment
+    return chrome_trace(spans, min(p.gen.t0_s for p in parts), alignment, meta), alignment
+
+
+def _trimmed(p: Part) -> Part:
+    """The part's rounds and readings, as many of each (a round whose reply never came has none)."""
+    n = min(len(p.gen.rounds), len(p.marks))
+    gen = p.gen if n == len(p.gen.rounds) else replace(p.gen, rounds=p.gen.rounds[:n])
+    return replace(p, gen=gen, marks=p.marks[:n], middle_marks=p.middle_marks[:n] if p.middle_marks else None)
 
 
 def write_trace(path: Path, trace: dict) -> None:
