@@ -1,7 +1,8 @@
 """The Plan -> the pieces a rank runs: its stage, (rank 0) the drafter, tokenizer and prompt ids.
 
 Every stage is built here: the target's slices (one per rank) and the drafter's whole small model go through
-`_load_stage`, with one rule for devices, dtypes and caches; the capacity rule is `check_capacity`."""
+`_load_stage`, with one rule for devices, dtypes and caches (plan.slots KV slots: one per request served at
+once); the capacity rule is `check_capacity`."""
 from __future__ import annotations
 
 import sys
@@ -20,7 +21,7 @@ def build_stage(plan: Plan):
     return _load_stage(plan.models.target, layers.start, layers.stop, embed=plan.rank == 0,
                        head=plan.rank == plan.ranks - 1, dtype=m.dtype, device=plan.device, quant=quantizer(plan.settings, "model"),
                        max_len=m.max_len, setting="model.max_len",
-                       progress=f"rank {plan.rank} layers {layers.start}-{layers.stop - 1}", rank=plan.rank)
+                       progress=f"rank {plan.rank} layers {layers.start}-{layers.stop - 1}", rank=plan.rank, slots=plan.slots)
 
 
 def build_draft_stage(plan: Plan):
@@ -28,17 +29,18 @@ def build_draft_stage(plan: Plan):
     d, drafter = plan.settings.draft, plan.models.drafter
     return _load_stage(drafter, 0, drafter.num_layers, embed=True, head=True, dtype=d.dtype, device=plan.draft_device,
                        quant=quantizer(plan.settings, "draft"), max_len=d.max_len, setting="draft.max_len",
-                       progress="rank 0 drafter", rank=0)
+                       progress="rank 0 drafter", rank=0, slots=plan.slots)
 
 
-def _load_stage(model: ModelSource, first, last, *, embed, head, dtype, device, quant, max_len, setting, progress, rank):
+def _load_stage(model: ModelSource, first, last, *, embed, head, dtype, device, quant, max_len, setting, progress, rank,
+                slots):
     from model_parallel.hub import fetch_stage
     fetched = fetch_stage(model, first, last, embed, head, rank, progress=f"{progress}: fetching")  # Hub ids only
     if fetched is not None:
         print(f"[{progress}: {fetched.describe()}]", file=sys.stderr, flush=True)
     stage = load_stage(model, first, last, embed=embed, head=head, dtype=dtype, device=device, progress=progress,
                        quant=quant)
-    stage.allocate_cache(max_len, compute_dtype(stage), setting=setting)
+    stage.allocate_cache(max_len, compute_dtype(stage), setting=setting, slots=slots)  # one slot per request at once
     return stage
 
 
@@ -134,7 +136,7 @@ def model_drafter(plan: Plan):
     from speculative.drafters import ModelDrafter
     cfg = plan.settings
     return ModelDrafter(build_draft_stage(plan), max_k=max(cfg.spec.k, 1), top_k=cfg.draft.top_k,
-                        use_graph=use_graph(cfg.draft, plan.draft_device))
+                        use_graph=use_graph(cfg.draft, plan.draft_device), slots=plan.slots)
 
 
 def build_prefixes(plan: Plan, stage, drafter=None):

@@ -121,6 +121,7 @@ class ServeConfig:
     api_key_file: str | None = None  # a file holding the key clients must send (Authorization: Bearer KEY)
     api_key: str | None = None  # the key itself; prefer api_key_file (a command line shows in `ps`)
     model_name: str | None = None  # the model id clients send; null = the target folder's name
+    max_concurrent: int | None = None  # requests served at once, each in its own KV slot on every stage (1..64); null = as many as every rank's model.max_memory holds, at most 8
     max_queue: int = 64  # requests waiting beyond this are refused with 429
     max_body_bytes: int = 1048576  # a request body beyond this is refused with 413 before it is read
 
@@ -366,7 +367,8 @@ def split_cuts(split) -> list[int] | str | None:
 MAX_TOKENS = 2**24  # a KV cache, a prompt chunk, an answer: 16M tokens
 BOUNDS = [("model.max_len", 1, MAX_TOKENS), ("draft.max_len", 1, MAX_TOKENS), ("model.prefill_chunk", 1, MAX_TOKENS),
           ("spec.k", 0, 1024), ("draft.top_k", 1, 2**20), ("draft.ngram_max", 1, 1024), ("draft.ngram_min", 1, 1024),
-          ("gen.max_new_tokens", 1, MAX_TOKENS), ("serve.max_queue", 0, 2**20), ("serve.max_body_bytes", 1, 2**31),
+          ("gen.max_new_tokens", 1, MAX_TOKENS), ("serve.max_concurrent", 1, 64), ("serve.max_queue", 0, 2**20),
+          ("serve.max_body_bytes", 1, 2**31),
           ("transport.timeout_s", 0.001, 7 * 86400), ("transport.reconnect_s", 0, 7 * 86400),
           ("transport.emulate_delay_ms", 0, 3600_000), ("transport.emulate_mbps", 0, 10**9),
           ("cache.min_tokens", 1, MAX_TOKENS), ("cache.block_tokens", 1, MAX_TOKENS)]
@@ -376,6 +378,8 @@ def _bounded(cfg: TandemConfig, key: str, low, high) -> None:
     value = cfg
     for part in key.split("."):
         value = getattr(value, part)
+    if value is None:  # an optional key left to the launch (serve.max_concurrent: as many as fit)
+        return
     if not low <= value <= high:  # NaN fails every comparison
         raise ConfigError(f"{key}={value} must be between {low} and {high}")
 

@@ -4,14 +4,18 @@ ring and settles the same Plan from them (launch.plan).
 
 A rank whose config disagrees with an earlier rank's (another model, dtype, quant, version or given split)
 stops the ring with one line naming both; a split that breaks a budget stops every rank, each with the same
-line. The start-up line of each rank says what it holds and, when timed, its estimated ms per round.
+line. Every rank holds the same KV slots (requests served at once): the fewest any rank asks for (a one-shot
+rank 0 asks for one), or, serve.max_concurrent=null on every rank, the most every budget holds (launch.plan).
+The start-up line of each rank says what it holds and, when timed, its estimated ms per round; serving, its
+KV slots.
 """
 from __future__ import annotations
 
 import sys
 
 from launch.config import ConfigError, TandemConfig
-from launch.plan import Models, Plan, describe, given_cuts, rank_costs, rank_speed, settle, split_text, timed
+from launch.plan import (Models, Plan, asked_slots, describe, given_cuts, rank_costs, rank_speed, settle, split_text,
+                         timed)
 from model_parallel.split import RankCosts
 from netbridge import protocol
 from netbridge.protocol import Hello, Hellos
@@ -39,9 +43,9 @@ def handshake(cfg: TandemConfig, models: Models, prev, next, rank: int, ranks: i
             costs = timed(costs, rank_speed(cfg, models, rank, ranks))
         return hello(cfg, models, costs, given)
     hellos = gather(prev, next, rank, ranks, mine)
-    every = [RankCosts(h.budget, h.fixed_bytes, h.layer_bytes, h.layer_ms, h.fixed_ms) for h in hellos]
+    every = [RankCosts(h.budget, h.fixed_bytes, h.layer_bytes, h.layer_ms, h.fixed_ms, *h.slot_bytes) for h in hellos]
     cuts = next_given(hellos)
-    plan = settle(cfg, models, rank, every, source, cuts)
+    plan = settle(cfg, models, rank, every, source, cuts, [h.slots for h in hellos])
     sys.stderr.write(f"[{describe(plan)}]\n")  # one write: the ranks share a terminal
     sys.stderr.flush()
     return plan
@@ -68,7 +72,8 @@ def next_given(hellos: list[Hello]) -> list[int] | None:
 
 def hello(cfg: TandemConfig, models: Models, costs: RankCosts, given: list[int] | None) -> Hello:
     return Hello(models.target.num_layers, cfg.model.dtype, cfg.model.quant, given, costs.budget, costs.fixed_bytes,
-                 costs.layer_bytes, costs.layer_ms, costs.fixed_ms)
+                 costs.layer_bytes, costs.layer_ms, costs.fixed_ms, asked_slots(cfg),
+                 [costs.slot_fixed_bytes, costs.slot_layer_bytes])
 
 
 def disagreement(hellos: list[Hello]) -> str | None:

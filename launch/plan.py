@@ -1,11 +1,13 @@
 """The launch's one decision, made once per rank and then only read: the model folders as resolved, the
-layer cuts, the devices, every rank's budget and timing, this rank's layers, how rank 0 speculates.
+layer cuts, the KV slots (requests served at once), the devices, every rank's budget and timing, this rank's
+layers, how rank 0 speculates.
 
     models = open_models(cfg, rank)          # folders resolved (a Hub id's config, tokenizer and index
                                              # fetched), config.json parsed once per model
     costs, source = rank_costs(cfg, models, rank, ranks)   # what this rank may hold (+ rank_speed: how fast)
     ... launch.handshake gathers every rank's costs around the ring ...
-    plan = settle(cfg, models, rank, every_costs, source, given)   # the cuts, checked against every budget
+    plan = settle(cfg, models, rank, every_costs, source, given, asked)   # the KV slots, then the cuts that
+                                             # hold them, checked against every budget
 
 The parsed config is never written after parsing: what the launch works out is in the Plan, and every later
 step (launch.build, launch.ranks) takes the Plan. A script that builds every stage in one process plans every
@@ -23,6 +25,7 @@ from model_parallel.loader import DTYPES, ModelLoadError, ModelSource
 from model_parallel.split import RankCosts
 from speculative.session import SpecSettings
 
+AUTO_SLOTS = 8  # serve.max_concurrent=null: as many KV slots as every budget holds, at most this many
 MEMORY_FIXES = ("would help: model.quant=nf4, a smaller model.max_len (less KV cache), the drafter elsewhere "
                 "(draft.device, or draft.kind=ngram), or another machine")
 
@@ -48,6 +51,7 @@ class Plan:
     device: str  # this rank's target slice
     draft_device: str  # rank 0's drafter (draft.device; auto = `device`)
     spec: SpecSettings  # how rank 0 speculates
+    slots: int = 1  # KV slots on every stage and in the drafter: requests served at once, the same on every rank
 
     @property
     def num_layers(self) -> int:
@@ -152,10 +156,12 @@ def rank_costs(cfg: TandemConfig, models: Models, rank: int, ranks: int) -> tupl
         raise ConfigError(str(e)) from None
     target = model_bytes(models.target, quantizer(cfg, "model"), cfg.model.max_len)
     fixed = target.stage(0, 0, embed=rank == 0, head=rank == ranks - 1)
+    slot = target.slot(0, 0)
     if models.drafter is not None and _same_memory(draft_device(cfg), device):
         drafter = model_bytes(models.drafter, quantizer(cfg, "draft"), cfg.draft.max_len)
         fixed += drafter.stage(0, len(drafter.layers), embed=True, head=True)
-    return RankCosts(budget, fixed, target.layer()), source
+        slot += drafter.slot(0, len(drafter.layers))  # every request drafts in its own slot of the drafter's cache
+    return RankCosts(budget, fixed, target.layer(), slot_fixed_bytes=slot, slot_layer_bytes=target.cache_per_layer), source
 
 
 def rank_speed(cfg: TandemConfig, models: Models, rank: int, ranks: int) -> tuple[float, float]:
@@ -236,12 +242,48 @@ def settle_cuts(num_layers: int, costs: list[RankCosts], given: list[int] | None
     return list(cuts)
 
 
+# --- the KV slots: requests served at once --------------------------------------------------------
+
+def asked_slots(cfg: TandemConfig) -> int:
+    """The KV slots this rank's config asks for: 1 for a one-shot run; serving, serve.max_concurrent, or 0:
+    as many as every rank's budget holds (at most AUTO_SLOTS)."""
+    if cfg.serve.port is None:
+        return 1
+    return cfg.serve.max_concurrent or 0
+
+
+def settle_slots(cfg: TandemConfig, num_layers: int, costs: list[RankCosts], given: list[int] | None,
+                 asked: list[int]) -> int:
+    """The KV slots every rank holds, from every rank's costs and ask (the same on every rank, so each settles
+    the same): the fewest any rank asked for; none asked (0 on every rank), the most every budget holds, at most
+    AUTO_SLOTS. Asked slots that do not fit are one ConfigError line naming what fits; when not even one fits,
+    settle_cuts says why at one slot."""
+    from model_parallel.split import most_slots
+    exact = [a for a in asked if a > 0]
+    want = min(exact) if exact else AUTO_SLOTS
+    fit = most_slots(num_layers, costs, want, given)
+    if fit == want or not exact or fit == 0:
+        return max(fit, 1)
+    one = sum(c.slot_fixed_bytes for c in costs) + num_layers * max(c.slot_layer_bytes for c in costs)
+    drafter = f" and the drafter's at draft.max_len={cfg.draft.max_len}" if drafts_with_model(cfg) else ""
+    split = f"model.split={split_text(given)}" if given else "any split"
+    raise ConfigError(f"serve.max_concurrent={want}: {want} KV slots do not fit model.max_memory with {split} (a slot is "
+                      f"{human(one)} across the ranks: every layer's keys and values at model.max_len={cfg.model.max_len}"
+                      f"{drafter}); {fit} fit: give serve.max_concurrent={fit} (or null: as many as fit, at most {AUTO_SLOTS}), or a smaller "
+                      f"model.max_len, model.quant=nf4, the drafter elsewhere (draft.device, or draft.kind=ngram), "
+                      f"or another machine")
+
+
 def settle(cfg: TandemConfig, models: Models, rank: int, costs: list[RankCosts], source: str,
-           given: list[int] | None) -> Plan:
-    """The Plan, once every rank's costs are known (and the cuts given on any rank, if any)."""
-    cuts = settle_cuts(models.target.num_layers, costs, given)
-    return Plan(cfg, rank, len(costs), models, cuts, list(costs), source, this_device(), draft_device(cfg),
-                spec_settings(cfg))
+           given: list[int] | None, asked: list[int]) -> Plan:
+    """The Plan, once every rank's costs (at one KV slot) and asked slots are known (and the cuts given on any
+    rank, if any): the slots first, then the cuts that hold them."""
+    num_layers = models.target.num_layers
+    slots = settle_slots(cfg, num_layers, costs, given, asked)
+    costs = [c.at(slots) for c in costs]
+    cuts = settle_cuts(num_layers, costs, given)
+    return Plan(cfg, rank, len(costs), models, cuts, costs, source, this_device(), draft_device(cfg),
+                spec_settings(cfg), slots)
 
 
 def plan_here(cfg: TandemConfig, rank: int, ranks: int = 2) -> Plan:
@@ -251,7 +293,7 @@ def plan_here(cfg: TandemConfig, rank: int, ranks: int = 2) -> Plan:
     given = given_cuts(cfg, every[rank].target.num_layers, ranks)
     measured = [rank_costs(cfg, models, r, ranks) for r, models in enumerate(every)]
     costs = [timed(c, rank_speed(cfg, every[r], r, ranks)) if given is None else c for r, (c, _) in enumerate(measured)]
-    return settle(cfg, every[rank], rank, costs, measured[rank][1], given)
+    return settle(cfg, every[rank], rank, costs, measured[rank][1], given, [asked_slots(cfg)] * ranks)
 
 
 def describe(plan: Plan) -> str:
@@ -266,7 +308,21 @@ def describe(plan: Plan) -> str:
     line = (f"rank {rank}{node}: layers {layers.start}-{layers.stop - 1} ({n} of {plan.num_layers}){held}; "
             f"{human(mine.bytes_for(n))} of {human(mine.budget)} ({plan.budget_source}); ")
     if mine.layer_ms <= 0:
-        return line + "ms per round not timed (model.split was given)"
-    drafting = f", the drafter's {draft_steps(cfg)} steps" if rank == 0 and drafts_with_model(cfg) else ""
-    return line + (f"estimated {mine.ms_for(n):.0f} ms per round ({n} x {mine.layer_ms:.1f} ms per layer over blocks of "
-                   f"{cfg.spec.k + 1}, {mine.fixed_ms:.0f} ms besides{drafting}; timed here)")
+        line += "ms per round not timed (model.split was given)"
+    else:
+        drafting = f", the drafter's {draft_steps(cfg)} steps" if rank == 0 and drafts_with_model(cfg) else ""
+        line += (f"estimated {mine.ms_for(n):.0f} ms per round ({n} x {mine.layer_ms:.1f} ms per layer over blocks of "
+                 f"{cfg.spec.k + 1}, {mine.fixed_ms:.0f} ms besides{drafting}; timed here)")
+    return line + slots_text(plan) if cfg.serve.port is not None or plan.slots > 1 else line
+
+
+def slots_text(plan: Plan) -> str:
+    """The start-up line's KV slots: how many requests are served at once, why that many, what one costs here."""
+    cfg, mine, n = plan.settings, plan.costs[plan.rank], len(plan.layers())
+    asked = asked_slots(cfg)
+    why = (f"serve.max_concurrent={asked}" if asked else f"serve.max_concurrent=null: as many as every rank's budget "
+           f"holds, at most {AUTO_SLOTS}")
+    drafter = plan.rank == 0 and drafts_with_model(cfg) and _same_memory(plan.draft_device, plan.device)
+    tokens = f"{cfg.model.max_len} tokens" + (f" (the drafter's: {cfg.draft.max_len})" if drafter else "")
+    return (f"; serving up to {plan.slots} request{'s' if plan.slots > 1 else ''} at once ({why}): {plan.slots} KV "
+            f"slot{'s' if plan.slots > 1 else ''} of {tokens}, {human(mine.slot_bytes(n))} each on rank {plan.rank}")

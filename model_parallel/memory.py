@@ -5,7 +5,8 @@ config.json: the shapes the loader checks every checkpoint tensor against) and t
 in. NF4 counts what bitsandbytes stores per linear weight: the packed 4-bit data (half a byte per
 weight), one absmax per block of 64 (fp32, or with double quantization uint8 plus an fp32 absmax per
 256 blocks and a 256-entry code table), its 16-entry NF4 code table and offset. The KV cache is what
-kvcache/static_cache.py allocates: keys and values [1, kv_heads, max_len, head_dim] per layer.
+kvcache/static_cache.py allocates: keys and values [slots, kv_heads, max_len, head_dim] per layer, one
+slot per request served at once (serve.max_concurrent), and a length per slot.
 
 A rank's budget is model.max_memory (one size for every rank, or one per rank); unset, it is what the
 rank's device has free (CUDA: mem_get_info; CPU: MemAvailable shared by the ranks on this host) less
@@ -24,6 +25,7 @@ HEADROOM = 0.10  # of the free memory, left out of an unset budget
 NF4_BLOCK, NESTED_BLOCK = 64, 256  # bitsandbytes' blocksizes (weights; absmax under double quantization)
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+SLOT_LENGTH = 8  # a slot's length in the cache: one int64
 MAX_SIZE = 2**50  # 1 PiB: more than any host holds, so a larger model.max_memory is a typo, not a budget
 
 
@@ -100,22 +102,27 @@ class ModelBytes:
     embed: int
     norm: int
     head: int
-    cache_per_layer: int
-    cache_fixed: int  # the cache's position bookkeeping (slot ids, length), per stage
+    cache_per_layer: int  # one slot's keys and values of one layer
+    cache_fixed: int  # the cache's position bookkeeping (the positions, the first row's id), per stage
     rotary: int  # the rotary embedding's buffers, per stage
     tied: bool
 
-    def stage(self, first: int, last: int, embed: bool, head: bool) -> int:
-        """Bytes of a stage with layers [first, last) (and the embeddings / norm + head), its cache included."""
-        total = sum(self.layers[first:last]) + (last - first) * self.cache_per_layer + self.cache_fixed + self.rotary
+    def stage(self, first: int, last: int, embed: bool, head: bool, slots: int = 1) -> int:
+        """Bytes of a stage with layers [first, last) (and the embeddings / norm + head), its cache of
+        `slots` slots included."""
+        total = sum(self.layers[first:last]) + slots * self.slot(first, last) + self.cache_fixed + self.rotary
         if embed:
             total += self.embed
         if head:
             total += self.norm + (0 if self.tied and embed else self.head)
         return total
 
+    def slot(self, first: int, last: int) -> int:
+        """One slot of the cache of layers [first, last): every layer's keys and values, and its length."""
+        return (last - first) * self.cache_per_layer + SLOT_LENGTH
+
     def layer(self) -> int:
-        """One layer with its cache (the largest, should layers differ)."""
+        """One layer with one slot's cache (the largest, should layers differ)."""
         return max(self.layers) + self.cache_per_layer
 
 
@@ -136,7 +143,7 @@ def model_bytes(model, quant, max_len: int) -> ModelBytes:
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     cache_per_layer = 2 * kv_heads * max_len * head_dim * size  # keys and values, in the stage's dtype
     rotary = sum(b.numel() * b.element_size() for b in shell.model.rotary_emb.buffers())
-    return ModelBytes(layers, embed, norm, head, cache_per_layer, max_len * 8 + 8, rotary, tied)
+    return ModelBytes(layers, embed, norm, head, cache_per_layer, max_len * 8 + 8, rotary, tied)  # int64 positions
 
 
 def _double_quant(config, quant) -> bool:

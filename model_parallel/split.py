@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -37,6 +37,19 @@ class RankCosts:
     layer_bytes: int  # one layer: weights + its KV cache at this rank's max_len
     layer_ms: float = 0.0  # one layer over a round's block, timed on this rank (0: not timed)
     fixed_ms: float = 0.0  # besides its layers, per round: the drafter's steps (first); the head (last)
+    slot_fixed_bytes: int = 0  # what each KV slot adds besides its layers' keys and values (the drafter's cache)
+    slot_layer_bytes: int = 0  # what each KV slot adds per layer: its keys and values at max_len
+    slots: int = 1  # the KV slots (requests served at once) fixed_bytes and layer_bytes count
+
+    def at(self, slots: int) -> RankCosts:
+        """These costs with `slots` KV slots (serve.max_concurrent): each slot its own cache on every layer."""
+        more = slots - self.slots
+        return replace(self, fixed_bytes=self.fixed_bytes + more * self.slot_fixed_bytes,
+                       layer_bytes=self.layer_bytes + more * self.slot_layer_bytes, slots=slots)
+
+    def slot_bytes(self, layers: int) -> int:
+        """One KV slot's bytes on this rank with `layers` layers."""
+        return self.slot_fixed_bytes + layers * self.slot_layer_bytes
 
     def bytes_for(self, layers: int) -> int:
         return self.fixed_bytes + layers * self.layer_bytes
@@ -51,12 +64,20 @@ class RankCosts:
         return (self.budget - self.fixed_bytes) // max(self.layer_bytes, 1)
 
 
+def _memory_caps(num_layers: int, ranks: list[RankCosts]) -> list[int] | None:
+    """The most layers each rank's budget holds (each leaving at least one to every other), or None when
+    no split fits them all."""
+    n = len(ranks)
+    caps = [min(r.max_layers(), num_layers - n + 1) for r in ranks]
+    return None if num_layers < n or min(caps) < 1 or sum(caps) < num_layers else caps
+
+
 def place_layers(num_layers: int, ranks: list[RankCosts]) -> list[int]:
     """The N-1 cut points (rank r runs layers [cuts[r-1], cuts[r])) that fit every budget and make the
     busiest rank least busy; among those, the most even. Raises NoFit when no split fits."""
     n = len(ranks)
-    memory_caps = [min(r.max_layers(), num_layers - n + 1) for r in ranks]
-    if num_layers < n or min(memory_caps) < 1 or sum(memory_caps) < num_layers:
+    memory_caps = _memory_caps(num_layers, ranks)
+    if memory_caps is None:
         raise NoFit(no_fit_message(num_layers, ranks))
     candidates = sorted({r.ms_for(k) for r, cap in zip(ranks, memory_caps) for k in range(1, cap + 1)})
     low, high = 0, len(candidates) - 1  # the least busy-time bound some split meets (feasibility is monotone)
@@ -88,6 +109,19 @@ def _most_even(caps: list[int], num_layers: int) -> list[int]:
         r = min((c, r) for r, c in enumerate(counts) if c < caps[r])[1]
         counts[r] += 1
     return counts
+
+
+def most_slots(num_layers: int, ranks: list[RankCosts], most: int, cuts: list[int] | None = None) -> int:
+    """The most KV slots (<= `most`) every rank's budget holds at once, each slot its own cache on every layer:
+    with `cuts`, on that split; without, on some split (place_layers then picks the fastest of those). 0: not
+    one. Counted down from `most`: a few memory checks, and the slots go first (they are what serving asks
+    for), the split is then the fastest that holds them."""
+    for slots in range(most, 0, -1):
+        at = [r.at(slots) for r in ranks]
+        fits = _memory_caps(num_layers, at) is not None if cuts is None else not over_budget(num_layers, at, cuts)
+        if fits:
+            return slots
+    return 0
 
 
 def layer_counts(num_layers: int, cuts: list[int]) -> list[int]:

@@ -50,6 +50,8 @@ class Hello:
     layer_bytes: int = 0  # one layer with its KV cache
     layer_ms: float = 0.0  # one layer over a round's block, timed on this rank (0: not timed)
     fixed_ms: float = 0.0  # the rest of its work per round (drafter steps; head)
+    slots: int = 1  # KV slots it asks for (1 one-shot, serve.max_concurrent; 0: as many as fit); the fewest asked win
+    slot_bytes: list[int] = field(default_factory=lambda: [0, 0])  # each slot adds: besides its layers, per layer
     version: int = VERSION
 
 

@@ -2,7 +2,6 @@
 config.json parsed and the meta-device model built once per model per rank, one range table for the
 sampling fields of the config and the API."""
 import copy
-import threading
 
 import pytest
 
@@ -10,31 +9,11 @@ from launch.config import ConfigError, load_config
 from launch.handshake import gather
 from launch.plan import open_models
 from launch.ranks import first_rank, last_rank, middle_rank
-from netbridge.channel import local_ring
 from netbridge.protocol import Hello
+from tests.support.ring_threads import in_threads
 from tests.support.tiny_models import ids_arg, reference_greedy
 
 PROMPT = [5, 6, 7, 8]
-
-
-def in_threads(ranks: int, body) -> dict:
-    """body(rank, prev, next) for every rank, as threads over local_ring; {rank: result or exception}."""
-    links, out = local_ring(ranks, timeout_s=10), {}
-
-    def run(r):
-        try:
-            out[r] = body(r, *links[r])
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            out[r] = e
-            for link in links[r]:
-                link.close()
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return out
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
