@@ -6,12 +6,13 @@
     Lookup(hashes, weights, held)       -->  cache.dir: a long prompt's saved blocks; each rank lowers `held`
                                         <--  to what it holds on disk; the last rank's comes back (speculative.prefixes)
     Restore(hashes, weights, start, n)  -->  cache.dir: load tokens [start, n) from disk; save the prompt's blocks
-    Request(temperature, top_p, seed,   -->  a new generation: reseed the verifier; [a grammar it masks by,
-            [grammar, logprobs])             how many top log-probabilities each Reply carries]
+    Request(temperature, top_p, seed,   -->  a new generation in `slot`: its verifier's settings; [a grammar it
+            slot, [grammar, logprobs])       masks by, how many top log-probabilities each Reply carries]
     Prefill(start, hidden)              -->  a long prompt's leading chunks: extend the cache, no reply
-    Round(start, hidden, drafts, [q])   -->  forward its slice from `start`, verify
-                                        <--  Reply(accepted, token, stage1_ms, marks, [logprobs])
-    ... more Rounds, more Requests (serving) ...
+    Round(slot, start, hidden, drafts,  -->  forward its slice from `start` in `slot`, verify; `batch` Rounds of
+          [q], batch)                        several slots sent back to back run as one forward
+                                        <--  Reply(accepted, token, stage1_ms, marks, [logprobs]), one per Round
+    ... more Rounds, more Requests (serving: several generations live at once, each in its own slot) ...
     Idle                                -->  nothing to do yet (serving): the link is alive
     Bye                                 -->  the session is over
     Error(error)                        <->  the sender failed; the receiver reports it and exits
@@ -35,7 +36,7 @@ import torch
 
 from netbridge.channel import Channel, PeerError
 
-VERSION = 8  # bumped when a message changes; Hello carries it
+VERSION = 9  # bumped when a message changes; Hello carries it
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Request:
     seed: int = 0
     grammar: str | None = None  # structured outputs: llguidance's grammar text (speculative.grammar); the last rank masks
     logprobs: int | None = None  # the committed tokens' log-probabilities wanted, with this many top alternatives (0..20)
+    slot: int = 0  # the KV slot this generation owns on every rank (serve.max_concurrent); until its next Request
 
 
 @dataclass
@@ -93,6 +95,7 @@ class Restore:
     block: int
     start: int
     tokens: int
+    slot: int = 0  # the slot the tokens are loaded into
 
 
 @dataclass
@@ -101,6 +104,7 @@ class Prefill:
     runs its layers over one chunk while rank 0 runs its own over the next."""
     start: int
     hidden: torch.Tensor  # [1, T, H]
+    slot: int = 0
 
 
 @dataclass
@@ -113,6 +117,9 @@ class Round:
     marks: list[list[float]] | None = None  # N > 2: each middle rank's clock marks, as in Reply.marks
     guess: int | None = None  # a block sent on a bet (spec.in_flight): the token it begins with, which the
     # round before must give; the last rank skips a block whose bet it already knows failed
+    slot: int = 0  # whose round: the slot of the generation it belongs to
+    batch: int = 1  # this Round and the batch - 1 after it (sent back to back) run as one forward on every rank;
+    # each gets its own Reply, in order
 
 
 @dataclass

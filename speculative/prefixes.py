@@ -49,8 +49,8 @@ class RankPrefixes:
             self.caches["drafter"] = self.drafter.stage.cache
         self.stores: dict[tuple[str, str, int], KVDiskStore] = {}
         self.found: dict[str, SavedPrefix] = {}  # what the last lookup read, per role
-        self.to_save: tuple[list[str], list[str], int] | None = None  # hashes, weights, block size
-        self.drafter_to_save: tuple[list[str], int] | None = None
+        self.to_save: dict[int, tuple[list[str], list[str], int]] = {}  # per slot: hashes, weights, block size
+        self.drafter_to_save: dict[int, tuple[list[str], int]] = {}
         self.asked: tuple[list[str], int] = ([], 0)  # rank 0: the request's blocks, and how many it holds
 
     def store(self, role: str, weights: list[str], block: int) -> KVDiskStore:
@@ -83,28 +83,30 @@ class RankPrefixes:
         self.asked = (hashes, held)
         return Lookup(hashes, [self.identity], held, block) if held * block > reuse else None
 
-    def restore(self, reuse: int, answer: Lookup | None) -> Restore:
+    def restore(self, reuse: int, answer: Lookup | None, slot: int = 0) -> Restore:
         """Rank 0: the Restore every rank acts on (sent for every request, so that a cancelled request's blocks are
         never saved after the next one's prefill), rank 0's own part done: load what every rank holds (the
-        last rank's `answer`) beyond `reuse`, note the blocks to save."""
+        last rank's `answer`) beyond `reuse` into `slot`, note the blocks to save."""
         (hashes, held), block = self.asked, self.settings.block_tokens
         tokens = max(reuse, (answer.held if answer is not None else held) * block)
-        self.on_restore(hashes, [], block, reuse, tokens)
-        return Restore(hashes, [self.identity], block, reuse, tokens)
+        self.on_restore(hashes, [], block, reuse, tokens, slot)
+        return Restore(hashes, [self.identity], block, reuse, tokens, slot)
 
-    def restore_drafter(self, tokens: int) -> None:
+    def restore_drafter(self, tokens: int, slot: int = 0) -> None:
         """Rank 0's drafter, after its reset: what its lookup found, up to `tokens`, loaded after what it holds."""
         found = self.found.pop("drafter", None)
         tokens = min(tokens, found.tokens if found is not None else 0)
-        if tokens > self.drafter.cached:
-            found.load_into(self.caches["drafter"], tokens, self.drafter.cached)
-            self.drafter.holds(tokens)
+        held = self.drafter.cached[slot]
+        if tokens > held:
+            found.load_into(self.caches["drafter"].slot(slot), tokens, held)
+            self.drafter.holds(tokens, slot=slot)
 
-    def after_generation(self) -> None:
+    def after_generation(self, slot: int = 0) -> None:
         """Rank 0: queue the drafter's blocks of the prompt, as far as it has taken the prompt in."""
-        if self.drafter_to_save is not None:
-            (hashes, block), self.drafter_to_save = self.drafter_to_save, None
-            self.store("drafter", [], block).save(self.caches["drafter"], hashes[:self.drafter.cached // block])
+        if slot in self.drafter_to_save:
+            hashes, block = self.drafter_to_save.pop(slot)
+            self.store("drafter", [], block).save(self.caches["drafter"].slot(slot),
+                                                  hashes[:self.drafter.cached[slot] // block])
 
     # --- every rank ---------------------------------------------------------------------------
     def on_lookup(self, hashes: list[str], weights: list[str], held: int, block: int) -> int:
@@ -112,21 +114,24 @@ class RankPrefixes:
         self.found = {role: self.store(role, weights, block).read(hashes[:held]) for role in self.caches}
         return min(held, len(self.found["target"].blocks))
 
-    def on_restore(self, hashes: list[str], weights: list[str], block: int, start: int, tokens: int) -> None:
-        """Load target tokens [start, tokens) from the last lookup, and note the prompt's blocks to save once the
-        caches hold the prompt (after_prefill)."""
+    def on_restore(self, hashes: list[str], weights: list[str], block: int, start: int, tokens: int,
+                   slot: int = 0) -> None:
+        """Load target tokens [start, tokens) from the last lookup into `slot`, and note the prompt's blocks to save
+        once that slot holds the prompt (after_prefill)."""
         target = self.found.pop("target", None)
         if tokens > start:
-            target.load_into(self.caches["target"], tokens, start)
-        self.to_save = (hashes, weights, block) if hashes else None
+            target.load_into(self.caches["target"].slot(slot), tokens, start)
+        self.to_save.pop(slot, None)
+        if hashes:
+            self.to_save[slot] = (hashes, weights, block)
 
-    def after_prefill(self) -> None:
-        """The stage's cache holds the prompt (its first round has run): queue its new blocks for the writer."""
-        if self.to_save is not None:
-            (hashes, weights, block), self.to_save = self.to_save, None
-            self.store("target", weights, block).save(self.caches["target"], hashes)
+    def after_prefill(self, slot: int = 0) -> None:
+        """`slot` holds its prompt (its first round has run): queue its new blocks for the writer."""
+        if slot in self.to_save:
+            hashes, weights, block = self.to_save.pop(slot)
+            self.store("target", weights, block).save(self.caches["target"].slot(slot), hashes)
             if self.drafter is not None:
-                self.drafter_to_save = (hashes, block)
+                self.drafter_to_save[slot] = (hashes, block)
 
     def close(self) -> None:
         """Every queued block on disk (a one-shot run ends right after)."""
@@ -144,8 +149,8 @@ def pass_on(prefixes: RankPrefixes | None, msg):
         held = mine.on_lookup(msg.hashes, msg.weights, msg.held, msg.block) if mine else 0
         return Lookup(msg.hashes, weights, held, msg.block)
     if mine:
-        mine.on_restore(msg.hashes, msg.weights, msg.block, msg.start, msg.tokens)
-    return Restore(msg.hashes, weights, msg.block, msg.start, msg.tokens)
+        mine.on_restore(msg.hashes, msg.weights, msg.block, msg.start, msg.tokens, msg.slot)
+    return Restore(msg.hashes, weights, msg.block, msg.start, msg.tokens, msg.slot)
 
 
 def pipeline_identity(rank_identities: list[str]) -> str:

@@ -58,6 +58,10 @@ class RoundRecord:
     bet: bool | None = None  # whether the round prepared ahead on this one (if any) had its bet hold
     wasted_ms: float = 0.0  # the later ranks' work on dropped rounds whose replies came just before this one
     prepared: int = 0  # blocks prepared ahead in this round's wait (ahead_ms is their drafting + stage 0)
+    slot: int = 0  # the KV slot of its stream (serve.max_concurrent)
+    batch: int = 1  # blocks in the forward it went out in (several streams' rounds run as one)
+    live: int = 1  # streams live when its reply came
+    on_the_way: int = 1  # blocks of every stream on the way when its reply was awaited, itself included
 
     @property
     def later_ms(self) -> float:
@@ -92,14 +96,29 @@ def middle_ms(reply: Reply) -> list[float]:
     return [(m[2] - m[1]) * 1000 for m in reply.middle_marks or []]
 
 
+class SlotVerifier:
+    """The last rank's state for the generation in one slot: its Request, its generator, its grammar, and
+    which bet a block sent on its last round's full acceptance must carry (spec.in_flight)."""
+
+    def __init__(self, request: Request = Request(), grammar=None):
+        self.request, self.grammar = request, grammar
+        self.generator = torch.Generator()
+        self.bet_holds_for: tuple[int, int] | None = None
+
+    def skips(self, msg: Round) -> bool:
+        """A block sent on a bet this rank already knows failed: rank 0 drops its reply, so skip the work."""
+        return msg.guess is not None and (msg.start, msg.guess) != self.bet_holds_for
+
+
 def run_rank1(stage: Stage, channel: Channel, reply_to: Channel | None = None, prefixes=None, grammars=None) -> int:
     """Serve rounds until rank 0 says Bye; returns the number of rounds served. With more than two
     ranks this is the last one: `channel` comes from the rank before it, replies go to `reply_to` (rank 0).
     `prefixes`: this rank's cache.dir (speculative.prefixes.RankPrefixes), or None. `grammars`: what makes a
-    Request's grammar (speculative.grammar.FolderGrammars), or None."""
+    Request's grammar (speculative.grammar.FolderGrammars), or None. Every generation being served has a
+    slot (Request.slot); a batch of Rounds of several slots runs as one forward, each verified by its own."""
     reply_to = reply_to or channel
-    request, generator, grammar = Request(), torch.Generator(), None
-    rounds, bet_holds_for = 0, None
+    slots: dict[int, SlotVerifier] = {}
+    rounds = 0
     while True:
         t_wait = time.perf_counter()
         msg = protocol.recv(channel, Request, Lookup, Restore, Prefill, Round, protocol.Idle, protocol.Bye)
@@ -109,53 +128,107 @@ def run_rank1(stage: Stage, channel: Channel, reply_to: Channel | None = None, p
             answer = pass_on(prefixes, msg)
             if isinstance(answer, Lookup):  # back to rank 0, which decides
                 protocol.send(reply_to, answer)
+        elif isinstance(msg, Request):
+            slots[msg.slot] = SlotVerifier(msg, request_grammar(grammars, msg))
+        elif isinstance(msg, Prefill):
+            stage.run(msg.start, msg.hidden.to(stage.device), num_logits=1, slot=msg.slot)
+        elif isinstance(msg, Round):
+            batch = [msg] + [protocol.recv(channel, Round) for _ in range(msg.batch - 1)]
+            for reply in verify_batch(stage, batch, [slots.setdefault(m.slot, SlotVerifier()) for m in batch], t_wait):
+                protocol.send(reply_to, reply)
+                rounds += reply.accepted >= 0
+            if prefixes is not None:  # after the replies: a prompt's first round filled the cache, save it
+                for m in batch:
+                    prefixes.after_prefill(m.slot)
+
+
+def verify_batch(stage: Stage, batch: list[Round], verifiers: list[SlotVerifier], t_wait: float) -> list[Reply]:
+    """One Reply per Round of `batch`, in order: the blocks that count run as one forward, each verified by its
+    slot's verifier; a block whose bet failed gets a placeholder (accepted -1) without any work."""
+    t0 = time.perf_counter()
+    work = [(m, v) for m, v in zip(batch, verifiers) if not v.skips(m)]
+    logits = batch_logits(stage, [m for m, _ in work])
+    t_forward = time.perf_counter()
+    verdicts = {id(m): verify_round(m, rows, v) for (m, v), rows in zip(work, logits)}
+    t_send = time.perf_counter()
+    replies = []
+    for m, v in zip(batch, verifiers):
+        if id(m) not in verdicts:
+            replies.append(Reply(-1, -1, 0.0, [t_wait, t0, t0, t0], m.marks))
             continue
-        if isinstance(msg, Request):
-            request = msg
-            grammar = request_grammar(grammars, request)
-        if isinstance(msg, Prefill):
-            stage.run(msg.start, msg.hidden.to(stage.device), num_logits=1)
-        if not isinstance(msg, Round):
-            continue
-        t0 = time.perf_counter()
-        if msg.guess is not None and (msg.start, msg.guess) != bet_holds_for:  # rank 0 drops its reply: skip the work
-            protocol.send(reply_to, Reply(-1, -1, 0.0, [t_wait, t0, t0, t0], msg.marks))
-            continue
-        decides = msg.start + msg.hidden.shape[1] - msg.drafts.numel()
-        generator.manual_seed(round_seed(request.seed, decides))
-        constrained = grammar if grammar is not None and grammar.at(decides) else None  # else a dropped round's
-        accepted, token, t_forward, logprobs = verify_round(stage, msg, request, generator, constrained)
-        t_send = time.perf_counter()
-        protocol.send(reply_to, Reply(accepted, token, (t_send - t0) * 1000, [t_wait, t0, t_forward, t_send], msg.marks,
-                                      *logprobs))
-        rounds += 1
-        bet_holds_for = (decides + accepted, token)  # the start and first token of a block sent on this round's full acceptance
-        if prefixes is not None:  # after the reply: a prompt's first round filled the cache, save it
-            prefixes.after_prefill()
+        accepted, token, logprobs = verdicts[id(m)]
+        replies.append(Reply(accepted, token, (t_send - t0) * 1000, [t_wait, t0, t_forward, t_send], m.marks, *logprobs))
+        v.bet_holds_for = (decided(m) + accepted, token)  # the start and first token of a block sent on its full acceptance
+    return replies
+
+
+def batch_logits(stage: Stage, batch: list[Round]) -> list[torch.Tensor]:
+    """The target's logits [K+1, V] at each block's drafts (and the position before them), one forward for all."""
+    if not batch:
+        return []
+    if len(batch) == 1:  # one block: exactly the forward a lone request runs
+        m = batch[0]
+        return [stage.run(m.start, m.hidden.to(stage.device), num_logits=m.drafts.numel() + 1, slot=m.slot)[0].cpu()]
+    x, ends = padded([m.hidden for m in batch])
+    n = max(m.drafts.numel() for m in batch) + 1
+    logits = stage.run_rows([m.start for m in batch], x.to(stage.device), [m.slot for m in batch], ends, num_logits=n)
+    return [row[n - m.drafts.numel() - 1:].cpu() for row, m in zip(logits, batch)]
+
+
+def padded(hidden: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """Blocks [1, T_b, H] as one batch [B, T, H], each padded on the right (Stage.run_rows), and their lengths."""
+    ends = [h.shape[1] for h in hidden]
+    x = hidden[0].new_zeros((len(hidden), max(ends), hidden[0].shape[-1]))
+    for b, h in enumerate(hidden):
+        x[b, :ends[b]] = h[0]
+    return x, ends
+
+
+def decided(msg: Round) -> int:
+    """The position of the first token a round decides: the committed length it was built on."""
+    return msg.start + msg.hidden.shape[1] - msg.drafts.numel()
 
 
 def run_middle(stage: Stage, prev: Channel, next: Channel, prefixes=None) -> int:
-    """A middle rank (N > 2): its layers over every Prefill's and Round's hidden states, passed on to
-    the next rank; a Lookup or Restore (cache.dir) after its own part; every other message passed on as it
-    came. Returns the number of rounds served."""
+    """A middle rank (N > 2): its layers over every Prefill's and Round's hidden states (a batch of Rounds as one
+    forward), passed on to the next rank; a Lookup or Restore (cache.dir) after its own part; every other
+    message passed on as it came. Returns the number of rounds served."""
     rounds = 0
     while True:
         t_wait = time.perf_counter()
         msg = protocol.recv(prev, Request, Lookup, Restore, Prefill, Round, protocol.Idle, protocol.Bye)
         if isinstance(msg, (Lookup, Restore)):
             msg = pass_on(prefixes, msg)
-        if isinstance(msg, (Prefill, Round)):
-            t0 = time.perf_counter()
-            msg.hidden = stage.run(msg.start, msg.hidden.to(stage.device))
-            if isinstance(msg, Round):
-                t_done = time.perf_counter()
-                msg.marks = (msg.marks or []) + [[t_wait, t0, t_done, t_done]]  # as Reply.marks: wait, start, forward, send
-                rounds += 1
-        protocol.send(next, msg)
-        if isinstance(msg, Round) and prefixes is not None:
-            prefixes.after_prefill()
+        if isinstance(msg, Prefill):
+            msg.hidden = stage.run(msg.start, msg.hidden.to(stage.device), slot=msg.slot)
+        if isinstance(msg, Round):
+            batch = [msg] + [protocol.recv(prev, Round) for _ in range(msg.batch - 1)]
+            forward_batch(stage, batch, t_wait)
+            rounds += len(batch)
+            for m in batch:
+                protocol.send(next, m)
+                if prefixes is not None:
+                    prefixes.after_prefill(m.slot)
+        else:
+            protocol.send(next, msg)
         if isinstance(msg, protocol.Bye):
             return rounds
+
+
+def forward_batch(stage: Stage, batch: list[Round], t_wait: float) -> None:
+    """A middle rank's layers over a batch of Rounds, as one forward: each Round's hidden states replaced by its
+    own rows of the output, its clock marks added (as Reply.marks: wait, start, forward, send)."""
+    t0 = time.perf_counter()
+    if len(batch) == 1:
+        batch[0].hidden = stage.run(batch[0].start, batch[0].hidden.to(stage.device), slot=batch[0].slot)
+    else:
+        x, ends = padded([m.hidden for m in batch])
+        out = stage.run_rows([m.start for m in batch], x.to(stage.device), [m.slot for m in batch], ends)
+        for b, m in enumerate(batch):
+            m.hidden = out[b:b + 1, :ends[b]]
+    t_done = time.perf_counter()
+    for m in batch:
+        m.marks = (m.marks or []) + [[t_wait, t0, t_done, t_done]]
 
 
 def round_seed(seed: int, decides: int) -> int:
@@ -179,18 +252,20 @@ def request_grammar(grammars, request: Request):
     return grammars.from_source(request.grammar)
 
 
-def verify_round(stage: Stage, msg: Round, request: Request, generator: torch.Generator, grammar=None):
-    """Rank 1's half of a round: (accepted drafts, the next token, when the forward finished, and the committed
-    tokens' log-probabilities as Reply's (logprobs, top_ids, top_logprobs), Nones unless the Request asks)."""
-    k = msg.drafts.numel()
-    logits = stage.run(msg.start, msg.hidden.to(stage.device), num_logits=k + 1)[0].cpu()
-    t_forward = time.perf_counter()
+def verify_round(msg: Round, logits: torch.Tensor, v: SlotVerifier):
+    """Rank 1's half of a round over the target's `logits` [K+1, V] at its positions: (accepted drafts, the next
+    token, and the committed tokens' log-probabilities as Reply's (logprobs, top_ids, top_logprobs), Nones unless
+    the Request asks)."""
+    k, request = msg.drafts.numel(), v.request
     if not logits.sum().isfinite():  # argmax of NaNs is a valid-looking token; a sum is 30x cheaper than isfinite().all()
         raise NonFiniteLogits(f"the target's logits at positions {msg.start}..{msg.start + k} are not finite (NaN/Inf): "
                               "the weights are corrupt or model.dtype overflows (float16?); try model.dtype=bfloat16 or float32")
-    accepted, token = verify(logits, msg.drafts, request.temperature, request.top_p, generator, msg.q_ids, msg.q_probs,
-                             grammar)
+    position = decided(msg)
+    v.generator.manual_seed(round_seed(request.seed, position))
+    grammar = v.grammar if v.grammar is not None and v.grammar.at(position) else None  # else a dropped round's
+    accepted, token = verify(logits, msg.drafts, request.temperature, request.top_p, v.generator, msg.q_ids,
+                             msg.q_probs, grammar)
     if request.logprobs is None:
-        return accepted, token, t_forward, (None, None, None)
+        return accepted, token, (None, None, None)
     lp = token_logprobs(logits, msg.drafts[:accepted].tolist() + [token], request.logprobs)
-    return accepted, token, t_forward, (lp.chosen, lp.top_ids, lp.top)
+    return accepted, token, (lp.chosen, lp.top_ids, lp.top)

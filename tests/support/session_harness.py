@@ -28,6 +28,44 @@ def serve(overrides: list[str], requests: list[tuple[list[int], Request]], ranks
     (launch.ranks.middle_rank) in threads too, over local_ring. `on_round` goes to every generation;
     `keep_going`: a request that raises gives its exception in the list and the same session goes on (the
     server stops serving instead; a caller may keep the session)."""
+    def one_by_one(session, cfg, eos):
+        gens = []
+        for ids, request in requests:
+            output = Output(None, eos, cfg.gen.max_new_tokens, [], stream=False)
+            try:
+                gens.append(session.generate(ids, output, request, on_round=on_round))
+            except Exception as e:  # noqa: BLE001 - handed to the test
+                if not keep_going:
+                    raise
+                gens.append(e)
+            session.idle()  # between requests, as a server does
+        return gens
+    return with_ranks(overrides, ranks, one_by_one)
+
+
+def serve_together(overrides: list[str], requests: list[tuple[list[int], Request]], ranks: int = 2,
+                   slots: int = 8, cancel_after: dict[int, int] | None = None, on_round=None):
+    """The same, but `requests` served at once as a server with serve.max_concurrent=`slots` does: admitted
+    while a slot is free (in order), the rest waiting; `cancel_after`: {request index: its rounds before its
+    client goes away}. Returns (the Generations in request order, the Session)."""
+    cancel_after = cancel_after or {}
+
+    def together(session, cfg, eos):
+        waiting, gens, streams = list(enumerate(requests)), {}, {}
+        while waiting or session.live:
+            while waiting and session.free():
+                i, (ids, request) = waiting.pop(0)
+                output = Output(None, eos, cfg.gen.max_new_tokens, [], stream=False)
+                gone = (lambda i=i: i in cancel_after and len(streams[i].gen.rounds) >= cancel_after[i])
+                streams[i] = session.admit(ids, output, request, on_round=on_round, cancelled=gone)
+            for s in session.tick():
+                gens[next(i for i, t in streams.items() if t is s)] = s.gen
+        return [gens[i] for i in range(len(requests))], session
+    return with_ranks([f"serve.port=0", f"serve.max_concurrent={slots}", *overrides], ranks, together)
+
+
+def with_ranks(overrides: list[str], ranks: int, body):
+    """body(session, cfg, eos ids) on rank 0 with the other ranks in threads; its result."""
     cfg = load_config(["output.stream=false", "chat=false", "prompt_ids=[1]", *overrides])
     links = local_ring(ranks, 30.0)  # (from the rank before, to the rank after); with two ranks local_pair's
     errors = []
@@ -51,17 +89,8 @@ def serve(overrides: list[str], requests: list[tuple[list[int], Request]], ranks
         plan = meet(cfg, replies, channel, 0, ranks)
         stage, drafter = build_stage(plan), build_drafter(plan)
         session = Session(stage, drafter, channel, plan.spec, replies=replies,
-                          prefixes=build_prefixes(plan, stage, drafter))  # cache.dir, when the overrides set it
-        gens = []
-        for ids, request in requests:
-            output = Output(None, eos_ids(plan.models.target), cfg.gen.max_new_tokens, [], stream=False)
-            try:
-                gens.append(session.generate(ids, output, request, on_round=on_round))
-            except Exception as e:  # noqa: BLE001 - handed to the test
-                if not keep_going:
-                    raise
-                gens.append(e)
-            session.idle()  # between requests, as a server does
+                          prefixes=build_prefixes(plan, stage, drafter), slots=plan.slots)  # cache.dir, when set
+        result = body(session, cfg, eos_ids(plan.models.target))
         session.close()
     except BaseException:
         channel.close()
@@ -72,4 +101,4 @@ def serve(overrides: list[str], requests: list[tuple[list[int], Request]], ranks
     assert not any(thread.is_alive() for thread in threads), "a rank did not finish"
     if errors:
         raise errors[0]
-    return gens
+    return result
