@@ -162,6 +162,11 @@ def test_the_handshake_settles_one_number_and_each_rank_says_it(tiny_qwen, ranks
         assert line.endswith(f"; serving up to 3 requests at once (serve.max_concurrent=null: as many as every rank's "
                              f"budget holds, at most 8): 3 KV slots of {MAX_LEN} tokens, {human(per_slot)} each on rank {r}]"), line
 
+    def rank_0_asks_two(r, prev, next):
+        cfg = load_config([*args, *(["serve.max_concurrent=2"] if r == 0 else [])])
+        return handshake(cfg, open_models(cfg, r), prev, next, r, ranks)
+    assert [p.slots for p in in_threads(ranks, rank_0_asks_two).values()] == [2] * ranks
+
     def too_many(r, prev, next):
         cfg = load_config([*args, "serve.max_concurrent=5"])
         return handshake(cfg, open_models(cfg, r), prev, next, r, ranks)
