@@ -43,31 +43,33 @@ def serve(overrides: list[str], requests: list[tuple[list[int], Request]], ranks
     return with_ranks(overrides, ranks, one_by_one)
 
 
-def serve_together(overrides: list[str], requests: list[tuple[list[int], Request]], ranks: int = 2,
-                   slots: int = 8, cancel_after: dict[int, int] | None = None, on_round=None):
-    """The same, but `requests` served at once as a server with serve.max_concurrent=`slots` does: admitted
-    while a slot is free (in order), the rest waiting; `cancel_after`: {request index: its rounds before its
-    client goes away}. Returns (the Generations in request order, the Session)."""
+def serve_together(overrides: list[str], requests: list[tuple], ranks: int = 2, slots: int = 8,
+                   cancel_after: dict[int, int] | None = None, on_round=None, links=None):
+    """The same, but `requests` ((ids, Request[, max new tokens])) served at once as a server with
+    serve.max_concurrent=`slots` does: admitted
+    while a slot is free (in order), the rest waiting; `cancel_after`: {request index: the rounds of all requests
+    together after which its client goes away}. Returns (the Generations in request order, the Session)."""
     cancel_after = cancel_after or {}
 
     def together(session, cfg, eos):
         waiting, gens, streams = list(enumerate(requests)), {}, {}
         while waiting or session.live:
             while waiting and session.free():
-                i, (ids, request) = waiting.pop(0)
-                output = Output(None, eos, cfg.gen.max_new_tokens, [], stream=False)
-                gone = (lambda i=i: i in cancel_after and len(streams[i].gen.rounds) >= cancel_after[i])
+                i, (ids, request, *max_new) = waiting.pop(0)
+                output = Output(None, eos, max_new[0] if max_new else cfg.gen.max_new_tokens, [], stream=False)
+                gone = (lambda i=i: i in cancel_after and sum(len(t.gen.rounds) for t in streams.values()) >= cancel_after[i])
                 streams[i] = session.admit(ids, output, request, on_round=on_round, cancelled=gone)
             for s in session.tick():
                 gens[next(i for i, t in streams.items() if t is s)] = s.gen
         return [gens[i] for i in range(len(requests))], session
-    return with_ranks([f"serve.port=0", f"serve.max_concurrent={slots}", *overrides], ranks, together)
+    return with_ranks(["serve.port=0", f"serve.max_concurrent={slots}", *overrides], ranks, together, links)
 
 
-def with_ranks(overrides: list[str], ranks: int, body):
-    """body(session, cfg, eos ids) on rank 0 with the other ranks in threads; its result."""
+def with_ranks(overrides: list[str], ranks: int, body, links=None):
+    """body(session, cfg, eos ids) on rank 0 with the other ranks in threads; its result. `links`: every rank's
+    (from the rank before, to the rank after), default local_ring's (with two ranks local_pair's)."""
     cfg = load_config(["output.stream=false", "chat=false", "prompt_ids=[1]", *overrides])
-    links = local_ring(ranks, 30.0)  # (from the rank before, to the rank after); with two ranks local_pair's
+    links = links or local_ring(ranks, 30.0)
     errors = []
 
     def rank(r: int):

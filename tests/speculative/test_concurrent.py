@@ -1,0 +1,85 @@
+"""Several requests at once through one Session (serve.max_concurrent), in process: each in its own KV slot on
+every rank, their rounds batched through the pipe. Lossless like every other path: every request's greedy tokens
+are transformers generate's for its own prompt, whoever else is being served; a seeded sampled request draws the
+same tokens alone and among others; a request that goes away frees its slot without touching the others."""
+from __future__ import annotations
+
+import pytest
+
+from netbridge.protocol import Request
+from tests.support.session_harness import serve, serve_together, session_args
+from tests.support.tiny_models import reference_greedy
+
+BASE = [11, 42, 7, 250, 3, 99, 180, 5, 42, 7, 61, 19]
+# 8 prompts of different lengths and contents, and different answer lengths
+PROMPTS = [BASE[:3 + i] + [100 + i] for i in range(8)]
+LENGTHS = [23, 9, 31, 14, 5, 27, 18, 11]
+
+
+def requests(request=Request()):
+    return [(p, request, n) for p, n in zip(PROMPTS, LENGTHS)]
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_eight_requests_at_once_each_give_generate_s_tokens(ranks, tiny_qwen, tiny_qwen_draft):
+    gens, session = serve_together(session_args(tiny_qwen, tiny_qwen_draft, max_new=40), requests(), ranks=ranks)
+    for prompt, n, gen in zip(PROMPTS, LENGTHS, gens):
+        assert gen.output.tokens == reference_greedy(tiny_qwen, prompt, n), (prompt, n)
+    batches = [r.batch for g in gens for r in g.rounds]
+    assert max(batches) >= 4 and max(r.live for g in gens for r in g.rounds) == 8  # they really shared the pipe
+    assert len({s for g in gens for s in {r.slot for r in g.rounds}}) == 8  # each in a slot of its own
+    assert session.free() == 8
+
+
+def test_more_requests_than_slots_wait_for_one(tiny_qwen, tiny_qwen_draft):
+    gens, _ = serve_together(session_args(tiny_qwen, tiny_qwen_draft, max_new=40), requests(), slots=3)
+    for prompt, n, gen in zip(PROMPTS, LENGTHS, gens):
+        assert gen.output.tokens == reference_greedy(tiny_qwen, prompt, n)
+    assert max(r.live for g in gens for r in g.rounds) == 3
+
+
+def test_a_cancelled_request_leaves_the_others_identical(tiny_qwen, tiny_qwen_draft):
+    """Request 2 goes away mid-stream, with its next round on the way: its slot is freed at once (request 8,
+    waiting, takes it) and that round's reply is thrown away; every other request is generate's."""
+    reqs = requests() + [([9, 8, 7, 6, 5], Request(), 12)]
+    gens, session = serve_together(session_args(tiny_qwen, tiny_qwen_draft, max_new=40), reqs, slots=8,
+                                   cancel_after={2: 30})
+    assert 0 < len(gens[2].output.tokens) < LENGTHS[2]
+    assert sum(r.wasted_ms for g in gens for r in g.rounds) > 0  # a reply to its round came after it ended
+    for i, ((prompt, _, n), gen) in enumerate(zip(reqs, gens)):
+        if i != 2:
+            assert gen.output.tokens == reference_greedy(tiny_qwen, prompt, n), i
+    assert gens[8].rounds[0].slot == gens[2].rounds[0].slot  # the freed slot went to the one waiting
+
+
+def test_a_seeded_sampled_request_draws_the_same_tokens_alone_and_among_others(tiny_qwen, tiny_qwen_draft):
+    """Every request keeps its own generators (the drafter's noise and the verifier's draws, seeded by its seed
+    and the position decided), so what the others do never shifts its draws."""
+    args = session_args(tiny_qwen, tiny_qwen_draft, max_new=40)
+    sampled = [(p, Request(temperature=0.9, top_p=0.95, seed=100 + i)) for i, p in enumerate(PROMPTS[:3])]
+    alone = serve(args, sampled)  # one after another, each alone in the pipe
+    mixed = [sampled[0], (PROMPTS[5], Request(), 20), sampled[1], (PROMPTS[6], Request(temperature=1.3, seed=9), 20),
+             sampled[2]]
+    together, _ = serve_together(args, mixed)
+    for a, b in zip(alone, [together[0], together[2], together[4]]):
+        assert b.output.tokens == a.output.tokens and len(a.output.tokens) == 40
+    assert max(r.batch for r in together[0].rounds) > 1
+    assert together[1].output.tokens == reference_greedy(tiny_qwen, PROMPTS[5], 20)
+
+
+def test_the_next_turn_lands_in_the_slot_holding_its_prefix(tiny_qwen, tiny_qwen_draft):
+    """Two conversations, then each one's next turn (its prompt + answer + more): each goes to the free slot whose
+    caches hold its prefix, which is reused, not prefilled again; the answers are still generate's."""
+    args = session_args(tiny_qwen, tiny_qwen_draft, max_new=10)
+    first, _ = serve_together(args, [(PROMPTS[7], Request()), (PROMPTS[3], Request())], slots=4)
+
+    def next_turn(gen):
+        return gen.prompt_ids + gen.output.tokens + [77, 78]
+    turns = [(PROMPTS[7], Request()), (PROMPTS[3], Request()), (PROMPTS[0], Request()),
+             (next_turn(first[1]), Request()), (next_turn(first[0]), Request())]
+    both, _ = serve_together(args, turns, slots=3)  # turns 3 and 4 wait until the first three have ended
+    for (prompt, _), gen in zip(turns, both):
+        assert gen.output.tokens == reference_greedy(tiny_qwen, prompt, 10)
+    slot_of = {i: g.rounds[0].slot for i, g in enumerate(both)}
+    assert slot_of[3] == slot_of[1] and slot_of[4] == slot_of[0]
+    assert both[3].reused == len(turns[3][0]) - 3 and both[4].reused == len(turns[4][0]) - 3  # all but the new turn
