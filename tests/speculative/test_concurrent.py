@@ -83,3 +83,15 @@ def test_the_next_turn_lands_in_the_slot_holding_its_prefix(tiny_qwen, tiny_qwen
     slot_of = {i: g.rounds[0].slot for i, g in enumerate(both)}
     assert slot_of[3] == slot_of[1] and slot_of[4] == slot_of[0]
     assert both[3].reused == len(turns[3][0]) - 3 and both[4].reused == len(turns[4][0]) - 3  # all but the new turn
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_eight_requests_at_once_through_the_relay(ranks, tiny_qwen, tiny_qwen_draft, tmp_path):
+    """The same over a real relay (loopback), end-to-end sealed, every ring link its own session."""
+    from tests.support.relay_harness import relay_process, relay_ring
+    with relay_process(tmp_path, "--no-store") as relay:
+        gens, _ = serve_together(session_args(tiny_qwen, tiny_qwen_draft, max_new=40), requests(), ranks=ranks,
+                                 links=relay_ring(relay, ranks))
+    for prompt, n, gen in zip(PROMPTS, LENGTHS, gens):
+        assert gen.output.tokens == reference_greedy(tiny_qwen, prompt, n), (prompt, n)
+    assert max(r.batch for g in gens for r in g.rounds) >= 4

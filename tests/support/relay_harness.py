@@ -153,3 +153,15 @@ def loops() -> list:
     """The relay's event loops to test: asyncio always, uvloop where it is installed (the relay's --loop auto)."""
     has_uvloop = importlib.util.find_spec("uvloop") is not None
     return ["asyncio", pytest.param("uvloop", marks=pytest.mark.skipif(not has_uvloop, reason="uvloop not installed"))]
+
+
+def relay_ring(relay: RelayProcess, ranks: int, session: str = "ring", timeout_s: float = 30.0) -> list:
+    """Each rank's (link from the rank before, link to the rank after) on the ring 0 -> 1 -> ... -> N-1 -> 0 through
+    the relay, as netbridge.channel.local_ring gives them in process: one two-member session per two neighbours
+    (the lower rank its rank 0), so with two ranks both links are one channel."""
+    pairs = {frozenset((r, (r + 1) % ranks)): pair(relay, f"{session}/{min(r, (r + 1) % ranks)}-{max(r, (r + 1) % ranks)}",
+                                                     timeout_s) for r in range(ranks)}
+
+    def end(rank: int, peer: int) -> RelayChannel:
+        return pairs[frozenset((rank, peer))][0 if rank < peer else 1]
+    return [(end(r, (r - 1) % ranks), end(r, (r + 1) % ranks)) for r in range(ranks)]
