@@ -8,11 +8,14 @@ What each accepts and refuses (launch/api.py's field table) is in docs/api.md.
 
 The HTTP side (FastAPI on uvicorn, in the main thread so it owns SIGINT/SIGTERM) only parses and
 queues: a body over serve.max_body_bytes is refused (413) before it is read, and parsing and
-tokenizing run in worker threads, so /health and other clients never wait on one request. One engine thread owns the channel and the caches: it takes requests one at a time in arrival
-order and runs each through the Session, which reuses the longest prefix the caches already hold.
-Text goes back to the request's event loop as it commits; a client that goes away sets a flag the
-round loop reads between rounds. When rank 1 is lost, the request in flight gets a 503 naming the
-cause and the server stops; `serve` then raises, and the entry reports one line and exits non-zero.
+tokenizing run in worker threads, so /health and other clients never wait on one request. One engine
+thread owns the channel and the caches: it admits up to session.slots requests at once (serve.max_concurrent),
+each into a slot of its own on every rank (the free one holding the longest prefix of its prompt, else the
+least recently used), and lets the Session interleave their rounds (round-robin); the rest wait in arrival
+order, up to serve.max_queue (a 429 beyond). Text goes back to each request's event loop as its rounds
+commit; a client that goes away sets a flag the Session reads between rounds, and its slot is free at once.
+When a later rank is lost, every live request gets a 503 naming the cause and the server stops; `serve`
+then raises, and the entry reports one line and exits non-zero.
 """
 from __future__ import annotations
 
@@ -60,100 +63,156 @@ class Job:
             pass
 
 
+@dataclass
+class Running:
+    """A job being generated: its Output, its stream in the Session, and what its client has had so far."""
+    job: Job
+    output: Output
+    serial: int  # the order of admission: telemetry keys this request's rounds by it
+    admitted: float = field(default_factory=time.perf_counter)
+    stream: object = None  # the Session's stream (stream.gen, stream.slot) once admitted
+    sent: str = ""  # the visible text sent so far
+    reported: int = 0  # the tokens whose logprobs were sent so far
+
+    def relay(self) -> None:
+        """After one of its rounds: the text and logprobs that round added, to the client."""
+        p, output = self.job.prompt, self.output
+        text = visible_text(output.text(), p.stop, output.done)
+        if len(text) > len(self.sent):
+            self.job.emit("text", text[len(self.sent):])
+            self.sent = text
+        if len(output.logprobs) > self.reported:  # the request asked for them: the new tokens' (tokens, rows)
+            self.job.emit("logprobs", (output.tokens[self.reported:len(output.logprobs)], output.logprobs[self.reported:]))
+            self.reported = len(output.logprobs)
+
+    def fail(self, message: str) -> None:
+        self.job.cancelled.set()
+        self.job.emit("error", ApiError(503, message, "server_error"))
+
+
 class Engine:
-    """The one thread that talks to rank 1: requests in arrival order, batch size 1."""
+    """The one thread that talks to the later ranks: up to session.slots requests live at once, each in its
+    own slot, their rounds interleaved by the Session; the rest wait in arrival order (serve.max_queue)."""
 
     def __init__(self, cfg: TandemConfig, session, tokenizer, eos_ids: set[int], telemetry=None):
         self.cfg, self.session, self.tokenizer, self.eos_ids = cfg, session, tokenizer, eos_ids
         self.telemetry = telemetry
-        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=cfg.serve.max_queue)
-        self.fatal: BaseException | None = None  # rank 1 lost: the server stops and the entry reports it
+        self.jobs: queue.Queue[Job | None] = queue.Queue()  # waiting for a slot; None: stop
+        self.idle_s = max(0.5, cfg.transport.timeout_s / 4)  # the later ranks' receives time out after timeout_s
+        self.fatal: BaseException | None = None  # a later rank lost: the server stops and the entry reports it
         self.on_fatal = lambda: None
-        self.current: Job | None = None
+        self.live: list[Running] = []  # admitted and not ended; changed under `lock`, read anywhere
+        self.lock = threading.Lock()  # admission against interrupt(): no job slips between them unfailed
         self.stopping: str | None = None  # a signal's cause: every request ends now with it
-        self.served = 0
+        self.closing = False  # stop(): nothing more is admitted; once the live ones have ended, Bye
+        self.admitted = self.served = 0
         self.cancelled = 0  # requests whose client went away before the end
         self.thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
 
     def submit(self, job: Job) -> None:
         if self.fatal is not None or self.stopping is not None:
             raise ApiError(503, f"the server is stopping: {self.fatal or self.stopping}", "server_error")
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
+        if self.jobs.qsize() >= self.cfg.serve.max_queue + self.session.slots - len(self.live):
+            # a free slot takes a job at the engine's next turn: a burst of as many is not refused. (Only the
+            # event loop's thread submits; a job taken off the queue but not yet live may let one more wait.)
             raise ApiError(429, f"{self.cfg.serve.max_queue} requests are already waiting (serve.max_queue); retry later",
-                           "rate_limit_exceeded") from None
+                           "rate_limit_exceeded")
+        self.jobs.put_nowait(job)
 
     def stop(self) -> None:
-        """Cancel the request in flight (it ends at its next round), drop the waiting ones, say Bye."""
-        if self.current is not None:
-            self.current.cancelled.set()
+        """Cancel the live requests (each ends at its next round), drop the waiting ones, say Bye."""
+        for running in list(self.live):
+            running.job.cancelled.set()
         self._fail_waiting(RuntimeError("the server is shutting down"))
         self.jobs.put(None)
         self.thread.join()
 
     def interrupt(self, cause: str) -> None:
-        """A signal: the request in flight ends at once with an error (a stream gets an error event, then
-        [DONE]) and stops at its next round; the waiting ones get the error too."""
-        self.stopping = cause
-        job = self.current
-        if job is not None:
-            job.cancelled.set()
-            job.emit("error", ApiError(503, f"the server is stopping: {cause}", "server_error"))
+        """A signal: every live request ends at once with an error (a stream gets an error event, then [DONE])
+        and stops at its next round; the waiting ones get the error too."""
+        with self.lock:
+            self.stopping = cause
+            live = list(self.live)
+        for running in live:
+            running.fail(f"the server is stopping: {cause}")
         self._fail_waiting(RuntimeError(cause))
 
+    # --- the engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
-        idle_s = max(0.5, self.cfg.transport.timeout_s / 4)  # rank 1's receive times out after timeout_s
         try:
-            while True:
-                try:
-                    job = self.jobs.get(timeout=idle_s)
-                except queue.Empty:
-                    self.session.idle()
-                    continue
-                if job is None:
-                    break
-                if not job.cancelled.is_set():
-                    self.current = job
-                    self._serve(job)
-                    self.current = None
+            while self.live or not self.closing:
+                self._admit_waiting()
+                if self.live:
+                    self._finish(self.session.tick())
             self.session.close()
         except Exception as e:  # noqa: BLE001 - the peer is gone or the link broke: stop serving
             self.fatal = e
+            with self.lock:
+                live, self.live = self.live, []
+            for running in live:
+                running.fail(f"generation failed: {e}")
             self._fail_waiting(e)
             self.on_fatal()
 
-    def _serve(self, job: Job) -> None:
+    def _admit_waiting(self) -> None:
+        """Admit waiting jobs while a slot is free. With none live, wait for one (saying Idle meanwhile,
+        which keeps the later ranks' receives from timing out)."""
+        while not self.closing and self.session.free() > 0:
+            job = self._next_job(wait=not self.live)
+            if job is None:
+                return
+            self._admit(job)
+
+    def _next_job(self, wait: bool) -> Job | None:
+        try:
+            job = self.jobs.get(timeout=self.idle_s) if wait else self.jobs.get_nowait()
+        except queue.Empty:
+            if wait:
+                self.session.idle()
+            return None
+        if job is None:  # stop(): the live ones end (cancelled), then Bye
+            self.closing = True
+        return None if job is None or job.cancelled.is_set() else job
+
+    def _admit(self, job: Job) -> None:
         p = job.prompt
-        started = time.perf_counter()
-        output = Output(self.tokenizer, self.eos_ids, p.max_tokens, p.stop)
-        sent, reported = "", 0
+        running = Running(job, Output(self.tokenizer, self.eos_ids, p.max_tokens, p.stop), self.admitted)
+        with self.lock:
+            if self.stopping is not None:  # interrupt() ran since this job was taken off the queue
+                running.fail(f"the server is stopping: {self.stopping}")
+                return
+            self.live.append(running)
+        self.admitted += 1
 
         def on_round(record, reply) -> None:
-            nonlocal sent, reported
             if self.telemetry is not None:
-                self.telemetry.on_round(record, reply)
-            text = visible_text(output.text(), p.stop, output.done)
-            if len(text) > len(sent):
-                job.emit("text", text[len(sent):])
-                sent = text
-            if len(output.logprobs) > reported:  # the request asked for them: the new tokens' (tokens, rows)
-                job.emit("logprobs", (output.tokens[reported:len(output.logprobs)], output.logprobs[reported:]))
-                reported = len(output.logprobs)
-        try:
-            gen = self.session.generate(p.ids, output, p.request, on_round=on_round, cancelled=job.cancelled.is_set)
-        except Exception as e:
-            job.emit("error", ApiError(503, f"generation failed: {e}", "server_error"))
-            raise
+                self.telemetry.on_round(record, reply, running.serial, len(self.live), self.jobs.qsize())
+            running.relay()
+        # an exception (the link broke) fails every live job, this one included: it is in self.live
+        running.stream = self.session.admit(p.ids, running.output, p.request, on_round=on_round,
+                                            cancelled=job.cancelled.is_set)
+
+    def _finish(self, ended) -> None:
+        """The streams that ended in a tick: each job's last event, with its figures."""
+        for stream in ended:
+            running = next(r for r in self.live if r.stream is stream)
+            with self.lock:
+                self.live.remove(running)
+            self._done(running)
+
+    def _done(self, running: Running) -> None:
+        job, gen, p = running.job, running.stream.gen, running.job.prompt
         stats = summarize(gen, self.cfg.spec.k, self.cfg.draft.kind if self.cfg.spec.k else "none")
         stats["prompt_tokens_reused"] = gen.reused
         stats["prefilled_tokens"] = len(p.ids) - gen.reused
-        stats["queue_s"] = started - job.arrived  # parsing, tokenizing and waiting behind other requests
+        stats["queue_s"] = running.admitted - job.arrived  # parsing, tokenizing and waiting for a slot
         stats["ttft_s"] += stats["queue_s"]  # as the client sees it: from the request's arrival
+        stats["slot"] = running.stream.slot
         if self.telemetry is not None:
-            self.telemetry.on_request(stats, self.served)
+            self.telemetry.on_request(stats, self.served, running.serial, gen)
         self.served += 1
-        self.cancelled += job.cancelled.is_set() and not output.done
+        self.cancelled += job.cancelled.is_set() and not running.output.done
+        output = running.output
         job.emit("done", {"text": visible_text(output.text(), p.stop, True), "token_ids": output.tokens,
                           "finish_reason": FINISH.get(output.stop_reason, "stop"), "stats": stats,
                           "logprobs": (output.tokens, output.logprobs) if p.request.logprobs is not None else None})
@@ -192,7 +251,8 @@ def build_app(cfg: TandemConfig, engine: Engine, tokenizer, vocab_size: int, mod
     async def health():
         if engine.fatal is not None:
             raise ApiError(503, str(engine.fatal), "server_error")
-        return {"status": "ok", "served": engine.served, "cancelled": engine.cancelled, "waiting": engine.jobs.qsize()}
+        return {"status": "ok", "served": engine.served, "cancelled": engine.cancelled, "waiting": engine.jobs.qsize(),
+                "live": len(engine.live), "slots": engine.session.slots}
 
     @app.get("/v1/models")
     async def models():
@@ -515,8 +575,8 @@ def serve(cfg: TandemConfig, session, tokenizer, eos_ids: set[int], vocab_size: 
     model_name = model_name or cfg.serve.model_name or Path(cfg.model.target.rstrip("/")).name  # launch.plan.Models.name
     telemetry = None
     if cfg.log.dir:
-        from launch.telemetry import Telemetry
-        telemetry = Telemetry(cfg, None)
+        from launch.telemetry import ServeTelemetry
+        telemetry = ServeTelemetry(cfg)
     api_key = load_api_key(cfg)
     warning = open_host_warning(cfg.serve.host, api_key)
     if warning:
@@ -545,7 +605,7 @@ def serve(cfg: TandemConfig, session, tokenizer, eos_ids: set[int], vocab_size: 
           f"Ctrl-C stops both ranks]", file=sys.stderr, flush=True)
     server.run(sockets=[listener])
     if engine.fatal is None:
-        engine.stop()  # finishes the request in flight, then says Bye to rank 1
+        engine.stop()  # ends the live requests at their next round, then says Bye to rank 1
     if telemetry is not None:
         telemetry.close()
     if engine.fatal is not None:

@@ -31,7 +31,7 @@ def test_sigterm_ends_the_stream_in_flight_with_an_error_and_done(models):
     target, draft = models
     overrides = [f"model.target={target}", "model.dtype=float32", "model.max_len=2048", "draft.kind=model",
                  f"draft.model={draft}", "draft.dtype=float32", "draft.max_len=2048", "gen.max_new_tokens=1900",
-                 "transport.timeout_s=20", "transport.emulate_delay_ms=5"]
+                 "transport.timeout_s=20", "transport.emulate_delay_ms=5", "serve.max_concurrent=1"]  # the second waits
     with served(*overrides) as server:
         conn, response = open_stream(server.port, {"prompt": [5, 6, 7], "max_tokens": 1900})
         stream = events(response)

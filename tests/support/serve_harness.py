@@ -49,6 +49,28 @@ class Served:
         status, data = self.request("GET", "/health", timeout=5)
         return json.loads(data) | {"http_status": status}
 
+    def stream(self, path: str, body: dict, timeout: float = 30):
+        """A streamed request (stream=true): its connection (close it to go away) and its events' data as they come."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        conn.request("POST", path, body=json.dumps({**body, "stream": True}), headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200, response.read()
+
+        def events():
+            for raw in response:
+                line = raw.decode().strip()
+                if line.startswith("data: "):
+                    yield line[len("data: "):]
+        return conn, events()
+
+    def wait_for(self, ready, timeout_s: float = 20.0) -> dict:
+        """Poll /health until ready(health) holds; returns that health."""
+        deadline = time.monotonic() + timeout_s
+        while not ready(health := self.health()):
+            assert time.monotonic() < deadline, health
+            time.sleep(0.005)
+        return health
+
 
 @contextmanager
 def served(*overrides: str, timeout_s: float = 20.0):

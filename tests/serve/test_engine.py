@@ -1,0 +1,171 @@
+"""Issue 28: the server's engine keeps up to session.slots requests live at once. Its bookkeeping (which job a
+stream that ended belongs to, who gets the error when the link breaks or a signal comes, who waits) against
+a scripted stand-in for the Session: no model, no HTTP, milliseconds. The served tests (test_concurrency.py)
+run the real Session."""
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from launch.api import Prompt
+from launch.config import load_config
+from launch.server import Engine, Job
+from netbridge.protocol import Request
+from speculative.rounds import Generation, RoundRecord
+
+
+class ScriptedSession:
+    """The Session's interface for the server: each tick gives every live stream that is not cancelled one
+    token (its prompt's first id x 100 + its position), then ends the streams done or cancelled."""
+
+    def __init__(self, slots: int, fail_at_tick: int | None = None):
+        self.slots, self.fail_at_tick = slots, fail_at_tick
+        self.live, self.ticks, self.most_live, self.closed = [], 0, 0, False
+        self.ticked = threading.Event()
+
+    def free(self) -> int:
+        return self.slots - len(self.live)
+
+    def admit(self, ids, output, request, on_round=None, cancelled=lambda: False):
+        if not self.free():
+            raise RuntimeError("admitted with no slot free")
+        slot = min(set(range(self.slots)) - {s.slot for s in self.live})
+        stream = SimpleNamespace(gen=Generation(ids, output), slot=slot, on_round=on_round, cancelled=cancelled)
+        self.live.append(stream)
+        self.most_live = max(self.most_live, len(self.live))
+        return stream
+
+    def tick(self):
+        self.ticks += 1
+        self.ticked.set()
+        if self.ticks == self.fail_at_tick:
+            raise ConnectionError("lost the other rank")
+        time.sleep(0.002)
+        ended = []
+        for s in list(self.live):
+            if not s.cancelled():
+                s.gen.output.commit([s.gen.prompt_ids[0] * 100 + len(s.gen.output.tokens)])
+                record = RoundRecord(0, 0, 1, 0.0, 0.0, 1.0, 0.5)
+                s.gen.rounds.append(record)
+                s.on_round(record, SimpleNamespace(marks=[], middle_marks=None))
+            if s.gen.output.done or s.cancelled():
+                self.live.remove(s)
+                ended.append(s)
+        return ended
+
+    def idle(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Events:
+    """Job.emit's event loop, recording what the engine sends back."""
+
+    def __init__(self):
+        self.got = []
+
+    def call_soon_threadsafe(self, put, event) -> None:
+        self.got.append(event)
+
+    def last(self, timeout_s: float = 5.0):
+        deadline = time.monotonic() + timeout_s
+        while not self.got or self.got[-1][0] not in ("done", "error"):
+            assert time.monotonic() < deadline, self.got
+            time.sleep(0.001)
+        return self.got[-1]
+
+
+def job(first_id: int, max_tokens: int) -> Job:
+    return Job(Prompt([first_id, 1, 2], max_tokens, Request(), [], False), Events(), time.perf_counter())
+
+
+def engine(session, max_queue: int = 8) -> Engine:
+    cfg = load_config(["serve.port=1", f"serve.max_queue={max_queue}", "spec.k=0"])
+    return Engine(cfg, session, None, set())
+
+
+def expected(first_id: int, n: int) -> list[int]:
+    return [first_id * 100 + i for i in range(n)]
+
+
+def test_jobs_beyond_the_slots_wait_and_each_gets_its_own_answer():
+    session = ScriptedSession(slots=2)
+    e = engine(session)
+    jobs = [job(1, 5), job(2, 2), job(3, 4)]
+    for j in jobs:
+        e.submit(j)
+    e.thread.start()
+    answers = [j.loop.last() for j in jobs]
+    e.stop()
+    assert session.most_live == 2 and session.closed
+    for j, (kind, done) in zip(jobs, answers):
+        assert kind == "done" and done["token_ids"] == expected(j.prompt.ids[0], j.prompt.max_tokens)
+        assert done["finish_reason"] == "length" and done["stats"]["tokens"] == j.prompt.max_tokens  # when it was sent
+    third = answers[2][1]["stats"]
+    assert third["slot"] == 1 and third["queue_s"] > 0  # it waited for the second's slot
+    assert e.served == 3 and e.cancelled == 0 and not e.live
+
+
+def test_a_cancelled_job_frees_its_slot_for_a_waiting_one():
+    session = ScriptedSession(slots=2)
+    e = engine(session)
+    long, other, waiting = job(1, 10**6), job(2, 10**6), job(3, 3)
+    for j in (long, other, waiting):
+        e.submit(j)
+    e.thread.start()
+    session.ticked.wait(5)
+    long.cancelled.set()  # its client went away
+    assert waiting.loop.last()[1]["token_ids"] == expected(3, 3)
+    assert long.loop.last()[0] == "done" and e.cancelled == 1
+    other.cancelled.set()
+    e.stop()
+    assert e.served == 3 and e.cancelled == 2
+
+
+def test_a_broken_link_fails_every_live_job_and_the_waiting_ones():
+    session = ScriptedSession(slots=2, fail_at_tick=3)
+    e = engine(session)
+    stopped = threading.Event()
+    e.on_fatal = stopped.set
+    jobs = [job(1, 100), job(2, 100), job(3, 100)]
+    for j in jobs:
+        e.submit(j)
+    e.thread.start()
+    assert stopped.wait(5)
+    for j in jobs[:2]:
+        kind, error = j.loop.last()
+        assert kind == "error" and error.status == 503 and "generation failed: lost the other rank" in str(error)
+    kind, error = jobs[2].loop.last()
+    assert kind == "error" and error.status == 503 and "lost the other rank" in str(error)
+    assert isinstance(e.fatal, ConnectionError) and not e.live
+    with pytest.raises(Exception, match="the server is stopping"):
+        e.submit(job(4, 1))
+
+
+def test_a_signal_fails_every_live_job_then_the_engine_says_bye():
+    session = ScriptedSession(slots=2)
+    e = engine(session)
+    jobs = [job(1, 10**6), job(2, 10**6), job(3, 1)]
+    for j in jobs:
+        e.submit(j)
+    e.thread.start()
+    session.ticked.wait(5)
+    e.interrupt("stopped by SIGTERM")
+    for j in jobs:  # the two live ones and the one waiting
+        kind, error = j.loop.last()
+        assert kind == "error" and error.status == 503 and "stopped by SIGTERM" in str(error)
+    assert all(j.cancelled.is_set() for j in jobs[:2])
+    e.stop()  # the live ones end (cancelled) at the next tick, then Bye
+    assert session.closed and not session.live and not e.thread.is_alive()
+
+
+def test_beyond_the_free_slots_and_max_queue_is_a_429():
+    e = engine(ScriptedSession(slots=2), max_queue=2)
+    for i in range(4):  # two for the free slots (the engine takes them at its next turn), two waiting
+        e.submit(job(i, 1))
+    with pytest.raises(Exception) as refused:
+        e.submit(job(5, 1))
+    assert refused.value.status == 429 and "serve.max_queue" in str(refused.value)
