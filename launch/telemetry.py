@@ -19,6 +19,9 @@ is stats["rounds"]. The output JSON's means are over the decode rounds (steps >=
     round/ahead_ms      spec.overlap: rank 0 preparing the next round while this one was in flight
     round/round_ms      the whole round on rank 0 (draft + stage0 + send -> reply)
     round/drafted, round/accepted (drafts the target kept), round/tokens (committed this round)
+    round/in_flight     this request's rounds on the way when the reply came (spec.in_flight)
+    round/on_the_way    every live request's rounds on the way then (serving several at once)
+    round/batch         the rounds that went out in one forward with this one (several requests' rounds)
 
 Per run (step 0): run/ttft_ms, run/tokens_per_s, run/tokens_per_round, run/acceptance_rate,
 run/full_hit_rate, run/tokens, run/clock_offset_ms, run/clock_uncertainty_ms; run/accepted_per_round
@@ -27,8 +30,8 @@ text run/prompt, run/output, run/config; and the config as hparams with hparam/*
 
 Serving (serve.port; ServeTelemetry): several requests are live at once and their rounds interleave, so
 the round/* scalars take one global step across requests (a round's index in the whole serve), and with
-each round serve/slots_in_use (requests being generated) and serve/waiting (queued for a slot);
-round/in_flight counts every live request's rounds on the way when the reply came. Per request (step =
+each round serve/slots_in_use (requests being generated) and serve/waiting (queued for a slot).
+Per request (step =
 the request's index, in the order they ended): request/ttft_ms (from its arrival), request/queue_ms
 (arrival to admission into a slot), request/tokens_per_s, request/tokens, request/prompt_tokens,
 request/prompt_tokens_reused, request/prefilled_tokens, request/slot. At shutdown trace.json (log.trace)
@@ -107,7 +110,8 @@ class Telemetry:
                            ("network_ms", r.network_ms), ("ahead_ms", r.ahead_ms),
                            ("round_ms", r.draft_ms + r.stage0_ms + r.round_ms),
                            ("drafted", r.drafted), ("accepted", r.accepted), ("tokens", r.committed),
-                           ("in_flight", r.in_flight), ("bets_lost", r.bets_lost), ("wasted_ms", r.wasted_ms)):
+                           ("in_flight", r.in_flight), ("bets_lost", r.bets_lost), ("wasted_ms", r.wasted_ms),
+                           ("on_the_way", r.on_the_way), ("batch", r.batch)):
             w.add_scalar(f"round/{tag}", value, step)
         if r.bet is not None:  # a round was prepared ahead on this one: 1 if its bet held
             w.add_scalar("round/bet_won", int(r.bet), step)

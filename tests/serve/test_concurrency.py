@@ -105,11 +105,13 @@ def test_beyond_the_slots_and_the_queue_is_a_429_and_the_waiting_one_counts_its_
     server.wait_for(lambda h: h["live"] == 0)
 
 
-def test_a_signal_ends_every_live_stream_with_its_cause(models):
+def test_a_signal_ends_every_live_stream_with_its_cause(models, tmp_path):
     """SIGTERM (what uvicorn's handler does on it) with two streams live and one waiting: each stream ends with
-    an error event and [DONE], the waiting one gets the 503, both ranks end cleanly."""
+    an error event and [DONE], the waiting one gets the 503, both ranks end cleanly. The telemetry written on the
+    way out has both requests, in their own slots."""
     from launch.distributed import Interrupted
-    args = served_args(*models, "serve.max_concurrent=2", "gen.max_new_tokens=400", "transport.emulate_delay_ms=5")
+    args = served_args(*models, "serve.max_concurrent=2", "gen.max_new_tokens=400", "transport.emulate_delay_ms=5",
+                       f"log.dir={tmp_path}")
     with served(*args) as server:
         streams = [server.stream("/v1/completions", {"prompt": [5 + i, 6, 7], "max_tokens": 400}) for i in range(2)]
         for _, events in streams:
@@ -129,3 +131,12 @@ def test_a_signal_ends_every_live_stream_with_its_cause(models):
             t.join(10)
         assert waiting["answer"][0] == 503 and "stopped by SIGTERM" in waiting["answer"][1]["error"]["message"]
         assert isinstance(server.outcome[0], Interrupted) and server.outcome[1] is None
+    run_dir, = tmp_path.iterdir()
+    spans = [e for e in json.loads((run_dir / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {(e["args"]["slot"], e["args"]["request"]) for e in spans if e["name"] == "round"} in ({(0, 0), (1, 1)},
+                                                                                                {(0, 1), (1, 0)})
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    assert max(e.value for e in events.Scalars("serve/slots_in_use")) == 2
+    assert sorted(e.value for e in events.Scalars("request/slot")) == [0, 1]

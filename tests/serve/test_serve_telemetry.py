@@ -23,7 +23,7 @@ def request_rounds(t0: float, rounds: int) -> tuple[Generation, list[list[float]
     marks = []
     for i in range(rounds):
         gen.rounds.append(RoundRecord(2, 1, 2, 1.0, 1.0, round_ms=8.0, stage1_ms=4.0, start_s=i * ROUND_S,
-                                      send_ms=0.1, sent_s=i * ROUND_S + 0.002, in_flight=2))
+                                      send_ms=0.1, sent_s=i * ROUND_S + 0.002, in_flight=2, on_the_way=2))
         sent = t0 + i * ROUND_S + 0.002
         marks.append([sent - 0.001, sent + 0.002, sent + 0.005, sent + 0.006])
     return gen, marks
@@ -51,6 +51,7 @@ def test_interleaved_requests_keep_their_own_figures_steps_and_rows(tmp_path):
     steps = [e.step for e in events.Scalars("round/tokens")]
     assert steps == list(range(len(order)))  # one step per round, across both requests
     assert [e.value for e in events.Scalars("serve/slots_in_use")] == [2] * 6 + [1]
+    assert [e.value for e in events.Scalars("round/on_the_way")] == [2] * 7
     for tag, values in (("request/ttft_ms", [500, 1500]), ("request/queue_ms", [250, 1250]),
                         ("request/tokens_per_s", [10, 20]), ("request/slot", [0, 1])):
         assert [(e.step, e.value) for e in events.Scalars(tag)] == list(enumerate(values)), tag
