@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+from transformers import AutoTokenizer
 
 from tests.support.serve_harness import served, served_args
 from tests.support.tiny_models import reference_greedy
@@ -23,12 +24,19 @@ def server(models):
     assert s.outcome == {0: None, 1: None}
 
 
-def post_all(server, bodies: list[dict]) -> list[tuple[int, dict]]:
-    """POST each body from its own thread, all at once; the answers in order."""
+def post_all(server, bodies: list[dict]) -> list:
+    """POST each body from its own thread, all at once; the answers in order: (status, JSON), or for a
+    streamed one (its text joined, its last chunk)."""
     answers = [None] * len(bodies)
 
     def post(i):
-        answers[i] = server.post("/v1/completions", bodies[i])
+        if not bodies[i].get("stream"):
+            answers[i] = server.post("/v1/completions", bodies[i])
+            return
+        conn, events = server.stream("/v1/completions", bodies[i])
+        chunks = [json.loads(e) for e in events if e != "[DONE]"]
+        conn.close()
+        answers[i] = "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]
     threads = [threading.Thread(target=post, args=(i,)) for i in range(len(bodies))]
     for t in threads:
         t.start()
@@ -44,16 +52,24 @@ def watch_live(server, stop: threading.Event, seen: list[int]) -> None:
 
 
 def test_concurrent_requests_each_equal_generate_of_their_own_prompt(server, models):
-    prompts = [([5, 6, 7], 20), ([9, 8, 7, 6, 5, 4], 12), ([11], 24), ([30, 31, 32, 33], 16)]  # 4 clients, 3 slots
+    """4 clients on 3 slots, two of them streamed: each one's tokens (and a stream's text, chunk by chunk) its own."""
+    prompts = [([5, 6, 7], 20), ([9, 8, 7, 6, 5, 4], 12), ([11], 24), ([30, 31, 32, 33], 16)]
+    streamed = [True, False, True, False]
     assert server.health()["slots"] == SLOTS
     stop, seen = threading.Event(), []
     watcher = threading.Thread(target=watch_live, args=(server, stop, seen))
     watcher.start()
-    answers = post_all(server, [{"prompt": ids, "max_tokens": n} for ids, n in prompts])
+    answers = post_all(server, [{"prompt": ids, "max_tokens": n, "stream": s} for (ids, n), s in zip(prompts, streamed)])
     stop.set()
     watcher.join()
-    for (ids, n), (status, answer) in zip(prompts, answers):
-        assert status == 200 and answer["tandem"]["token_ids"] == reference_greedy(models[0], ids, n), ids
+    tokenizer = AutoTokenizer.from_pretrained(models[0])
+    for (ids, n), s, answer in zip(prompts, streamed, answers):
+        expected = reference_greedy(models[0], ids, n)
+        if s:
+            text, last = answer
+            assert text == tokenizer.decode(expected, skip_special_tokens=True) and last["tandem"]["token_ids"] == expected
+        else:
+            assert answer[0] == 200 and answer[1]["tandem"]["token_ids"] == expected, ids
     assert max(seen) >= 2 and max(seen) <= SLOTS, seen  # they were live together, never more than the slots
 
 
