@@ -1,9 +1,11 @@
-"""Drafters behind one small interface: `reset(keep, temperature, seed)` when a request starts,
-`propose(context, k)` -> Drafts each round, `commit(n)` after it.
+"""Drafters behind one small interface: `reset(keep, temperature, seed, slot)` when a request starts,
+`propose(context, k, slot)` -> Drafts each round (or `propose_rows` for several requests at once), `commit(n, slot)`
+after it.
 
 `context` is every committed token (prompt + output), its last one the token the target has yet to
 see. A drafter returns at most k tokens (fewer is fine) and, when the target samples, the sparse
-distribution each was drawn from (rank 1 needs q for rejection sampling).
+distribution each was drawn from (rank 1 needs q for rejection sampling). `slot` is the request's KV slot
+(serve.max_concurrent): a drafter with a cache keeps each slot's tokens apart; the others ignore it.
 """
 from __future__ import annotations
 
@@ -38,20 +40,27 @@ def one_hot_drafts(tokens: list[int]) -> Drafts:
 class StatelessDrafter:
     """A drafter that keeps nothing between rounds."""
 
-    def reset(self, keep: int, temperature: float, seed: int) -> None:
+    def reset(self, keep: int, temperature: float, seed: int, slot: int = 0) -> None:
         pass
 
-    def catch_up(self, context: list[int]) -> None:
+    def catch_up(self, context: list[int], slot: int = 0) -> None:
         pass
 
-    def commit(self, n_committed: int) -> None:
+    def commit(self, n_committed: int, slot: int = 0) -> None:
         pass
+
+    def propose(self, context: list[int], k: int, slot: int = 0) -> Drafts:
+        raise NotImplementedError
+
+    def propose_rows(self, contexts: list[list[int]], ks: list[int], slots: list[int]) -> list[Drafts]:
+        """Several requests' drafts: nothing to share between them, so one after another."""
+        return [self.propose(context, k, slot=slot) for context, k, slot in zip(contexts, ks, slots)]
 
 
 class NoDrafter(StatelessDrafter):
     """K=0: one token per round trip."""
 
-    def propose(self, context: list[int], k: int) -> Drafts:
+    def propose(self, context: list[int], k: int, slot: int = 0) -> Drafts:
         return Drafts(torch.zeros(0, dtype=torch.long))
 
 
@@ -62,7 +71,7 @@ class NgramDrafter(StatelessDrafter):
     def __init__(self, max_n: int = 3, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n
 
-    def propose(self, context: list[int], k: int) -> Drafts:
+    def propose(self, context: list[int], k: int, slot: int = 0) -> Drafts:
         if k > 0:
             for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
                 suffix = context[-n:]
@@ -73,51 +82,75 @@ class NgramDrafter(StatelessDrafter):
 
 
 class ModelDrafter:
-    """A small causal LM (a built Stage with embeddings and head) with a static KV cache indexed by position.
+    """A small causal LM (a built Stage with embeddings and head) with a static KV cache indexed by position,
+    one slot per request being served.
 
-    Its cache holds `cached` tokens of the context. A round feeds whatever the cache lacks (the
+    A slot holds `cached[slot]` tokens of its request's context. A round feeds whatever the slot lacks (the
     prompt at first; normally just the last committed token; after a fully accepted round also dK,
-    so the cache never has a hole), then runs K single-token steps."""
+    so the cache never has a hole), then runs K single-token steps: for several slots at once, the same
+    steps batched over them (propose_rows)."""
 
-    def __init__(self, stage, max_k: int = 8, top_k: int = 32, use_graph: bool = False):
+    def __init__(self, stage, max_k: int = 8, top_k: int = 32, use_graph: bool = False, slots: int | None = None):
         self.stage = stage
         self.device = stage.device
-        self.cached = 0
+        slots = stage.cache.num_slots if slots is None else slots
+        if slots != stage.cache.num_slots:
+            raise ValueError(f"a drafter for {slots} slots over a cache of {stage.cache.num_slots}: allocate the "
+                             f"drafter's cache with slots={slots}")
+        self.cached = [0] * slots
         self.step = DraftStep(stage, max(max_k, 1) + 1, top_k, use_graph)  # + 1: draft_ahead's guess
 
     @property
     def vocab_size(self) -> int:
         return self.stage.config.vocab_size
 
-    def reset(self, keep: int, temperature: float, seed: int) -> None:
-        """A new request whose context shares its first `keep` tokens with what the cache holds."""
-        self.cached = min(self.cached, keep)
-        self.stage.cache.rewind(self.cached)
-        self.step.configure(temperature, seed)
+    def reset(self, keep: int, temperature: float, seed: int, slot: int = 0) -> None:
+        """A new request in `slot`, whose context shares its first `keep` tokens with what the slot holds."""
+        self.cached[slot] = min(self.cached[slot], keep)
+        self.stage.cache.rewind(self.cached[slot], slot)
+        self.step.configure(temperature, seed, slot)
 
-    def catch_up(self, context: list[int]) -> None:
-        """Take in every token of `context` the cache lacks (a prompt, ahead of drafting)."""
-        missing = context[self.cached:]
-        if missing:
-            self.stage.cache.check_room(len(context))
-            self.stage(torch.tensor([missing], device=self.device), num_logits=1, live=len(context))
-            self.cached = len(context)
+    def catch_up(self, context: list[int], slot: int = 0) -> None:
+        """Take in every token of `context` the slot lacks (a prompt, ahead of drafting)."""
+        missing = context[self.cached[slot]:]
+        if missing:  # Stage.run checks the room (the setting named) and writes at the slot's own positions
+            self.stage.run(self.cached[slot], torch.tensor([missing], device=self.device), num_logits=1, slot=slot)
+            self.cached[slot] = len(context)
 
-    def propose(self, context: list[int], k: int) -> Drafts:
-        if k == 0:
-            return one_hot_drafts([])
-        self.stage.cache.check_room(len(context) + k - 1)
-        self.catch_up(context[:-1])
-        tokens, q_ids, q_probs = self.step.run(context[-1], k, start=len(context) - 1)
-        self.cached = len(context) + k - 1
-        return Drafts(tokens, q_ids, q_probs) if q_ids is not None else Drafts(tokens)
+    def propose(self, context: list[int], k: int, slot: int = 0) -> Drafts:
+        return self.propose_rows([context], [k], [slot])[0]
 
-    def holds(self, n: int) -> None:
-        """Its cache now holds the context's first n tokens (cache.dir loaded them: speculative.prefixes)."""
-        self.cached = n
-        self.stage.cache.rewind(n)
+    def propose_rows(self, contexts: list[list[int]], ks: list[int], slots: list[int]) -> list[Drafts]:
+        """Drafts for several requests, row b from contexts[b] in slots[b]: each row takes in what its slot lacks,
+        then max(ks) single-token steps batched over the rows (the weights read once per step for all);
+        row b keeps its first ks[b] drafts. A row with k=0 drafts nothing and takes no part."""
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"propose_rows over slots {slots}: each request drafts in a slot of its own")
+        drafts = [one_hot_drafts([]) for _ in slots]
+        rows = [b for b, k in enumerate(ks) if k > 0]
+        if not rows:
+            return drafts
+        for b in rows:
+            self.stage.cache.check_room(len(contexts[b]) + ks[b] - 1)
+        for b in rows:
+            self.catch_up(contexts[b][:-1], slot=slots[b])
+        tokens, q_ids, q_probs = self.step.run_rows([contexts[b][-1] for b in rows], [ks[b] for b in rows],
+                                                    [len(contexts[b]) - 1 for b in rows], [slots[b] for b in rows])
+        for i, b in enumerate(rows):
+            k, slot = ks[b], slots[b]
+            self.cached[slot] = len(contexts[b]) + k - 1
+            if self.step.slot_temperature[slot] > 0:
+                drafts[b] = Drafts(tokens[i, :k], q_ids[i, :k], q_probs[i, :k])
+            else:
+                drafts[b] = Drafts(tokens[i, :k])
+        return drafts
 
-    def commit(self, n_committed: int) -> None:
-        # Valid: the committed prefix the cache saw. Its last committed token is fed next round.
-        self.cached = min(self.cached, n_committed - 1)
-        self.stage.cache.rewind(self.cached)
+    def holds(self, n: int, slot: int = 0) -> None:
+        """Its slot now holds the context's first n tokens (cache.dir loaded them: speculative.prefixes)."""
+        self.cached[slot] = n
+        self.stage.cache.rewind(n, slot)
+
+    def commit(self, n_committed: int, slot: int = 0) -> None:
+        # Valid: the committed prefix the slot saw. Its last committed token is fed next round.
+        self.cached[slot] = min(self.cached[slot], n_committed - 1)
+        self.stage.cache.rewind(self.cached[slot], slot)

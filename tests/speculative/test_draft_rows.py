@@ -1,0 +1,103 @@
+"""Issue #28: the drafter drafts for several requests (cache slots) in one batched step.
+
+Every row of `ModelDrafter.propose_rows` must draft exactly what its request drafts alone through a one-slot
+drafter (fp32; greedy and seeded sampled rows, mixed in one batch, each row at its own length and K), and no
+row may write another slot's keys and values."""
+import random
+
+import pytest
+import torch
+
+from model_parallel.loader import load_stage
+from speculative.drafters import ModelDrafter, NgramDrafter
+from tests.support.tiny_models import VOCAB
+
+CAPACITY = 160
+MAX_K = 8
+
+
+def drafter(folder, slots: int) -> ModelDrafter:
+    stage = load_stage(folder, 0, 2, embed=True, head=True)  # tiny_qwen_draft: 2 layers
+    stage.allocate_cache(CAPACITY, torch.float32, setting="draft.max_len", slots=slots)
+    return ModelDrafter(stage, max_k=MAX_K, top_k=16)
+
+
+def same_drafts(batched, alone) -> None:
+    assert batched.tokens.tolist() == alone.tokens.tolist()
+    assert (batched.q_ids is None) == (alone.q_ids is None)
+    if alone.q_ids is not None:
+        assert torch.equal(batched.q_ids, alone.q_ids)
+        torch.testing.assert_close(batched.q_probs, alone.q_probs, rtol=1e-4, atol=1e-6)
+
+
+def next_context(rng, context: list[int], drafts, k: int) -> list[int]:
+    """What the target would commit after this round: some of the drafts (often all, so the slot lacks dK too),
+    then its own token; sometimes a rewind deep into the context."""
+    accepted = rng.choice([k, rng.randint(0, k)])
+    context = context + drafts.tokens.tolist()[:accepted] + [rng.randrange(VOCAB)]
+    if len(context) > CAPACITY - 2 * MAX_K or rng.random() < 0.1:
+        context = context[:rng.randint(1, len(context))]
+    return context
+
+
+@pytest.mark.parametrize("temperatures", [(0.0, 0.0, 0.0, 0.0), (0.8, 0.0, 1.3, 0.0)], ids=["greedy", "mixed"])
+def test_rows_draft_what_each_request_drafts_alone(temperatures, tiny_qwen_draft):
+    """4 requests with different prompts, lengths, temperatures and K per round (0 too), 25 rounds: each row of
+    every batch == its request's proposal through a one-slot drafter of its own. Along the way a row may lack one
+    token, two (all accepted), most of a context (a deep rewind), or start a fresh prompt (reset mid-way)."""
+    rng = random.Random(3)
+    batched = drafter(tiny_qwen_draft, slots=4)
+    alone = [drafter(tiny_qwen_draft, slots=1) for _ in temperatures]
+    contexts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (5, 23, 1, 11)]
+    slots = [2, 0, 3, 1]  # row b is not slot b
+    for b, temperature in enumerate(temperatures):
+        batched.reset(0, temperature, seed=10 + b, slot=slots[b])
+        alone[b].reset(0, temperature, seed=10 + b)
+    for round_ in range(25):
+        ks = [rng.choice([0, 1, 3, MAX_K, MAX_K + 1]) for _ in contexts]
+        got = batched.propose_rows(contexts, ks, slots)
+        for b, context in enumerate(contexts):
+            expected = alone[b].propose(context, ks[b])
+            same_drafts(got[b], expected)
+            assert len(got[b]) == ks[b]
+            assert batched.cached[slots[b]] == alone[b].cached[0]
+            contexts[b] = next_context(rng, context, got[b], ks[b])
+            batched.commit(len(contexts[b]), slot=slots[b])
+            alone[b].commit(len(contexts[b]))
+        if round_ == 12:  # a new request in row 1's slot: a fresh prompt, nothing reused
+            contexts[1] = [rng.randrange(VOCAB) for _ in range(17)]
+            batched.reset(0, temperatures[1], seed=99, slot=slots[1])
+            alone[1].reset(0, temperatures[1], seed=99)
+
+
+def test_a_slot_outside_the_batch_is_never_written(tiny_qwen_draft):
+    """Slot 3 holds a prompt; 10 rounds of drafting over slots 0-2 leave its keys, values and length as they were,
+    and it then drafts what it drafts alone."""
+    rng = random.Random(4)
+    batched, alone = drafter(tiny_qwen_draft, slots=4), drafter(tiny_qwen_draft, slots=1)
+    held = [rng.randrange(VOCAB) for _ in range(30)]
+    batched.catch_up(held, slot=3)
+    cache = batched.stage.cache
+    before = [t[3].clone() for t in (*cache.keys.values(), *cache.values.values())]
+    length = int(cache.length[3])
+    contexts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (40, 2, 9)]
+    for _ in range(10):
+        ks = [rng.randint(1, MAX_K) for _ in contexts]
+        got = batched.propose_rows(contexts, ks, [0, 1, 2])
+        for b in range(3):
+            contexts[b] = next_context(rng, contexts[b], got[b], ks[b])
+            batched.commit(len(contexts[b]), slot=b)
+    after = [t[3] for t in (*cache.keys.values(), *cache.values.values())]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert int(cache.length[3]) == length
+    context = held + [7]
+    same_drafts(batched.propose_rows([context], [4], [3])[0], alone.propose(context, 4))
+
+
+def test_bad_rows_are_refused_and_stateless_drafters_loop(tiny_qwen_draft):
+    with pytest.raises(ValueError, match="slot of its own"):
+        drafter(tiny_qwen_draft, slots=2).propose_rows([[1, 2], [3, 4]], [2, 2], [1, 1])
+    contexts = [[1, 2, 3, 1, 2], [5, 6, 5]]
+    ngram = NgramDrafter()
+    got = ngram.propose_rows(contexts, [2, 1], [0, 1])
+    assert [d.tokens.tolist() for d in got] == [[3, 1], [6]]
