@@ -15,7 +15,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.support.serve_harness import MAX_LEN, serve_args, wait_healthy
+from tests.support.serve_harness import EIGHT_PROMPTS, MAX_LEN, post_together, serve_args, wait_healthy
 from tests.support.tiny_models import REPO, free_port, reference_greedy
 
 
@@ -24,7 +24,8 @@ def server(models):
     target, draft = models
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(REPO / "train_free_infer.py"), *serve_args(target, draft, port)]
+           f"--master_port={free_port()}", str(REPO / "train_free_infer.py"), *serve_args(target, draft, port),
+           "serve.max_concurrent=8"]
     env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
                             start_new_session=True)
@@ -104,6 +105,16 @@ def test_three_turn_conversation_reuses_the_prefix_and_equals_generate(client, s
             assert ids[:len(previous_prompt)] == previous_prompt and reused >= len(previous_prompt)
         messages.append({"role": "assistant", "content": r.choices[0].message.content})
         previous_prompt = ids
+
+
+def test_eight_concurrent_clients_each_equal_generate_of_their_own_prompt(server):
+    """Issue 28 over gloo: 8 requests at once through the torchrun launch, each in its own slot, each answer
+    token-identical to transformers generate of its own prompt."""
+    assert health(server)["slots"] == 8
+    answers, most_live = post_together(server["url"], [{"prompt": ids, "max_tokens": n} for ids, n in EIGHT_PROMPTS])
+    for (ids, n), (status, answer) in zip(EIGHT_PROMPTS, answers):
+        assert status == 200 and answer["tandem"]["token_ids"] == reference_greedy(server["target"], ids, n), ids
+    assert 2 <= most_live <= 8  # served together, never more than the slots
 
 
 def test_seeded_sampling_travels_with_the_request(client):

@@ -11,6 +11,7 @@ import http.client
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 from contextlib import contextmanager
 
@@ -163,6 +164,41 @@ def served_args(target, draft, *extra):
     return [f"model.target={target}", "model.dtype=float32", "model.max_len=512", "draft.kind=model",
             f"draft.model={draft}", "draft.dtype=float32", "draft.max_len=512", f"gen.max_new_tokens={SERVED_MAX_NEW}",
             "transport.timeout_s=20", *extra]
+
+
+def post_together(url: str, bodies: list[dict], path: str = "/v1/completions") -> tuple[list[tuple[int, dict]], int]:
+    """POST every body at once, each from its own thread; the answers (status, JSON) in order, and the most
+    requests /health saw live meanwhile."""
+    answers, seen, done = [None] * len(bodies), [0], threading.Event()
+
+    def post(i):
+        request = urllib.request.Request(f"{url}{path}", data=json.dumps(bodies[i]).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                answers[i] = r.status, json.load(r)
+        except urllib.error.HTTPError as e:
+            answers[i] = e.code, json.load(e)
+
+    def watch():
+        while not done.is_set():
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                seen[0] = max(seen[0], json.load(r)["live"])
+            time.sleep(0.003)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    done.set()
+    watcher.join()
+    return answers, seen[0]
+
+
+EIGHT_PROMPTS = [([5, 6, 7], 20), ([9, 8, 7, 6, 5, 4], 12), ([11], 24), ([30, 31, 32, 33], 16), ([77, 78], 9),
+                 ([100, 3, 100, 3, 100], 18), ([250, 251, 252, 253, 254, 255, 256], 14), ([42], 22)]  # (ids, max_tokens)
 
 
 def is_openai_error(answer) -> bool:
