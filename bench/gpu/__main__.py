@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         case = budget.run(f"graph parity ({'0.5B shape' if real else 'tiny'})",
                           lambda: parity.graph_parity(device, tmp, real, 20 if dry else (100 if real else 300)), 30)
         report["parity"] += [case] if case else []
+    case = budget.run("several requests at once", lambda: parity.concurrent_parity(device, tmp), 30)
+    report["parity"] += [case] if case else []
     if not all(c.get("identical") is not False for c in report["parity"]):
         print("[gpu check] PARITY FAILED: the timings below measure wrong code; fix parity first", file=sys.stderr)
 

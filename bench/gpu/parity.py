@@ -26,14 +26,6 @@ def tiny_folders(tmp: Path) -> tuple[str, str]:
     return target, drafter
 
 
-def reference(folder: str, device: str) -> list[int]:
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
-    ids = torch.tensor([PROMPT], device=device)
-    out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0].tolist()
-
-
 def run_entry(args: list[str], out: Path, timeout_s: float = 240) -> tuple[dict | None, str]:
     """train_free_infer.py under torchrun, two ranks on this host; (output json, the end of stderr)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
@@ -68,7 +60,7 @@ def cases(drafter: str, on_gpu: bool, tmp: Path) -> dict[str, list[str]]:
 def entry_parity(device: str, tmp: Path, dry_run: bool = False) -> list[dict]:
     """Every case on a device; the dry run launches only the model drafter's (the path with the most code)."""
     target, drafter = tiny_folders(tmp)
-    expected = reference(target, device)[len(PROMPT):]
+    expected = reference_for(target, device, PROMPT)
     common = [f"model.target={target}", "model.dtype=float32", "chat=false", f"prompt_ids=[{','.join(map(str, PROMPT))}]",
               f"gen.max_new_tokens={NEW_TOKENS}", "model.split=null", "output.stream=false"]
     results = []
@@ -104,3 +96,50 @@ def graph_parity(device: str, tmp: Path, real_shape: bool, rounds: int) -> dict:
 
 def tmp_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="tandem-gpu-"))
+
+
+def concurrent_parity(device: str, tmp: Path, requests: int = 4) -> dict:
+    """Several requests at once (serve.max_concurrent) on the device, in process: rank 1 in a thread over
+    local_ring, rank 0's Session admitting `requests` prompts of different lengths together (batched drafting,
+    with the graph one per batch size on CUDA; batched stage forwards); each must be `generate`'s for its prompt."""
+    import threading
+
+    from launch.build import build_drafter, build_stage, eos_ids
+    from launch.config import load_config
+    from launch.ranks import last_rank, meet
+    from netbridge.channel import local_ring
+    from netbridge.protocol import Request
+    from speculative.output import Output
+    from speculative.session import Session
+    target, drafter = tiny_folders(tmp / "concurrent")
+    graph = "on" if device.startswith("cuda") else "off"
+    cfg = load_config([f"model.target={target}", "model.dtype=float32", "chat=false", "prompt_ids=[1]", "serve.port=0",
+                       f"serve.max_concurrent={requests}", "draft.kind=model", f"draft.model={drafter}",
+                       "draft.dtype=float32", f"draft.graph={graph}", "spec.k=4", "model.split=null",
+                       "output.stream=false"])
+    (prev0, next0), (prev1, next1) = local_ring(2, 120.0)
+    rank1 = threading.Thread(target=last_rank, args=(cfg, prev1), kwargs={"reply_to": next1}, daemon=True)
+    rank1.start()
+    plan = meet(cfg, prev0, next0, 0, 2)
+    session = Session(build_stage(plan), build_drafter(plan), next0, plan.spec, prev0, slots=plan.slots)
+    prompts = [PROMPT[:4 + 2 * i] for i in range(requests)]
+    streams = [session.admit(p, Output(None, eos_ids(plan.models.target), NEW_TOKENS, [], stream=False), Request())
+               for p in prompts]
+    while session.live:
+        session.tick()
+    session.close()
+    rank1.join(60)
+    got = [s.output.tokens for s in streams]
+    expected = [reference_for(target, device, p) for p in prompts]
+    batches = max(r.batch for s in streams for r in s.gen.rounds)
+    return {"name": f"{requests} requests at once, 2 ranks in process on {device} (draft.graph={graph}, batches up to "
+                    f"{batches})", "identical": got == expected,
+            **({} if got == expected else {"expected": expected, "got": got})}
+
+
+def reference_for(folder: str, device: str, prompt: list[int]) -> list[int]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=NEW_TOKENS, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
