@@ -20,6 +20,8 @@ import torch
 
 from speculative.verify import MIN_TEMPERATURE
 
+MaybeTensor = torch.Tensor | None
+
 
 class DraftStep:
     def __init__(self, stage, max_k: int, top_k: int, use_graph: bool, static_shapes: bool | None = None):
@@ -91,13 +93,14 @@ class DraftStep:
         cache.length.copy_(lengths)  # the warm-up steps wrote positions that the next round overwrites
         return graph
 
-    def run(self, first_token: int, k: int, start: int, slot: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def run(self, first_token: int, k: int, start: int, slot: int = 0) -> tuple[torch.Tensor, MaybeTensor, MaybeTensor]:
         """K steps of one slot from `first_token` written at position `start` (= the slot's length): drafts [k] and,
         when sampling, q ids/probs [k, top_k] (on CPU)."""
         tokens, q_ids, q_probs = self.run_rows([first_token], [k], [start], [slot])
         return tokens[0], None if q_ids is None else q_ids[0], None if q_probs is None else q_probs[0]
 
-    def run_rows(self, first_tokens: list[int], ks: list[int], starts: list[int], slots: list[int]):
+    def run_rows(self, first_tokens: list[int], ks: list[int], starts: list[int],
+                 slots: list[int]) -> tuple[torch.Tensor, MaybeTensor, MaybeTensor]:
         """max(ks) batched steps, row b from first_tokens[b] written at starts[b] (= slot slots[b]'s length):
         drafts [B, max(ks)] and, when any row samples, q ids/probs [B, max(ks), top_k] (on CPU; row b's first ks[b]
         are its own)."""

@@ -6,8 +6,10 @@
 
 Two drafters with the same weights on the same device, one with draft.graph=on, one off, are driven
 through the same 500 rounds (random K, random number accepted, sometimes a deep rewind), greedy and
-sampled; their drafts must be equal token for token. Then it prints ms per draft step, eager vs
-graph, and the ratio. Exit status 0 = all equal.
+sampled; their drafts must be equal token for token. Then the same over 4 KV slots (serve.max_concurrent):
+propose_rows over a random subset of the slots in each of up to 100 rounds (each batch size its own graph),
+greedy, sampled and both mixed in one batch, each row at its own length and K. Then it prints ms per draft
+step, eager vs graph, and the ratio. Exit status 0 = all equal.
 """
 from __future__ import annotations
 
@@ -43,6 +45,31 @@ def drive(drafters, rounds: int, vocab: int, seed: int) -> int:
     return rounds
 
 
+def drive_rows(drafters, rounds: int, vocab: int, seed: int, temperatures: list[float]) -> int:
+    """Same batched rounds for every drafter (slots = len(temperatures)); returns how many rounds were compared."""
+    rng = random.Random(seed)
+    slots = list(range(len(temperatures)))
+    for d in drafters:
+        for slot, temperature in zip(slots, temperatures):
+            d.reset(0, temperature, seed=100 + slot, slot=slot)
+    contexts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 40))] for _ in slots]
+    for r in range(rounds):
+        rows = sorted(rng.sample(slots, rng.randint(1, len(slots))))
+        ks = [rng.randint(1, 8) for _ in rows]
+        batch = [contexts[s] for s in rows]
+        proposals = [[p.tokens.tolist() for p in d.propose_rows(batch, ks, rows)] for d in drafters]
+        if any(p != proposals[0] for p in proposals[1:]):
+            raise SystemExit(f"MISMATCH at batched round {r} (slots {rows}, k {ks}): {proposals}")
+        for slot, k, drafts in zip(rows, ks, proposals[0]):
+            accepted = rng.choice([k, rng.randint(0, k)])
+            contexts[slot] = contexts[slot] + drafts[:accepted] + [rng.randrange(vocab)]
+            if len(contexts[slot]) > 900 or rng.random() < 0.05:
+                contexts[slot] = contexts[slot][:rng.randint(1, min(len(contexts[slot]), 200))]
+            for d in drafters:
+                d.commit(len(contexts[slot]), slot=slot)
+    return rounds
+
+
 def tiny_model(folder: Path) -> str:
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(0)
@@ -75,6 +102,12 @@ def main() -> None:
         graphed, eager = make(graph_mode), make("off")
         n = drive([graphed, eager], args.rounds, graphed.vocab_size, seed=11)
         print(f"temperature {temperature}: {n} rounds, graph == eager token for token ({'graph' if on_gpu else 'DRY RUN: eager'} vs eager)")
+    for temperatures in ([0.0] * 4, [0.8] * 4, [0.0, 0.8, 0.0, 1.2]):
+        make = lambda graph: make_drafter(folder, args.device, args.dtype, graph, slots=4)  # noqa: E731
+        graphed, eager = make(graph_mode), make("off")
+        n = drive_rows([graphed, eager], min(args.rounds, 100), graphed.vocab_size, seed=12, temperatures=temperatures)
+        print(f"4 slots at temperatures {temperatures}: {n} batched rounds, graph == eager token for token "
+              f"({'graph' if on_gpu else 'DRY RUN: eager'} vs eager)")
     if not args.timing_rounds:
         return
     graphed, eager = make_drafter(folder, args.device, args.dtype, graph_mode), make_drafter(folder, args.device, args.dtype, "off")
