@@ -95,3 +95,19 @@ def test_eight_requests_at_once_through_the_relay(ranks, tiny_qwen, tiny_qwen_dr
     for prompt, n, gen in zip(PROMPTS, LENGTHS, gens):
         assert gen.output.tokens == reference_greedy(tiny_qwen, prompt, n), (prompt, n)
     assert max(r.batch for g in gens for r in g.rounds) >= 4
+
+
+def test_streams_take_turns(tiny_qwen, tiny_qwen_draft):
+    """Round-robin: while two streams are live, neither gets a second round before the other has had its next,
+    so a long answer cannot starve a short one (four streams, answers from 4 to 40 tokens)."""
+    order = []
+    reqs = [(PROMPTS[i], Request(), n) for i, n in enumerate([40, 4, 25, 9])]
+    gens, _ = serve_together(session_args(tiny_qwen, tiny_qwen_draft, max_new=40), reqs,
+                             on_round=lambda record, reply: order.append(record.slot))
+    ends = {g.rounds[0].slot: len(g.rounds) for g in gens}
+    counts = dict.fromkeys(ends, 0)
+    for slot in order:
+        counts[slot] += 1
+        live = [s for s in counts if counts[s] < ends[s] or s == slot]
+        assert all(abs(counts[slot] - counts[s]) <= 1 for s in live), (order, counts)
+    assert [len(g.output.tokens) for g in gens] == [40, 4, 25, 9]
