@@ -43,6 +43,8 @@ class DraftStep:
         self.out_q_probs = torch.zeros((slots, max_k, top_k), dtype=torch.float32, device=dev)
         self.noise = torch.full((slots, max_k, top_k), 0.5, dtype=torch.float32, device=dev)
         self.rows: dict[int, torch.Tensor] = {}  # batch size -> the slot of each row (static for its graph)
+        self.rows_set: dict[int, list[int]] = {}  # batch size -> the slots its rows buffer holds
+        self.row_temperatures: list[float | None] = [None] * slots  # what `temperature` and `greedy` hold, per row
         # Eager steps attend over the live positions only (cheaper on CPU); a graph needs static shapes.
         self.use_graph = use_graph
         self.static_shapes = use_graph if static_shapes is None else static_shapes
@@ -111,7 +113,10 @@ class DraftStep:
         if self.use_graph and key not in self.graphs:
             self.graphs[key] = self._capture(batch, sampling)  # before the tokens are set: capture runs the step
         graph = self.graphs.get(key)
-        self.token[:batch].copy_(torch.tensor(first_tokens)[:, None])
+        if batch == 1:
+            self.token[:1].fill_(first_tokens[0])  # no host-to-device copy (a sync on CUDA) for one request
+        else:
+            self.token[:batch].copy_(torch.tensor(first_tokens)[:, None])
         self.step_idx.zero_()
         if sampling:
             for b, slot in enumerate(slots):
@@ -133,12 +138,16 @@ class DraftStep:
         return out(self.out_tokens), None, None
 
     def set_rows(self, slots: list[int], sampling: bool) -> None:
-        """The batch's slots, temperatures and greedy rows into the static buffers (outside any graph)."""
+        """The batch's slots, temperatures and greedy rows into the static buffers (outside any graph); copied to
+        the device only when they changed (the same streams draft round after round)."""
         batch = len(slots)
         if batch not in self.rows:
             self.rows[batch] = torch.zeros(batch, dtype=torch.long, device=self.token.device)
-        self.rows[batch].copy_(torch.tensor(slots))
-        if sampling:
-            temperatures = [self.slot_temperature[s] for s in slots]
+        if self.rows_set.get(batch) != slots:
+            self.rows[batch].copy_(torch.tensor(slots))
+            self.rows_set[batch] = list(slots)
+        temperatures = [self.slot_temperature[s] for s in slots]
+        if sampling and self.row_temperatures[:batch] != temperatures:  # one buffer for every batch size
             self.temperature[:batch].copy_(torch.tensor([t or 1.0 for t in temperatures]))
             self.greedy[:batch].copy_(torch.tensor([t == 0 for t in temperatures]))
+            self.row_temperatures[:batch] = temperatures
