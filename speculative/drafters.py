@@ -15,6 +15,8 @@ import torch
 
 from speculative.draft_step import DraftStep
 
+FEW_MISSING = 8  # a slot lacking at most this many tokens catches up in a batch with others (spec.k is at most 8 or so)
+
 
 @dataclass
 class Drafts:
@@ -132,8 +134,7 @@ class ModelDrafter:
             return drafts
         for b in rows:
             self.stage.cache.check_room(len(contexts[b]) + ks[b] - 1)
-        for b in rows:
-            self.catch_up(contexts[b][:-1], slot=slots[b])
+        self.catch_up_rows([contexts[b][:-1] for b in rows], [slots[b] for b in rows])
         tokens, q_ids, q_probs = self.step.run_rows([contexts[b][-1] for b in rows], [ks[b] for b in rows],
                                                     [len(contexts[b]) - 1 for b in rows], [slots[b] for b in rows])
         for i, b in enumerate(rows):
@@ -144,6 +145,24 @@ class ModelDrafter:
             else:
                 drafts[b] = Drafts(tokens[i, :k])
         return drafts
+
+    def catch_up_rows(self, contexts: list[list[int]], slots: list[int]) -> None:
+        """`catch_up` for several slots: the rows that lack a few tokens (after a fully accepted round, its last
+        draft) in one right-padded forward, as a drafting step reads the weights once for all; a longer gap (a
+        prompt) alone, so short rows are not padded to its length."""
+        few = [b for b, (context, slot) in enumerate(zip(contexts, slots))
+               if 0 < len(context) - self.cached[slot] <= FEW_MISSING]
+        starts = [self.cached[slots[b]] for b in few]
+        width = max((len(contexts[b]) - start for b, start in zip(few, starts)), default=0)
+        if len(few) > 1 and max(starts) + width <= self.stage.cache.capacity:  # the padding fits too
+            missing = [contexts[b][start:] for b, start in zip(few, starts)]
+            padded = torch.tensor([m + [0] * (width - len(m)) for m in missing], device=self.device)
+            self.stage.run_rows(starts, padded, [slots[b] for b in few], [len(m) for m in missing], num_logits=1)
+            for b in few:  # every row advanced by the padded width: back to its real tokens
+                self.stage.cache.rewind(len(contexts[b]), slots[b])
+                self.cached[slots[b]] = len(contexts[b])
+        for context, slot in zip(contexts, slots):
+            self.catch_up(context, slot=slot)  # what is left: nothing for the rows above
 
     def holds(self, n: int, slot: int = 0) -> None:
         """Its slot now holds the context's first n tokens (cache.dir loaded them: speculative.prefixes)."""
