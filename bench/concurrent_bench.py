@@ -217,8 +217,8 @@ def bench_delay(delay_ms: float, a, log_dir: Path) -> dict:
             print(f"  {delay_ms:g} ms, {n} clients: {steps[-1].get('aggregate', float('nan')):.2f} tok/s", flush=True)
         for step in steps:  # the canary: each request again, alone
             alone = one_at_a_time(served.url, [r["prompt"] for r in step["results"]], a.max_tokens, a.request_timeout)
-            step["identical"] = all("error" not in r and "error" not in s and r["text"] == s["text"]
-                                    and r["token_ids"] == s["token_ids"] for r, s in zip(step["results"], alone))
+            step["identical"] = [not ("error" in r or "error" in s) and r["text"] == s["text"]
+                                 and r["token_ids"] == s["token_ids"] for r, s in zip(step["results"], alone)]
             step["alone_texts"] = [s.get("text") for s in alone]
         out["clients"] = steps
         out["load_after"] = os.getloadavg()
@@ -238,7 +238,7 @@ def table(runs: list[dict]) -> str:
                 continue
             x1 = s["aggregate"] / one["aggregate"] if one else float("nan")
             xseq = s["aggregate"] / seq["aggregate"] if "error" not in seq else float("nan")
-            same = "yes" if s.get("identical") else ("—" if "identical" not in s else "NO")
+            same = "—" if "identical" not in s else f"{'yes' if all(s['identical']) else 'NO'} ({sum(s['identical'])}/{len(s['identical'])})"
             rows.append(f"| {run['delay_ms']:g} | {name} | {s['requests']} | {s['tokens']} | {s['wall_s']:.1f} | "
                         f"{s['aggregate']:.2f} | {x1:.2f} | {xseq:.2f} | {s['stream_mean']:.2f} / {s['stream_min']:.2f} "
                         f"| {s['ttft_p50_ms']:.0f} / {s['ttft_p95_ms']:.0f} | {same} |")
