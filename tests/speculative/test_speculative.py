@@ -17,7 +17,7 @@ from speculative.drafters import NgramDrafter
 from speculative.output import Output
 from speculative.k_choice import next_k
 from speculative.rounds import Generation, NonFiniteLogits, RoundRecord
-from speculative.session import common_prefix
+from speculative.scheduler import common_prefix
 from speculative.stats import broken_drafter_warning, summarize
 from speculative.verify import verify_greedy
 from tests.support.session_harness import MAX_NEW, PROMPT, serve, session_args
