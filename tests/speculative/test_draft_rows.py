@@ -101,3 +101,31 @@ def test_bad_rows_are_refused_and_stateless_drafters_loop(tiny_qwen_draft):
     ngram = NgramDrafter()
     got = ngram.propose_rows(contexts, [2, 1], [0, 1])
     assert [d.tokens.tolist() for d in got] == [[3, 1], [6]]
+
+
+def test_batched_step_has_no_python_position_state(tiny_qwen_draft):
+    """What a CUDA graph per batch size needs, checked on CPU: the batched step over static shapes (every position,
+    masked, as a captured step runs) compiles as ONE graph that is never recompiled across rounds at other lengths
+    and slots (no Python int position or slot baked in), and drafts what the eager drafter does."""
+    rng = random.Random(5)
+    static, eager = drafter(tiny_qwen_draft, slots=4), drafter(tiny_qwen_draft, slots=4)
+    static.step.static_shapes = True
+    static.step._step = torch.compile(static.step._step, fullgraph=True, backend="eager")
+    temperatures = [0.8, 0.0, 1.1, 0.5]  # any three slots include a sampled one: one variant throughout
+    for d in (static, eager):
+        for slot, temperature in enumerate(temperatures):
+            d.reset(0, temperature, seed=slot, slot=slot)
+    contexts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (3, 30, 12, 7)]
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(12):
+            slots = rng.sample(range(4), 3)
+            ks = [rng.randint(1, MAX_K) for _ in slots]
+            batch = [contexts[s] for s in slots]
+            expected = eager.propose_rows(batch, ks, slots)
+            for got, want in zip(static.propose_rows(batch, ks, slots), expected):
+                same_drafts(got, want)
+            for slot, k, drafts in zip(slots, ks, expected):
+                contexts[slot] = next_context(rng, contexts[slot], drafts, k)
+                static.commit(len(contexts[slot]), slot=slot)
+                eager.commit(len(contexts[slot]), slot=slot)
