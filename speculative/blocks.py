@@ -24,10 +24,7 @@ class BlockMaker:
         step for all), then stage 0 over [pending..., d1..dK] from each block's start, as one forward."""
         t0 = time.perf_counter()
         ks = [0 if s.prefilling else min(s.k_now, s.remaining - 1) for s in streams]  # never overshoot
-        if len(streams) == 1:
-            drafts = [self.drafter.propose(streams[0].committed, ks[0], slot=streams[0].slot)]
-        else:
-            drafts = self.drafter.propose_rows([s.committed for s in streams], ks, [s.slot for s in streams])
+        drafts = self.drafter.propose_rows([s.committed for s in streams], ks, [s.slot for s in streams])
         draft_ms, t1 = _ms(t0), time.perf_counter()
         fed = [s.pending + d.tokens.tolist() for s, d in zip(streams, drafts)]
         hidden = self.stage_zero([s.start for s in streams], fed, [s.slot for s in streams])

@@ -17,8 +17,9 @@ def test_the_gpu_check_dry_run_runs_every_part(tmp_path):
     report = json.loads((tmp_path / "gpu.json").read_text())
     assert [p for p in report["parts"] if p["status"] != "ok"] == []
     ran = [c for c in report["parity"] if c["identical"] is not None]
-    assert len(ran) == 2 and all(c["identical"] is True for c in ran), report["parity"]
+    assert len(ran) == 3 and all(c["identical"] is True for c in ran), report["parity"]
     assert "model drafter" in ran[0]["name"]  # the dry run's one launch takes the path with the most code
+    assert "requests at once" in ran[2]["name"] and "batches up to" in ran[2]["name"]
     timings = report["timings"]
     assert timings["drafter_k_loop"]["eager_ms"] > 0 and timings["rounds"][0]["mean_ms"]["round"] > 0
     for shape in ("qwen2.5-7b", "qwen2.5-32b"):
