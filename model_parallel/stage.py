@@ -50,7 +50,7 @@ class Stage(nn.Module):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
-    def run(self, start: int, x: torch.Tensor, num_logits: int = 0, slot: int = 0) -> torch.Tensor:
+    def run(self, start: int, x: torch.Tensor, num_logits: int | None = 0, slot: int = 0) -> torch.Tensor:
         """The forward of a block that begins at position `start` of `slot`: the slot is rewound there first
         (rank 0 is the authority on the committed length; positions of rejected drafts are simply overwritten)
         and checked for room, so a block that would not fit is one clear error, not a device assert."""
@@ -60,7 +60,7 @@ class Stage(nn.Module):
         return self(x, num_logits=num_logits, live=live, rows=[slot])
 
     def run_rows(self, starts: list[int], x: torch.Tensor, slots: list[int], ends: list[int],
-                 num_logits: int = 0) -> torch.Tensor:
+                 num_logits: int | None = 0) -> torch.Tensor:
         """Several requests' blocks as one forward (serve.max_concurrent): row b of x [B, T(, H)] is slot
         slots[b]'s block from starts[b], its real tokens the first ends[b] (the rest pad it on the right: they
         are written past the block, where the next round overwrites them, and no real token attends to them).
@@ -72,7 +72,7 @@ class Stage(nn.Module):
         return self(x, num_logits=num_logits, live=live, rows=slots, ends=ends)
 
     @torch.inference_mode()
-    def forward(self, x: torch.Tensor, num_logits: int = 0, live: int | None = None, rows=None,
+    def forward(self, x: torch.Tensor, num_logits: int | None = 0, live: int | None = None, rows=None,
                 ends: list[int] | None = None) -> torch.Tensor:
         """x: token ids [B, T] when this stage has the embeddings, else hidden states [B, T, H], row b for the
         cache slot rows[b] (None: slot 0; see StaticKVCache.begin).
@@ -92,7 +92,7 @@ class Stage(nn.Module):
             h = layer(h, attention_mask=masks[kind], position_ids=positions, **{self.cache_kwarg: self.cache},
                       use_cache=True, position_embeddings=cos_sin[kind])
         self.cache.advance(h.shape[1])
-        if self.head is None:
+        if self.head is None or num_logits is None:  # None: only the cache wanted (a prefill chunk, a catch-up)
             return h
         logits = self.head(self.norm(last_positions(h, num_logits, ends))).float()
         if self.softcap:  # Gemma's final logit soft-capping, as its ForCausalLM applies it

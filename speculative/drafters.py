@@ -116,7 +116,7 @@ class ModelDrafter:
         """Take in every token of `context` the slot lacks (a prompt, ahead of drafting)."""
         missing = context[self.cached[slot]:]
         if missing:  # Stage.run checks the room (the setting named) and writes at the slot's own positions
-            self.stage.run(self.cached[slot], torch.tensor([missing], device=self.device), num_logits=1, slot=slot)
+            self.stage.run(self.cached[slot], torch.tensor([missing], device=self.device), num_logits=None, slot=slot)
             self.cached[slot] = len(context)
 
     def propose(self, context: list[int], k: int, slot: int = 0) -> Drafts:
@@ -157,7 +157,7 @@ class ModelDrafter:
         if len(few) > 1 and max(starts) + width <= self.stage.cache.capacity:  # the padding fits too
             missing = [contexts[b][start:] for b, start in zip(few, starts)]
             padded = torch.tensor([m + [0] * (width - len(m)) for m in missing], device=self.device)
-            self.stage.run_rows(starts, padded, [slots[b] for b in few], [len(m) for m in missing], num_logits=1)
+            self.stage.run_rows(starts, padded, [slots[b] for b in few], [len(m) for m in missing], num_logits=None)
             for b in few:  # every row advanced by the padded width: back to its real tokens
                 self.stage.cache.rewind(len(contexts[b]), slots[b])
                 self.cached[slots[b]] = len(contexts[b])

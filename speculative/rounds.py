@@ -131,7 +131,7 @@ def run_rank1(stage: Stage, channel: Channel, reply_to: Channel | None = None, p
         elif isinstance(msg, Request):
             slots[msg.slot] = SlotVerifier(msg, request_grammar(grammars, msg))
         elif isinstance(msg, Prefill):
-            stage.run(msg.start, msg.hidden.to(stage.device), num_logits=1, slot=msg.slot)
+            stage.run(msg.start, msg.hidden.to(stage.device), num_logits=None, slot=msg.slot)
         elif isinstance(msg, Round):
             batch = [msg] + [protocol.recv(channel, Round) for _ in range(msg.batch - 1)]
             for reply in verify_batch(stage, batch, [slots.setdefault(m.slot, SlotVerifier()) for m in batch], t_wait):
