@@ -66,8 +66,7 @@ def first_rank(cfg: TandemConfig, next, replies=None, listener=None, ranks: int 
     ids = prompt_ids(cfg, tokenizer, target.config.vocab_size) if cfg.serve.port is None else None
     stage = build_stage(plan)
     drafter = build_drafter(plan)
-    session = Session(stage, drafter, next, plan.spec, replies, build_prefixes(plan, stage, drafter), slots=plan.slots,
-                      batches_on_the_way=max(2, ranks))  # a batch at each rank, or one at rank 0 and one on the way
+    session = Session(stage, drafter, next, plan.spec, replies, build_prefixes(plan, stage, drafter), slots=plan.slots)
     if cfg.serve.port is not None:
         from launch.server import serve
         serve(cfg, session, tokenizer, eos_ids(target), stage.config.vocab_size, listener, plan.models.name)

@@ -6,9 +6,16 @@ the free slot holding its longest prefix (the next turn of a conversation), else
 cache of that slot then rewinds to the common prefix and only the rest is prefilled.
 
 Batches: the streams with nothing on the way are drafted for together and sent as a batch (one forward on every
-rank). A batch holds at most a 1/batches_on_the_way share of the live streams, so that that many batches take
-turns through the pipe: while one is on the wire or at a later rank, rank 0 drafts for another. Replies come back
-in the order the blocks went out, so the oldest batch's streams are the next drafted for: round-robin.
+rank). A batch holds at most a 1/G share of the live streams, so that G batches take turns through the pipe: while
+one is on the wire or at a later rank, rank 0 drafts for another. Replies come back in the order the blocks went
+out, so the oldest batch's streams are the next drafted for: round-robin.
+
+How many batches (G, `BatchCount`): a batched forward costs about as much as a lone one (weights read once for all
+rows), so splitting the streams into G batches multiplies each rank's work per cycle by G, and pays only when it
+fills time the pipe would otherwise idle. With c0 rank 0's work per batch (drafting + stage 0), c the slowest later
+rank's, and the cycle of one batch c0 + the later ranks' work + the trip, G batches cycle in max(G x max(c0, c),
+c0 + later + trip): the most that fit in that is G = (c0 + later + trip) // max(c0, c). On a CPU where rank 0's
+drafter dominates that is 1; over a WAN with fast GPUs, several.
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import math
 import time
 
 from speculative.in_flight import FixedDepth
+from speculative.k_choice import ema
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -27,10 +35,38 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+class BatchCount:
+    """G, the batches on the way (see above): given, or (None) from measured costs, 1 until there are some."""
+
+    def __init__(self, given: int | None = None, smoothing: float = 0.2, most: int = 8):
+        self.given, self.smoothing, self.most = given, smoothing, most
+        self.rank0 = self.later = self.slowest = self.trip = None  # ms, moving averages
+
+    def now(self) -> int:
+        if self.given is not None:
+            return self.given
+        if None in (self.rank0, self.later, self.trip):
+            return 1
+        cycle = self.rank0 + self.later + self.trip
+        return max(1, min(self.most, int(cycle // max(self.rank0, self.slowest, 1e-3))))
+
+    def observe(self, record, waited_ms: float) -> None:
+        """A fresh block's round (not a first round, not a bet). The trip is read only from rounds whose reply
+        rank 0 waited for: one read late (rank 0 busy with another batch) holds rank 0's work besides the trip."""
+        if record.from_ahead:
+            return
+        s = self.smoothing
+        self.rank0 = ema(self.rank0, record.draft_ms + record.stage0_ms, s)
+        self.later = ema(self.later, record.later_ms, s)
+        self.slowest = ema(self.slowest, max([record.stage1_ms, *record.middle_ms]), s)
+        if waited_ms > 1.0:
+            self.trip = ema(self.trip, record.network_ms, s)
+
+
 class Scheduler:
-    def __init__(self, count: int, batches_on_the_way: int = 2, depth=None):
+    def __init__(self, count: int, batches_on_the_way: int | None = None, depth=None):
         self.count = count
-        self.batches_on_the_way = batches_on_the_way
+        self.batch_count = BatchCount(batches_on_the_way)
         self.in_flight = depth or FixedDepth(1)  # spec.in_flight: rounds of a lone stream on the way (speculative.in_flight)
         self.held: list[list[int]] = [[] for _ in range(count)]  # per slot: the tokens its caches hold, in order
         self.last_used = [0.0] * count  # per slot: when it was last given to a stream
@@ -61,14 +97,14 @@ class Scheduler:
 
     def batches(self, ready: list, waiting: int) -> list[list]:
         """The batches to send now of the `ready` streams (nothing on the way), `waiting` batches being on the way: a
-        prompt's first round alone (it carries up to spec.prefill_chunk tokens); the others in batches of the
-        share, each sent when full or when fewer than batches_on_the_way are on the way (the pipe would idle).
-        The rest wait for the next reply, so streams that fell out of step (a first round, a newcomer) are batched
-        again."""
-        most = max(1, math.ceil(len(self.live) / self.batches_on_the_way))
+        prompt's first round alone (it carries up to spec.prefill_chunk tokens); the others in batches of a 1/G
+        share, each sent when full or when fewer than G are on the way (the pipe would idle). The rest wait for
+        the next reply, so streams that fell out of step (a first round, a newcomer) are batched again."""
+        on_the_way = self.batch_count.now()
+        most = max(1, math.ceil(len(self.live) / on_the_way))
         batches = [[s] for s in ready if s.prefilling]
         rest = [s for s in ready if not s.prefilling]
-        while rest and (len(rest) >= most or waiting + len(batches) < self.batches_on_the_way):
+        while rest and (len(rest) >= most or waiting + len(batches) < on_the_way):
             batches.append(rest[:most])
             rest = rest[most:]
         return batches
@@ -78,7 +114,10 @@ class Scheduler:
         streams fill the pipe (their rounds, not bets, use the wait)."""
         return self.in_flight.now() if len(self.live) == 1 else 1
 
-    def observe(self, record) -> None:
-        """A lone stream's round: what spec.in_flight=auto learns its depth from."""
+    def observe(self, record, waited_ms: float, decode: bool) -> None:
+        """A round's costs: a lone stream's teach spec.in_flight=auto its depth, several streams' the batch count
+        (`decode`: not a stream's first round, which carries its prompt)."""
         if len(self.live) == 1:
             self.in_flight.observe(record)
+        elif decode:
+            self.batch_count.observe(record, waited_ms)

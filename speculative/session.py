@@ -59,7 +59,7 @@ def _ms(t0: float) -> float:
 
 class Session:
     def __init__(self, stage, drafter, channel, spec: SpecSettings = SpecSettings(), replies=None, prefixes=None,
-                 slots: int = 1, batches_on_the_way: int = 2):
+                 slots: int = 1, batches_on_the_way: int | None = None):
         self.stage, self.drafter, self.channel = stage, drafter, channel
         self.prefixes = prefixes  # cache.dir: rank 0's saved prefixes (speculative.prefixes.RankPrefixes), or None
         self.replies = Replies(replies or channel)  # from the last rank (with more than two ranks, its own link)
@@ -67,6 +67,7 @@ class Session:
         self.k_policy = k_policy(spec.k, spec.adaptive, spec.k_from_costs, spec.overlap)
         self.maker = BlockMaker(stage, drafter, self.k_policy, spec.overlap)
         self.slots = slots  # how many streams may be live at once (serve.max_concurrent)
+        # the slots, the live streams by slot, the batches (batches_on_the_way None: from measured costs)
         self.scheduler = Scheduler(slots, batches_on_the_way, in_flight_policy(spec.in_flight, spec.overlap))
         self.ended: list[Stream] = []  # streams that ended outside a tick (settle), for the next tick to return
 
@@ -196,12 +197,14 @@ class Session:
     def take_batch(self) -> list[Stream]:
         """The oldest batch's replies, each committed to its stream (and its on_round called); the streams that
         ended."""
-        on_the_way = self.replies.on_the_way
+        on_the_way, t_wait = self.replies.on_the_way, time.perf_counter()
         replies, wasted_ms = self.replies.next()
-        ended = []
-        for block, reply in replies:
+        waited_ms, ended = _ms(t_wait), []
+        for i, (block, reply) in enumerate(replies):
             s = block.stream
             record = self.commit_round(s, block, reply, wasted_ms, on_the_way)
+            if i == 0:  # the batch's costs, once (scheduler: spec.in_flight=auto, how many batches)
+                self.scheduler.observe(record, waited_ms, decode=len(s.gen.rounds) > 1)
             wasted_ms = 0.0
             if s.on_round is not None:
                 s.on_round(record, reply)
@@ -231,7 +234,6 @@ class Session:
                              on_the_way)
         s.gen.rounds.append(record)
         s.k_now = self.k_policy.after(s.k_now, record, decode=len(s.gen.rounds) > 1)
-        self.scheduler.observe(record)
         return record
 
     def end(self, s: Stream, clean: bool = True) -> Stream:

@@ -44,11 +44,11 @@ def serve(overrides: list[str], requests: list[tuple[list[int], Request]], ranks
 
 
 def serve_together(overrides: list[str], requests: list[tuple], ranks: int = 2, slots: int = 8,
-                   cancel_after: dict[int, int] | None = None, on_round=None, links=None):
+                   cancel_after: dict[int, int] | None = None, on_round=None, links=None, batches: int | None = None):
     """The same, but `requests` ((ids, Request[, max new tokens])) served at once as a server with
-    serve.max_concurrent=`slots` does: admitted
-    while a slot is free (in order), the rest waiting; `cancel_after`: {request index: the rounds of all requests
-    together after which its client goes away}. Returns (the Generations in request order, the Session)."""
+    serve.max_concurrent=`slots` does: admitted while a slot is free (in order), the rest waiting; `cancel_after`:
+    {request index: the rounds of all requests together after which its client goes away}; `batches`: the
+    Session's batches_on_the_way (None: from costs). Returns (the Generations in request order, the Session)."""
     cancel_after = cancel_after or {}
 
     def together(session, cfg, eos):
@@ -62,10 +62,10 @@ def serve_together(overrides: list[str], requests: list[tuple], ranks: int = 2, 
             for s in session.tick():
                 gens[next(i for i, t in streams.items() if t is s)] = s.gen
         return [gens[i] for i in range(len(requests))], session
-    return with_ranks(["serve.port=0", f"serve.max_concurrent={slots}", *overrides], ranks, together, links)
+    return with_ranks(["serve.port=0", f"serve.max_concurrent={slots}", *overrides], ranks, together, links, batches)
 
 
-def with_ranks(overrides: list[str], ranks: int, body, links=None):
+def with_ranks(overrides: list[str], ranks: int, body, links=None, batches: int | None = None):
     """body(session, cfg, eos ids) on rank 0 with the other ranks in threads; its result. `links`: every rank's
     (from the rank before, to the rank after), default local_ring's (with two ranks local_pair's)."""
     cfg = load_config(["output.stream=false", "chat=false", "prompt_ids=[1]", *overrides])
@@ -91,7 +91,8 @@ def with_ranks(overrides: list[str], ranks: int, body, links=None):
         plan = meet(cfg, replies, channel, 0, ranks)
         stage, drafter = build_stage(plan), build_drafter(plan)
         session = Session(stage, drafter, channel, plan.spec, replies=replies,
-                          prefixes=build_prefixes(plan, stage, drafter), slots=plan.slots)  # cache.dir, when set
+                          prefixes=build_prefixes(plan, stage, drafter), slots=plan.slots,  # cache.dir, when set
+                          batches_on_the_way=batches)
         result = body(session, cfg, eos_ids(plan.models.target))
         session.close()
     except BaseException:
