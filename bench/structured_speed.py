@@ -59,7 +59,7 @@ def main() -> None:
     for repeat in range(args.repeat):
         for kind, grammar in kinds.items():
             output = Output(tokenizer, eos_ids(plan.models.target), args.max_new, [])
-            session.forget()  # every request prefills its whole prompt, as the first one does
+            session.scheduler.forget()  # every request prefills its whole prompt, as the first one does
             gen = session.generate(list(prompt), output, Request(grammar=grammar))
             stats = summarize(gen, cfg.spec.k, cfg.draft.kind)
             print(json.dumps({"repeat": repeat, "response_format": kind, "tokens": stats["tokens"],

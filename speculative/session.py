@@ -78,9 +78,6 @@ class Session:
     def free(self) -> int:
         return self.scheduler.free()
 
-    def forget(self) -> None:
-        self.scheduler.forget()
-
     # --- a whole generation -------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], output: Output, request: Request = Request(), on_round=None,
                  cancelled=lambda: False) -> Generation:
