@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.serve_bench import chat_chunks, free_port  # noqa: E402 - the repository root first
 PROMPTS = [  # 23 different short coding questions: 8 for one at a time, then 1 + 2 + 4 + 8 for the clients
     "Write a Python function that reverses a string.",
     "Write a Python function that checks whether a number is prime.",
@@ -63,12 +64,6 @@ PROMPTS = [  # 23 different short coding questions: 8 for one at a time, then 1 
     "Write a Python decorator that prints how long a function took.",
 ]
 WARM_UP = "Say hello."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_name() -> str:
@@ -138,23 +133,15 @@ class Served:
 
 def stream_chat(url: str, prompt: str, max_tokens: int, timeout_s: float) -> dict:
     """One streamed greedy chat completion: its text, tokens and client-side times (perf_counter seconds)."""
-    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                       "temperature": 0, "stream": True}).encode()
-    req = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
     r = {"prompt": prompt, "sent": time.perf_counter(), "first": None, "text": "", "token_ids": None}
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # the timeout bounds every read
-            for raw in resp:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                piece = chunk["choices"][0]["delta"].get("content")
-                if piece:
-                    r["first"] = r["first"] or time.perf_counter()
-                    r["text"] += piece
-                if chunk["choices"][0]["finish_reason"]:
-                    r["token_ids"] = chunk["tandem"]["token_ids"]
+        for at, chunk in chat_chunks(url, [{"role": "user", "content": prompt}], max_tokens, timeout_s):
+            piece = chunk["choices"][0]["delta"].get("content")
+            if piece:
+                r["first"] = r["first"] or at
+                r["text"] += piece
+            if chunk["choices"][0]["finish_reason"]:
+                r["token_ids"] = chunk["tandem"]["token_ids"]
     except (OSError, ValueError, KeyError) as e:
         r["error"] = f"{type(e).__name__}: {e}"[:200]
     r["done"] = time.perf_counter()

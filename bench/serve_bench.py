@@ -53,23 +53,28 @@ def document(tokenizer, n_tokens: int) -> str:
     return tokenizer.decode(tokenizer(source)["input_ids"][:n_tokens])
 
 
-def stream_chat(url: str, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed greedy request: its text, the client's TTFT and the server's `tandem` figures."""
+def chat_chunks(url: str, messages: list[dict], max_tokens: int, timeout_s: float = 3600):
+    """One streamed greedy chat completion: (perf_counter when it came, the parsed chunk) for each chunk. The
+    timeout bounds every read."""
     body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()
     req = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
-    t0, first, text, final = time.perf_counter(), None, "", None
-    with urllib.request.urlopen(req, timeout=3600) as resp:
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         for raw in resp:
             line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            piece = chunk["choices"][0]["delta"].get("content")
-            if piece:
-                first = first or time.perf_counter()
-                text += piece
-            if chunk["choices"][0]["finish_reason"]:
-                final = chunk
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield time.perf_counter(), json.loads(line[6:])
+
+
+def stream_chat(url: str, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed greedy request: its text, the client's TTFT and the server's `tandem` figures."""
+    t0, first, text, final = time.perf_counter(), None, "", None
+    for at, chunk in chat_chunks(url, messages, max_tokens):
+        piece = chunk["choices"][0]["delta"].get("content")
+        if piece:
+            first = first or at
+            text += piece
+        if chunk["choices"][0]["finish_reason"]:
+            final = chunk
     return {"text": text, "client_ttft_ms": ((first or time.perf_counter()) - t0) * 1000, **final["tandem"]}
 
 

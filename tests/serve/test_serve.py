@@ -4,8 +4,6 @@ equal single-process transformers generate on the same (whole-conversation) prom
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -15,20 +13,15 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.support.serve_harness import EIGHT_PROMPTS, MAX_LEN, post_together, serve_args, wait_healthy
-from tests.support.tiny_models import REPO, free_port, reference_greedy
+from tests.support.serve_harness import EIGHT_PROMPTS, MAX_LEN, launch_served, post_together, serve_args, wait_healthy
+from tests.support.tiny_models import free_port, reference_greedy
 
 
 @pytest.fixture(scope="module")
 def server(models):
     target, draft = models
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(REPO / "train_free_infer.py"), *serve_args(target, draft, port),
-           "serve.max_concurrent=8"]
-    env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
-                            start_new_session=True)
+    proc = launch_served(target, draft, port, 2, "serve.max_concurrent=8")
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)

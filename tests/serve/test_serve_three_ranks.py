@@ -3,13 +3,11 @@ split over the three ranks, each answer token-identical to transformers generate
 its own (~20 s): slow."""
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 
-from tests.support.serve_harness import EIGHT_PROMPTS, post_together, serve_args, wait_healthy
-from tests.support.tiny_models import REPO, free_port, reference_greedy
+from tests.support.serve_harness import EIGHT_PROMPTS, launch_served, post_together, wait_healthy
+from tests.support.tiny_models import free_port, reference_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -17,12 +15,7 @@ pytestmark = pytest.mark.slow
 def test_eight_concurrent_clients_through_three_ranks_each_equal_generate(models):
     target, draft = models
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(REPO / "train_free_infer.py"), *serve_args(target, draft, port),
-           "model.split=auto", "serve.max_concurrent=8"]
-    env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
-                            start_new_session=True)
+    proc = launch_served(target, draft, port, 3, "model.split=auto", "serve.max_concurrent=8")
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)

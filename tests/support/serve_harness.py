@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -18,7 +21,7 @@ from contextlib import contextmanager
 import pytest
 from transformers import AutoTokenizer
 
-from tests.support.tiny_models import free_port, save_tiny, save_tiny_tokenizer
+from tests.support.tiny_models import REPO, free_port, save_tiny, save_tiny_tokenizer
 
 
 class Served:
@@ -141,6 +144,16 @@ def serve_args(target, draft, port):
     return [f"model.target={target}", "model.dtype=float32", f"model.max_len={MAX_LEN}", "draft.kind=model",
             f"draft.model={draft}", "draft.dtype=float32", f"draft.max_len={MAX_LEN}", f"serve.port={port}",
             f"gen.max_new_tokens={MAX_LEN - 64}"]  # the disconnect tests ask for that much
+
+
+def launch_served(target, draft, port: int, ranks: int, *extra: str) -> subprocess.Popen:
+    """train_free_infer.py serving on `port` under torchrun with `ranks` ranks on this host, in a process group of
+    its own (os.killpg ends every rank); stderr piped."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(REPO / "train_free_infer.py"), *serve_args(target, draft, port), *extra]
+    env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                            start_new_session=True)
 
 
 def wait_healthy(url: str, proc, timeout_s: float = 180) -> None:
