@@ -3,7 +3,7 @@ drafting for several requests at once (serve.max_concurrent): K=4 for B = 1, 2, 
 (propose_rows) against B separate proposes, ms per row.
 
     python bench/draft_speed.py [--device cpu|cuda:0] [--dtype bfloat16] [--graph auto|on|off] [--rounds 20]
-                                [--rows 1,2,4,8] [--rows-k 4]
+                                [--rows 1,2,4,8] [--rows-k 4] [--threads N]
 
 A round is what rank 0's drafter does per round trip: feed the last committed token, then K
 single-token steps over the static cache, then rewind to the committed length.
@@ -89,7 +89,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--rows", default="1,2,4,8", help="batch sizes of the several-requests table ('' skips it)")
     ap.add_argument("--rows-k", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (a rank under torchrun beside another "
+                                                                 "on this host has 1); default: torch's")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     folder = args.model or str(model_dir("qwen-coder-0.5b"))
     tok = AutoTokenizer.from_pretrained(folder)
     context = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
