@@ -2,7 +2,8 @@
 
 Every row of `ModelDrafter.propose_rows` must draft exactly what its request drafts alone through a one-slot
 drafter (fp32; greedy and seeded sampled rows, mixed in one batch, each row at its own length and K), and no
-row may write another slot's keys and values."""
+row may write another slot's keys and values. Issue 39: the same slots in a new order move their rows with
+them (a batched drafter compared with another batched one would share that bug)."""
 import random
 
 import pytest
@@ -129,3 +130,28 @@ def test_batched_step_has_no_python_position_state(tiny_qwen_draft):
                 contexts[slot] = next_context(rng, contexts[slot], drafts, k)
                 static.commit(len(contexts[slot]), slot=slot)
                 eager.commit(len(contexts[slot]), slot=slot)
+
+
+def test_the_same_slots_in_a_new_order_draft_from_their_own_rows(tiny_qwen_draft):
+    """Issue 39 (10): a batch of the same size over the same slots in another order ([0, 1], then [1, 0], then
+    [0, 1] again) must move its rows with them. Each slot holds its own prompt, so its drafts differ from the
+    other's; every row == what its request drafts through a one-slot drafter of its own (nothing batched).
+    One sampled slot and one greedy: the greedy variant reads the same rows buffer."""
+    temperatures = (0.9, 0.0)
+    rng = random.Random(6)
+    batched = drafter(tiny_qwen_draft, slots=2)
+    alone = [drafter(tiny_qwen_draft, slots=1) for _ in range(2)]
+    contexts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (9, 4)]
+    for slot, temperature in enumerate(temperatures):
+        batched.reset(0, temperature, seed=20 + slot, slot=slot)
+        alone[slot].reset(0, temperature, seed=20 + slot)
+    for order in ([0, 1], [1, 0], [0, 1]):
+        got = batched.propose_rows([contexts[s] for s in order], [4, 4], order)
+        expected = [alone[s].propose(contexts[s], 4) for s in order]
+        assert expected[0].tokens.tolist() != expected[1].tokens.tolist()  # else rows swapped would pass
+        for row, want in zip(got, expected):
+            same_drafts(row, want)
+        for slot, drafts in zip(order, expected):  # all but the last draft kept: each slot moves on its own
+            contexts[slot] = contexts[slot] + drafts.tokens.tolist()[:-1] + [rng.randrange(VOCAB)]
+            batched.commit(len(contexts[slot]), slot=slot)
+            alone[slot].commit(len(contexts[slot]))
