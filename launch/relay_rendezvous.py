@@ -17,7 +17,8 @@ TANDEM_RELAY_TOKEN_FILE; the nodes' pairing secret is not needed here (the relay
 pins a node's rank (give it on every node or on none); `--rdzv_conf join_timeout=SECONDS` bounds the wait
 for the other nodes (default 120 s; torchrun passes none of its own). Not elastic: --nnodes=N, not MIN:MAX.
 While an agent waits, the relay tells it when a claim for this run is refused (a node with the wrong
-token, a node rank given twice): it warns once per distinct notice and names the last in its timeout.
+token, a node rank given twice): it warns once per distinct notice and names the last in its timeout; and
+every 10 s (netbridge.link.WAITING_LINE_S) it says that it still waits, and for what.
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ from torch.distributed.elastic.rendezvous import (
 from launch.rendezvous import FixedGroup
 from model_parallel.lines import one_line
 from netbridge import auth
-from netbridge.link import RDZV_BODY, RDZV_DONE, LinkClosed, LinkGarbage, LinkSocket, LinkTimeout, NoticeBoard, UnexpectedFrame
+from netbridge.link import (RDZV_BODY, RDZV_DONE, LinkClosed, LinkGarbage, LinkSocket, LinkTimeout, NoticeBoard, UnexpectedFrame,
+                            WaitingLine)
 
 log = logging.getLogger(__name__)
 BACKEND = "tandem-relay"
@@ -170,8 +172,10 @@ class RelayRendezvousHandler(FixedGroup):
         link = LinkSocket(sock, self.endpoint, send_timeout_s=30.0)
         notices = NoticeBoard(lambda text: log.warning("tandem-relay rendezvous: run %r still waits for its other node(s): %s",
                                                        self.run_id, text))
+        waiting = WaitingLine(self._waiting_line)
         try:
-            body = link.wait_for(RDZV_DONE, time.monotonic() + self.join_timeout_s, HEARTBEAT_S, on_notice=notices)
+            body = link.wait_for(RDZV_DONE, time.monotonic() + self.join_timeout_s, HEARTBEAT_S, on_notice=notices,
+                                 still_waiting=waiting)
             if len(body) != RDZV_BODY.size:
                 raise UnexpectedFrame(RDZV_DONE)  # a done frame of another layout: another version's relay
         except UnexpectedFrame as e:
@@ -188,6 +192,12 @@ class RelayRendezvousHandler(FixedGroup):
         if not has_store:
             raise RendezvousError(f"the relay at {self.endpoint} could not start the rendezvous store (is torch installed there? see its log)")
         return rank, world, token.decode()
+
+    def _waiting_line(self, waited_s: float) -> None:
+        node = "?" if self.node_rank is None else self.node_rank
+        log.warning("tandem-relay rendezvous: node %s of run %r waiting at the relay %s for its other node(s) (%.0f s of "
+                    "%g s, --rdzv_conf join_timeout); are they started with the same --rdzv_id, --nnodes and relay token?",
+                    node, self.run_id, self.endpoint, waited_s, self.join_timeout_s)
 
     def _join_timeout_message(self, notices: NoticeBoard) -> str:
         missing = f"not all {self.world} nodes of run {self.run_id!r} joined at the relay {self.endpoint} within " \

@@ -40,6 +40,9 @@ MAX_NOTICE_BYTES = 400
 
 _SMALL = 64 * 1024  # frames up to this size go out in one send together with their header
 _WAIT_TICK_S = 0.5  # the longest a receive sleeps in poll() before it checks liveness again
+# While a client waits at the relay (for its peer, for the rendezvous) it says so this often: a join timeout
+# of 120 s in silence looks like a hang
+WAITING_LINE_S = 10.0
 
 
 class LinkTimeout(Exception):
@@ -111,14 +114,17 @@ class LinkSocket:
             finally:
                 self.lock.release()
 
-    def wait_for(self, kind: int, deadline: float, heartbeat_s: float, on_notice=None) -> bytes:
+    def wait_for(self, kind: int, deadline: float, heartbeat_s: float, on_notice=None, still_waiting=None) -> bytes:
         """Body of the next frame of `kind`, sending a heartbeat every `heartbeat_s` while waiting (the relay
         drops a silent client). Heartbeats that arrive are skipped; the text of a NOTICE goes to `on_notice`
-        (skipped without one) and the wait goes on. Raises UnexpectedFrame for any other kind, LinkTimeout
-        once `deadline` (time.monotonic()) passes, LinkClosed, or LinkGarbage."""
+        (skipped without one) and the wait goes on; `still_waiting(now)` is called while nothing arrives (a
+        WaitingLine). Raises UnexpectedFrame for any other kind, LinkTimeout once `deadline`
+        (time.monotonic()) passes, LinkClosed, or LinkGarbage."""
         def keep_alive(now: float) -> None:
             if now - self.last_tx >= heartbeat_s:
                 self.try_heartbeat()
+            if still_waiting is not None:
+                still_waiting(now)
         while True:
             got, body = self.recv(deadline, keep_alive, tick=min(_WAIT_TICK_S, heartbeat_s))
             if got == kind:
@@ -220,6 +226,20 @@ def notice_text(body: bytes) -> str:
     """A notice as one printable line: whatever bytes came, no control characters reach the terminal."""
     text = body.decode("utf-8", "replace")
     return "".join(ch if ch.isprintable() else " " for ch in text)
+
+
+class WaitingLine:
+    """Says every WAITING_LINE_S that a wait at the relay goes on: `say(waited_s)` writes the line."""
+
+    def __init__(self, say):
+        self.say, self.every_s = say, WAITING_LINE_S
+        self.start = time.monotonic()
+        self.next_at = self.start + self.every_s
+
+    def __call__(self, now: float) -> None:
+        if now >= self.next_at:
+            self.next_at = now + self.every_s
+            self.say(now - self.start)
 
 
 class NoticeBoard:

@@ -11,7 +11,7 @@ import time
 
 from netbridge import auth
 from netbridge.channel import PeerError
-from netbridge.link import PAIRED, LinkClosed, LinkGarbage, LinkSocket, LinkTimeout, NoticeBoard, UnexpectedFrame
+from netbridge.link import PAIRED, LinkClosed, LinkGarbage, LinkSocket, LinkTimeout, NoticeBoard, UnexpectedFrame, WaitingLine
 
 log = logging.getLogger("tandem.relay_channel")
 
@@ -64,11 +64,15 @@ def dialer(relay: str, session: str, rank: int, token: bytes, timeout_s: float, 
 def wait_for_peer(link: LinkSocket, session: str, ring: tuple[int, int], join_timeout_s: float, heartbeat_s: float) -> None:
     """Heartbeat until the relay says the other rank of `session` is there; every failure becomes a PeerError.
     A notice from the relay (a claim for this session refused, e.g. the other rank's wrong secret) is warned
-    about once and named in the timeout's message; the wait goes on, since that rank may retry."""
+    about once and named in the timeout's message; the wait goes on, since that rank may retry. Every
+    WAITING_LINE_S (netbridge.link) a line says the wait goes on."""
     relay, (rank, peer) = link.name, ring
     notices = NoticeBoard(lambda text: log.warning("rank %d, waiting for rank %d of session %r: %s", rank, peer, session, text))
+    waiting = WaitingLine(lambda waited_s: log.warning(
+        "rank %d waiting at the relay %s for rank %d of session %r (%.0f s of %g s); is rank %d started, with the same "
+        "transport.session and relay token?", rank, relay, peer, session, waited_s, join_timeout_s, peer))
     try:
-        link.wait_for(PAIRED, time.monotonic() + join_timeout_s, heartbeat_s, on_notice=notices)
+        link.wait_for(PAIRED, time.monotonic() + join_timeout_s, heartbeat_s, on_notice=notices, still_waiting=waiting)
     except UnexpectedFrame as e:
         raise PeerError(f"the relay at {relay} sent frame type {e.kind} before pairing; is it the same Tandem version?") from None
     except LinkTimeout:

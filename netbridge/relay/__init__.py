@@ -18,6 +18,7 @@ The parts, layered one way (each imports only the ones above it in this list):
   admission.py   decisions: the table of unfinished handshakes (whom to shed), --max-connections
   emulation.py   EMULATION of a WAN link between paired ranks (--emulate-delay-ms, --emulate-mbps)
   notices.py     a refused claim told to the members of its session that wait (rate-limited tables)
+  refusals.py    decisions: refused dials per source address, answered ever later, logged as counts
   sessions.py    bookkeeping: data sessions (two ranks paired), rendezvous groups (a run's agents gathered)
   store.py       the rendezvous stores and the byte pipes to them
   connection.py  the one owner of a connection's state and writer to the transports; asks its Host

@@ -11,6 +11,7 @@ import sys
 from netbridge import auth
 from netbridge.link import MAX_FRAME_BYTES
 from netbridge.relay.admission import MAX_PENDING_PER_SOURCE, STALE_HANDSHAKE_S
+from netbridge.relay.refusals import MAX_REFUSAL_DELAY_S
 from netbridge.relay.server import Relay
 
 log = logging.getLogger("tandem.relay")
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> None:
                         f"takes the slot of that address's oldest handshake if that is over {STALE_HANDSHAKE_S:g} s old, "
                         "else it is turned away at once; raise it when many nodes share one NAT address "
                         f"(default {MAX_PENDING_PER_SOURCE})")
+    p.add_argument("--max-refusal-delay-s", type=float, default=MAX_REFUSAL_DELAY_S,
+                   help="refusals in a row from one address (a wrong relay token) are answered ever later: the first at "
+                        f"once, then 1/16 of this, doubling up to it; 0 = never slowed (default {MAX_REFUSAL_DELAY_S:g})")
     p.add_argument("--emulate-delay-ms", type=float, default=0.0, help="EMULATION: one-way delay added to every forwarded byte")
     p.add_argument("--emulate-mbps", type=float, default=0.0, help="EMULATION: per-direction bandwidth cap, 0 = none")
     p.add_argument("--no-store", action="store_true", help="data only: no torchrun rendezvous, no torch import")
@@ -67,7 +71,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(e))
     relay = Relay(secret, a.host, a.port, max_frame_bytes=a.max_frame_bytes, handshake_timeout_s=a.handshake_timeout_s,
                   idle_timeout_s=a.idle_timeout_s, max_connections=a.max_connections, max_pending=a.max_pending,
-                  max_pending_per_source=a.max_pending_per_source, emulate_delay_ms=a.emulate_delay_ms, emulate_mbps=a.emulate_mbps, store=not a.no_store)
+                  max_pending_per_source=a.max_pending_per_source, emulate_delay_ms=a.emulate_delay_ms, emulate_mbps=a.emulate_mbps, store=not a.no_store,
+                  max_refusal_delay_s=a.max_refusal_delay_s)
     _raise_fd_limit(a.max_connections + a.max_pending + 64)
     with asyncio.Runner(loop_factory=_loop_factory(a.loop)) as runner:
         runner.run(_serve(relay, _loop_name(a.loop)))

@@ -2,7 +2,9 @@
 connection's state and writes to the connections' transports; the server above decides (admission,
 sessions, rendezvous, stores) and calls the methods here.
 
-    hello    the HMAC handshake (netbridge.relay.handshake); then by role:
+    hello    the HMAC handshake (netbridge.relay.handshake); a claim that does not authenticate is
+             answered REFUSED at once, or after its source's delay (refusing: netbridge.relay.refusals);
+             then by role:
     waiting  a data rank whose peer has not come; only heartbeats may arrive
     paired   a data rank with its peer: link frames checked and forwarded cut-through both ways
     rdzv     a torchrun agent waiting for the rest of its run; only heartbeats
@@ -51,7 +53,7 @@ class Host(Protocol):
     def handshake_over(self, conn: Connection) -> None: ...  # out of the handshake table
     def claim(self, conn: Connection, claim: Claim) -> int: ...  # decide on an authenticated claim: a status of netbridge.auth
     def joined(self, conn: Connection) -> None: ...  # after OK went out
-    def refused(self, conn: Connection, refusal: Refusal) -> None: ...  # a claim that did not authenticate
+    def refused(self, conn: Connection, refusal: Refusal) -> float: ...  # a claim that did not authenticate: when to answer
     def left(self, conn: Connection) -> None: ...  # a counted connection ended
     def count(self, stat: str, n: int = 1) -> None: ...
 
@@ -63,7 +65,7 @@ class Connection(asyncio.Protocol):
         self.host, self.limits = host, limits
         self.transport = None
         self.name = self.host_name = self.source = "?"
-        self.state = "hello"  # hello | waiting | paired | rdzv | done | store | closed
+        self.state = "hello"  # hello | refusing | waiting | paired | rdzv | done | store | closed
         self.role = self.rank = self.world = 0
         self.session = ""
         self.handshake: Handshake | None = None
@@ -75,6 +77,7 @@ class Connection(asyncio.Protocol):
         self.counted_store = False  # holds one of its store's pipe counts
         self.paused: set[str] = set()  # why reading from this client is paused
         self.silent = False  # dropped for silence (see check_timers)
+        self.refusal = None  # in state "refusing": the timer that answers REFUSED
         now = time.monotonic()
         self.born = now
         self.deadline = now + limits.handshake_timeout_s
@@ -133,9 +136,7 @@ class Connection(asyncio.Protocol):
     # ---- the handshake -------------------------------------------------------------------------
     def _handshake_step(self, outcome: Claim | Refusal | None) -> None:
         if isinstance(outcome, Refusal):
-            self.end_pending()
-            self._answer_and_close(auth.REFUSED)
-            self.host.refused(self, outcome)
+            self.refuse(self.host.refused(self, outcome))
         elif isinstance(outcome, Claim):
             self.role, self.rank, self.world, self.session = outcome.role, outcome.rank, outcome.world, outcome.session
             status = self.host.claim(self, outcome)
@@ -152,6 +153,17 @@ class Connection(asyncio.Protocol):
         self.state = "closed"
         self.transport.write(bytes([status]))
         self.close_soon()
+
+    def refuse(self, delay_s: float) -> None:
+        """REFUSED, now or after `delay_s` (repeated refusals from one source are slowed). Meanwhile the
+        connection keeps its handshake slot, so its source's --max-pending-per-source bounds how many wait,
+        and the table may shed it like any unfinished handshake; what the client sends is ignored."""
+        if delay_s <= 0:
+            self.end_pending()
+            self._answer_and_close(auth.REFUSED)
+            return
+        self.state = "refusing"
+        self.refusal = asyncio.get_running_loop().call_later(delay_s, self.refuse, 0.0)
 
     def end_pending(self) -> None:
         if self.pending:
@@ -249,6 +261,9 @@ class Connection(asyncio.Protocol):
         asyncio.get_running_loop().call_later(5.0, self.transport.abort)
 
     def _finish(self) -> None:
+        if self.refusal is not None:
+            self.refusal.cancel()  # a refusal waiting for its delay: nothing is left to answer
+            self.refusal = None
         if self.counted:
             self.counted = False
             self.end_pending()

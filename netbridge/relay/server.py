@@ -15,6 +15,7 @@ from netbridge.relay.admission import MAX_PENDING_PER_SOURCE, Admission
 from netbridge.relay.connection import Connection, Limits
 from netbridge.relay.handshake import ROLE_NAMES, STATUS_NAMES, Claim, Refusal, refusal_notice, wrong_token_notice
 from netbridge.relay.notices import RefusalNotices
+from netbridge.relay.refusals import LOG_INTERVAL_S, MAX_REFUSAL_DELAY_S, RefusalsBySource
 from netbridge.relay.sessions import DataSessions, Rendezvous
 from netbridge.relay.store import Stores, StoreProxy
 
@@ -28,7 +29,8 @@ class Relay:
     def __init__(self, secret: bytes, host: str = "0.0.0.0", port: int = 29400, *, max_frame_bytes: int = MAX_FRAME_BYTES,
                  handshake_timeout_s: float = 10.0, idle_timeout_s: float = 30.0, max_connections: int = 1024,
                  max_pending: int = 128, max_pending_per_source: int = MAX_PENDING_PER_SOURCE, emulate_delay_ms: float = 0.0,
-                 emulate_mbps: float = 0.0, store: bool = True):
+                 emulate_mbps: float = 0.0, store: bool = True, max_refusal_delay_s: float = MAX_REFUSAL_DELAY_S,
+                 refusal_log_interval_s: float = LOG_INTERVAL_S):
         if not secret:
             raise ValueError("the relay needs a non-empty secret")
         self.secret, self.host, self.port = secret, host, port
@@ -38,6 +40,7 @@ class Relay:
         self.conns: set[Connection] = set()  # every connection that took a handshake slot, until it ends
         self.admission = Admission(max_connections, max_pending, max_pending_per_source)
         self.notices = RefusalNotices(self._waiting_members)
+        self.refusals = RefusalsBySource(max_refusal_delay_s, refusal_log_interval_s)
         self.stores = Stores()
         self.sessions = DataSessions()
         self.rendezvous = Rendezvous()
@@ -70,9 +73,11 @@ class Relay:
         for conn in list(self.conns):
             conn.drop(None)
         self.stores.close()
+        self.refusals.summarize(time.monotonic())  # what the last interval refused is not lost
 
     async def _sweep(self) -> None:
-        """The relay's only timer: handshake and idle timeouts, idle stores, and the notices' tables."""
+        """The relay's only timer: handshake and idle timeouts, idle stores, the notices' tables, and the
+        refusals' counts (logged once an interval)."""
         tick = max(0.05, min(1.0, self.limits.handshake_timeout_s / 4, self.limits.idle_timeout_s / 4))
         while True:
             await asyncio.sleep(tick)
@@ -81,6 +86,7 @@ class Relay:
                 conn.check_timers(now)
             self.stores.sweep(now)
             self.notices.sweep(now)
+            self.refusals.sweep(now)
 
     # ---- Host: what a connection asks ----------------------------------------------------------------
     def count(self, stat: str, n: int = 1) -> None:
@@ -148,12 +154,14 @@ class Relay:
         elif conn.role == auth.ROLE_STORE and conn.counted_store:
             self.stores.leave(conn)
 
-    def refused(self, conn: Connection, refusal: Refusal) -> None:
-        """No claim, or one whose MAC does not check: if it named a session, its waiting members are told."""
-        log.warning("%s: handshake refused: %s", conn.name, refusal.why)
+    def refused(self, conn: Connection, refusal: Refusal) -> float:
+        """No claim, or one whose MAC does not check: counted for its source (logged at once, or in that
+        source's count), and if it named a session, its waiting members are told. Returns how long the
+        answer waits (netbridge.relay.refusals)."""
         self.counts["refused"] += 1
         if refusal.session is not None:
             self.notices.refused_claim(refusal.session, wrong_token_notice(conn.host_name, refusal.session))
+        return self.refusals.refused(conn.source, conn.name, refusal.why, time.monotonic())
 
     # ---- the decisions, told to the connections ------------------------------------------------------
     def _admit_data(self, conn: Connection) -> int:

@@ -357,3 +357,67 @@ def test_a_damaged_whole_shard_in_the_standard_cache_is_refused(hub, repos, tmp_
     with pytest.raises(HubError) as caught:
         fetch_stage(folder, 0, 2, embed=True, head=True, rank=0)
     refused(caught, "model.safetensors", "org/draft", "huggingface_hub's cache", "damaged")
+
+
+# --- the whole-shard digest: compared in full, over the whole file (issue 39) -----------------------
+MIB = 2 ** 20
+
+
+@pytest.fixture(scope="module")
+def big_repo(tmp_path_factory):
+    """An unsharded tiny llama whose model.safetensors is over 8 MiB (a 36,000-token embedding): the digest
+    must cover the bytes past the first 8 MiB (file_digest reads in 8 MiB pieces)."""
+    folder = save_tiny(tmp_path_factory.mktemp("big") / "big", "llama", seed=3, layers=2, seed_vocab=36_000)
+    assert (folder / "model.safetensors").stat().st_size > 8 * MIB + 64 * 1024
+    return folder
+
+
+def test_an_honest_shard_over_8_mib_is_hashed_to_its_end_and_taken(big_repo, tmp_path, monkeypatch):
+    with lying_hub(monkeypatch, big_repo):  # no lie
+        folder = fetch_all(tmp_path)
+    record = json.loads((Path(folder) / "model.safetensors.ranges.json").read_text())
+    truth = hashlib.sha256((big_repo / "model.safetensors").read_bytes()).hexdigest()
+    assert record["verified"] == ["sha256", truth]
+    assert (Path(folder) / "model.safetensors").read_bytes() == (big_repo / "model.safetensors").read_bytes()
+
+
+def test_a_byte_past_the_first_8_mib_altered_in_transit_is_refused(big_repo, tmp_path, monkeypatch):
+    at = 8 * MIB + 4096
+    with lying_hub(monkeypatch, big_repo, flip_byte_at=at) as server:
+        with pytest.raises(HubError) as caught:
+            fetch_all(tmp_path)
+        assert any(a <= at < b for a, b in server.ranges("rank0", "model.safetensors"))  # the altered byte did arrive
+    refused(caught, "model.safetensors", "org/x", "sha256", "altered in transit", "run again")
+    assert [p.name for p in tmp_path.glob("models--org--x/tandem/*/model.safetensors*") if p.suffix != ".lock"] == []
+
+
+def test_a_fetched_shard_whose_digest_differs_only_in_its_last_hex_digit_is_refused(repos, tmp_path, monkeypatch):
+    """The tree and the ETags agree on a digest that is the file's own but for its last hex digit: a compare
+    of any prefix of the digest takes the file, the full compare refuses it."""
+    with lying_hub(monkeypatch, repos["draft"], digest_off_by_last_hex=True):
+        with pytest.raises(HubError) as caught:
+            fetch_all(tmp_path)
+    refused(caught, "model.safetensors", "org/x", "sha256", "run again")
+
+
+def test_a_cached_shard_whose_digest_differs_only_in_its_last_hex_digit_is_refused(repos, tmp_path, monkeypatch):
+    from huggingface_hub import hf_hub_download
+    with lying_hub(monkeypatch, repos["draft"], digest_off_by_last_hex=True):
+        hf_hub_download("org/x", "model.safetensors", cache_dir=str(tmp_path))  # whole in huggingface_hub's cache
+        with pytest.raises(HubError) as caught:
+            fetch_all(tmp_path)
+    refused(caught, "model.safetensors", "org/x", "huggingface_hub's cache", "damaged")
+
+
+def test_a_cached_shard_over_8_mib_damaged_past_8_mib_is_refused(big_repo, tmp_path, monkeypatch):
+    from huggingface_hub import hf_hub_download
+    with lying_hub(monkeypatch, big_repo):
+        blob = Path(hf_hub_download("org/x", "model.safetensors", cache_dir=str(tmp_path))).resolve()
+        fetch_all(tmp_path)  # intact: taken as it is
+        raw = bytearray(blob.read_bytes())
+        raw[8 * MIB + 4096] ^= 0x01
+        blob.chmod(0o644)
+        blob.write_bytes(bytes(raw))
+        with pytest.raises(HubError) as caught:
+            fetch_all(tmp_path)
+    refused(caught, "model.safetensors", "org/x", "huggingface_hub's cache", "damaged")

@@ -28,7 +28,9 @@ from tests.support.relay_harness import (PAIRING, REPO, TOKEN, RelayProcess, clo
 # ---- tests -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module", params=loops())
 def relay(tmp_path_factory, request):
-    with relay_process(tmp_path_factory.mktemp("relay"), "--no-store", "--handshake-timeout-s", "1", "--loop", request.param) as r:
+    # --max-refusal-delay-s 0: the wrong-token dials here test what is told, not the slowing (test_relay_refusals.py)
+    with relay_process(tmp_path_factory.mktemp("relay"), "--no-store", "--handshake-timeout-s", "1", "--max-refusal-delay-s", "0",
+                       "--loop", request.param) as r:
         yield r
 
 

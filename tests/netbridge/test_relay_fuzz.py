@@ -258,7 +258,7 @@ def test_fuzzed_relay_keeps_serving_a_healthy_session(tmp_path, loop, monkeypatc
     Count.handshakes = Count.frames = Count.bodies = 0
     decoded = count_decoder_calls(monkeypatch, threading.get_ident())
     with relay_process(tmp_path, "--no-store", "--max-frame-bytes", str(FUZZ_BOUND), "--handshake-timeout-s", "2",
-                       "--max-pending", "512", "--log-level", "warning", "--loop", loop) as relay:
+                       "--max-pending", "512", "--max-refusal-delay-s", "0", "--log-level", "warning", "--loop", loop) as relay:
         stop = threading.Event()
         healthy = {"rounds": 0, "errors": []}
         c0, c1 = pair(relay, "healthy", timeout_s=60)

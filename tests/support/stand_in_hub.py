@@ -11,7 +11,8 @@
 Repositories are local folders, one per revision (a branch or tag name; its commit id answers too).
 Every request is logged with what was sent, so a test asserts from the server's side which files and
 bytes each client fetched. `Hostile` makes it lie: in what the files hold (served consistently: the
-tree's sha256 is that of the hostile file) or in what one range carries (flipped bytes, another ETag).
+tree's sha256 is that of the hostile file), in what one range carries (flipped bytes, another ETag), or in
+the digest it advertises.
 """
 from __future__ import annotations
 
@@ -31,14 +32,23 @@ from tests.support.tiny_models import free_port
 @dataclass
 class Hostile:
     """What a hostile or broken Hub does. The file changes (header_length, bad_json_header, tensor_entries,
-    weight_map) are the repository's content: tree, HEAD and every range agree on them. flip_data and
-    etag_per_range lie in transit: the tree and HEAD describe the honest file."""
+    weight_map) are the repository's content: tree, HEAD and every range agree on them. flip_data,
+    flip_byte_at and etag_per_range lie in transit: the tree and HEAD describe the honest file."""
     flip_data: bool = False  # each range of tensor bytes (past the header) arrives with every 4th byte's top bit flipped
     etag_per_range: bool = False  # each GET of a .safetensors carries another ETag (bytes of another file behind one header)
     header_length: int | None = None  # the first 8 bytes of every .safetensors say this
     bad_json_header: bool = False  # every .safetensors header is not JSON (its length kept)
     tensor_entries: dict[str, dict] | None = None  # tensor name -> fields its header entry claims (dtype, shape, data_offsets)
     weight_map: dict[str, str] | None = None  # tensor name -> the file model.safetensors.index.json names for it
+    # The tree and every ETag advertise each .safetensors file's sha256 with its last hex digit changed: honest
+    # bytes under a digest that is not theirs, which a check of the digest's first digits takes for theirs
+    digest_off_by_last_hex: bool = False
+    flip_byte_at: int | None = None  # the .safetensors byte at this offset arrives flipped, in whatever range carries it
+
+    def sha256(self, data: bytes) -> str:
+        """The sha256 this Hub advertises for a .safetensors file (the tree's lfs oid, the ETag)."""
+        sha = hashlib.sha256(data).hexdigest()
+        return sha[:-1] + ("1" if sha[-1] == "0" else "0") if self.digest_off_by_last_hex else sha
 
     def content(self, name: str, data: bytes) -> bytes:
         """The file as this Hub stores it."""
@@ -183,7 +193,7 @@ class StandInHub:
                     start, end, status = int(a), min(len(data), int(b) + 1 if b else len(data)), 206
                 headers = {"X-Repo-Commit": found[1], "ETag": f'"{git_blob_id(data)}"', "Accept-Ranges": "bytes"}
                 if file.endswith(".safetensors"):  # an LFS file: the Hub's ETag for it is its sha256
-                    etag = f'"{hashlib.sha256(data).hexdigest()}"'
+                    etag = f'"{hub.hostile.sha256(data)}"'
                     if hub.hostile.etag_per_range and not head:
                         with hub.lock:
                             hub.gets += 1
@@ -201,6 +211,9 @@ class StandInHub:
                     for i in range(3, len(flipped), 4):  # the sign bit of each little-endian float32
                         flipped[i] ^= 0x80
                     body = bytes(flipped)
+                at = hub.hostile.flip_byte_at
+                if at is not None and file.endswith(".safetensors") and start <= at < end:
+                    body = body[:at - start] + bytes([body[at - start] ^ 0x01]) + body[at - start + 1:]
                 cut = hub.cut(len(body))
                 hub.record(Logged("GET", repo, revision, file, start, start + (cut if cut is not None else len(body)),
                                   self.client()))
@@ -232,7 +245,7 @@ class StandInHub:
         data = self.hostile.content(path.name, path.read_bytes())
         if not path.name.endswith(".safetensors"):
             return {"type": "file", "path": path.name, "size": len(data), "oid": git_blob_id(data)}
-        sha = hashlib.sha256(data).hexdigest()
+        sha = self.hostile.sha256(data)
         pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha}\nsize {len(data)}\n".encode()
         return {"type": "file", "path": path.name, "size": len(data), "oid": git_blob_id(pointer),
                 "lfs": {"oid": sha, "size": len(data), "pointerSize": len(pointer)}}
