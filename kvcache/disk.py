@@ -18,7 +18,9 @@ missing (a stat each). Only whole blocks are saved; a prompt's last partial bloc
 What makes a stale file impossible to load: a changed key (another model, dtype, split, device) gives other
 file names, and the header repeats the key, the block's prefix hash and a sha256 of its tensors, all checked on read.
 A file that fails any check (corrupt, truncated, foreign) is refused in one warning line and removed; its
-tokens are then prefilled like any others. Nothing is wrong because of the cache, at worst slower.
+tokens are then prefilled like any others. So is a file that cannot be read at all (no permission, an I/O error,
+a folder in its place): every OSError on the cache's files is a warning or nothing, never the end of a run.
+Nothing is wrong because of the cache, at worst slower.
 
 Writes never run on the round loop: `save` snapshots the new blocks (a copy on the cache's own device, which on
 CPU is the host copy itself) and a background thread moves them to the host, checksums and writes them
@@ -43,6 +45,7 @@ from pathlib import Path
 import torch
 
 from kvcache.static_cache import StaticKVCache
+from model_parallel.lines import one_line
 
 FORMAT = "tandem-kv/2"
 BLOCK_TOKENS = 256
@@ -202,8 +205,12 @@ class KVDiskStore:
         if max_bytes <= 0 or block_tokens <= 0:
             raise ValueError(f"cache.max_bytes ({max_bytes}) and the block size ({block_tokens}) must be positive")
         self.folder, self.key, self.max_bytes, self.block_tokens = Path(folder), key, max_bytes, block_tokens
-        self.folder.mkdir(parents=True, exist_ok=True)
         self.warn = warn or (lambda line: print(f"warning: {line}", file=sys.stderr, flush=True))
+        self.unreadable: set[Path] = set()  # files already warned about (a server would repeat it at every request)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # checked at start (launch.build): removed or locked since; reads find nothing
+            self.warn(f"kv cache: {self.folder} cannot be made ({one_line(e, 160, named=True)}); prefixes are not restored nor saved")
         self.jobs: queue.Queue[WriteJob | None] = queue.Queue()
         self.pending: set[Path] = set()  # queued, not yet on disk (only the writer thread discards)
         self.writer: threading.Thread | None = None
@@ -220,7 +227,7 @@ class KVDiskStore:
     def held(self, hashes: list[str]) -> int:
         """Leading blocks of `hashes` whose files exist (not yet read nor checked)."""
         paths = self.paths(hashes)
-        return next((k for k, p in enumerate(paths) if not p.is_file()), len(paths))
+        return next((k for k, p in enumerate(paths) if not is_file(p)), len(paths))
 
     def read(self, hashes: list[str]) -> SavedPrefix:
         """The longest saved prefix of the blocks `hashes`, read and checked; a bad file ends it (one warning,
@@ -234,7 +241,13 @@ class KVDiskStore:
                 break
             except BadBlock as e:
                 self.warn(f"kv cache file {path} refused: {e}; its tokens are prefilled again and the file removed")
-                path.unlink(missing_ok=True)
+                remove(path)
+                break
+            except OSError as e:  # no permission, an I/O error, a folder in its place: the cache is optional
+                if path not in self.unreadable:
+                    self.warn(f"kv cache file {path} cannot be read ({one_line(e, 160, named=True)}); its tokens are prefilled again")
+                self.unreadable.add(path)
+                remove(path)  # when it can be: the next save writes it anew
                 break
         stamp(paths[:len(prefix.blocks)])
         return prefix
@@ -248,7 +261,7 @@ class KVDiskStore:
         paths = self.paths(hashes)
         new = {}
         for k, (path, h) in enumerate(zip(paths, hashes)):
-            if path in self.pending or path.is_file():
+            if path in self.pending or is_file(path):
                 continue
             a, b = k * self.block_tokens, (k + 1) * self.block_tokens
             new[path] = h, {f"{kind}.{layer}": store[layer][0, :, a:b].clone()
@@ -328,10 +341,7 @@ class KVDiskStore:
         for _, _, size, path in sorted(files):
             if total <= self.max_bytes:
                 break
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            remove(path)
             total -= size
 
 
@@ -341,5 +351,21 @@ def stamp(paths: list[Path]) -> None:
     for path in paths:
         try:
             os.utime(path, ns=(now, now))
-        except FileNotFoundError:
+        except OSError:  # removed meanwhile, or not ours to touch: its place in the eviction order is all it costs
             pass
+
+
+def is_file(path: Path) -> bool:
+    """Path.is_file, with a folder that cannot be searched (EACCES) read as "not there" instead of raised."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
+def remove(path: Path) -> None:
+    """Unlink `path` if it can be (a file another user owns, or a folder, stays, and is read as missing)."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

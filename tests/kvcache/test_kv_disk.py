@@ -239,3 +239,55 @@ def test_a_failing_disk_is_one_warning_and_never_an_error(tmp_path, monkeypatch)
     s.flush()
     assert len(warnings) == 1 and "No space left" in warnings[0] and "\n" not in warnings[0]
     assert s.held(hashes(1)) == 0 and not s.pending  # nothing half-written, nothing left queued
+
+
+def unreadable(path, how: str, monkeypatch) -> None:
+    """Make one block file fail to read: a folder in its place (fails for root too), no permission (chmod 000
+    as an ordinary user; as root, whom chmod does not stop, the read raises what it would), or an I/O error."""
+    import errno
+    import pathlib
+    if how == "folder":
+        path.unlink()
+        path.mkdir()
+        return
+    if how == "chmod" and os.geteuid() != 0:
+        path.chmod(0)
+        return
+    code = errno.EACCES if how == "chmod" else errno.EIO
+    real = pathlib.Path.read_bytes
+    monkeypatch.setattr(pathlib.Path, "read_bytes",
+                        lambda self: (_ for _ in ()).throw(OSError(code, os.strerror(code), str(self)))
+                        if self == path else real(self))
+
+
+@pytest.mark.parametrize("how", ["folder", "chmod", "eio"])
+def test_a_block_that_cannot_be_read_is_a_warning_and_a_shorter_prefix(tmp_path, monkeypatch, how):
+    cache, warnings = filled_cache(13), []
+    s = saved(tmp_path, cache, hashes(1, 2, 3), warnings=warnings)
+    victim = s.paths(hashes(1, 2, 3))[1]
+    unreadable(victim, how, monkeypatch)
+    assert s.read(hashes(1, 2, 3)).tokens == B  # block 0 only: the rest is prefilled again
+    assert len(warnings) == 1 and str(victim) in warnings[0] and "\n" not in warnings[0]
+    assert ("IsADirectoryError" if how == "folder" else "PermissionError" if how == "chmod" else "OSError") in warnings[0]
+    assert s.read(hashes(1, 2, 3)).tokens == B and len(warnings) == 1  # once, not at every request
+    if how != "folder":  # removed where it can be: the next save writes it anew
+        monkeypatch.undo()
+        s.save(cache, hashes(1, 2, 3))
+        s.flush()
+        assert s.read(hashes(1, 2, 3)).tokens == 3 * B
+
+
+def test_a_chain_that_cannot_be_stamped_or_evicted_is_no_error(tmp_path, monkeypatch):
+    """utime and unlink refused (files of another user in a shared folder): reads and writes go on."""
+    cache, warnings = filled_cache(14), []
+    s = saved(tmp_path, cache, hashes(1, 2), warnings=warnings)
+    s.max_bytes = 1  # every write now evicts
+
+    def refused(*_, **__):
+        raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(disk.os, "utime", refused)
+    monkeypatch.setattr(disk.os, "unlink", refused)
+    assert s.read(hashes(1, 2)).tokens == 2 * B
+    s.save(cache, hashes(3, 4))
+    s.flush()
+    assert s.held(hashes(3, 4)) == 2 and not warnings

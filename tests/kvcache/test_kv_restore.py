@@ -1,6 +1,6 @@
 """cache.dir end to end, every rank in this process (launch.ranks over in-process channels): the output is
 token-identical with and without the cache (fp32), after a restart, for a prefix two prompts share, with 2 and
-3 ranks; a split change or a damaged file costs a cold prefill, never a wrong answer."""
+3 ranks, into its own slot among several; a split change or a damaged file costs a cold prefill, never a wrong answer."""
 from __future__ import annotations
 
 import pytest
@@ -94,3 +94,22 @@ def test_requests_in_a_row_take_a_prefix_from_disk_when_memory_lost_it(tiny_qwen
     for prompt, gen in zip(prompts, gens):
         assert gen.output.tokens == reference_greedy(tiny_qwen, prompt, MAX_NEW)
     assert [(g.reused, g.reused_disk) for g in gens] == [(0, 0), (0, 0), (5 * B, 5 * B), (len(prompts[3]) - 1, 0)]
+
+
+def test_a_prefix_from_disk_goes_into_its_own_slot_on_every_rank(tiny_qwen, tiny_qwen_draft, tmp_path):
+    """Two requests at once (serve.max_concurrent=2), three ranks (a middle and a last one): the second is given
+    slot 1 and restores the system prompt from disk while the first is served from slot 0. The later ranks must
+    load it into slot 1: into slot 0 they would leave slot 1 without its prefix and overwrite the first's KV."""
+    from netbridge.protocol import Request
+    from tests.support.session_harness import serve, serve_together
+    ranks, split = 3, "model.split=[1,3]"
+    serve(args(tiny_qwen, tiny_qwen_draft, tmp_path, [1], split), [(SYSTEM + Q1, Request())], ranks=ranks)
+    other = [(i * 53 + 7) % 300 for i in range(30)]  # shares nothing with SYSTEM
+    prompts = [other, SYSTEM + Q2]
+    served = [a for a in args(tiny_qwen, tiny_qwen_draft, tmp_path, [1], split) if not a.startswith("prompt_ids=")]
+    gens, session = serve_together(served, [(p, Request()) for p in prompts], ranks=ranks, slots=2)
+    held = session.scheduler.held  # per slot, what its caches hold after the two requests
+    assert held[0][:len(other)] == other and held[1][:len(SYSTEM)] == SYSTEM
+    assert [g.reused_disk for g in gens] == [0, 5 * B]
+    for prompt, gen in zip(prompts, gens):
+        assert gen.output.tokens == reference_greedy(tiny_qwen, prompt, MAX_NEW)
