@@ -45,7 +45,6 @@ from pathlib import Path
 import torch
 
 from kvcache.static_cache import StaticKVCache
-from model_parallel.lines import one_line
 
 FORMAT = "tandem-kv/2"
 BLOCK_TOKENS = 256
@@ -210,7 +209,7 @@ class KVDiskStore:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # checked at start (launch.build): removed or locked since; reads find nothing
-            self.warn(f"kv cache: {self.folder} cannot be made ({one_line(e, 160, named=True)}); prefixes are not restored nor saved")
+            self.warn(f"kv cache: {self.folder} cannot be made ({_named(e)}); prefixes are not restored nor saved")
         self.jobs: queue.Queue[WriteJob | None] = queue.Queue()
         self.pending: set[Path] = set()  # queued, not yet on disk (only the writer thread discards)
         self.writer: threading.Thread | None = None
@@ -245,7 +244,7 @@ class KVDiskStore:
                 break
             except OSError as e:  # no permission, an I/O error, a folder in its place: the cache is optional
                 if path not in self.unreadable:
-                    self.warn(f"kv cache file {path} cannot be read ({one_line(e, 160, named=True)}); its tokens are prefilled again")
+                    self.warn(f"kv cache file {path} cannot be read ({_named(e)}); its tokens are prefilled again")
                 self.unreadable.add(path)
                 remove(path)  # when it can be: the next save writes it anew
                 break
@@ -369,3 +368,8 @@ def remove(path: Path) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def _named(error: OSError) -> str:
+    """An OSError in one short line (kvcache imports only torch: not model_parallel's one_line)."""
+    return " ".join(f"{type(error).__name__}: {error}".split())[:160]
