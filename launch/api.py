@@ -42,6 +42,7 @@ class Prompt:
     stop: list[str]
     stream: bool
     tools: ToolSetup | None = None  # chat with tools: calls are read out of the answer when tools.parse
+    include_usage: bool = False  # stream_options.include_usage: the usage in a last chunk of its own
 
 
 _SAMPLING = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n"}
@@ -121,7 +122,7 @@ def parse_chat(body, tokenizer, cfg, model_name: str) -> Prompt:
     settings = read_settings(body, cfg)
     check_fields(body, "chat")
     try:
-        settings.request.grammar, settings.request.logprobs = read_grammar(body), read_chat_logprobs(body)
+        settings.request.grammar, settings.request.logprobs = read_grammar(body, tokenizer), read_chat_logprobs(body)
     except FieldError as e:
         raise ApiError(400, str(e), param=e.param) from None
     settings.request.grammar = forced_call(tools, tokenizer, settings.request.grammar)
@@ -207,6 +208,7 @@ class Settings:
     request: Request
     stop: list[str]
     stream: bool
+    include_usage: bool = False
 
 
 def read_settings(body: dict, cfg) -> Settings:
@@ -231,15 +233,16 @@ def read_settings(body: dict, cfg) -> Settings:
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", param="stream")
-    options = body.get("stream_options")  # the usage always comes with the last chunk
+    options = body.get("stream_options")  # include_usage: the usage in a last chunk of its own (launch.server)
     if options is not None and not (isinstance(options, dict) and all(
             k in ("include_usage", "include_obfuscation") and isinstance(v, bool) for k, v in options.items())):
         raise ApiError(400, "stream_options may only hold include_usage (true or false)", param="stream_options")
-    return Settings(max_tokens, Request(temperature, top_p, seed), stop, bool(stream))
+    include_usage = bool(options and options.get("include_usage"))
+    return Settings(max_tokens, Request(temperature, top_p, seed), stop, bool(stream), include_usage)
 
 
 def with_ids(s: Settings, ids) -> Prompt:
-    return Prompt(list(ids), s.max_tokens, s.request, s.stop, s.stream)
+    return Prompt(list(ids), s.max_tokens, s.request, s.stop, s.stream, include_usage=s.include_usage)
 
 
 def _integer(body: dict, key: str, default, low: int, high: int | None):

@@ -2,7 +2,7 @@
 
     POST /v1/chat/completions   POST /v1/completions   (stream=true: server-sent events, then [DONE])
     POST /v1/responses          (stream=true: the Responses API's typed events)
-    GET  /v1/models             GET  /health
+    GET  /v1/models             GET  /v1/models/{id}        GET  /health
 
 What each accepts and refuses (launch/api.py's field table) is in docs/api.md.
 
@@ -34,10 +34,12 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from launch.api import ApiError, Prompt, parse_chat, parse_completion, tandem_fields, usage, visible_text
 from launch.responses import ResponsesForm, parse_responses
-from launch.structured import chat_logprobs, completion_logprobs
+from launch.structured import chat_logprobs, completion_logprobs, grammar_failed
+from launch.tools import finish_reason
 from launch.build import CapacityError, check_capacity, check_ids, output_room
 from launch.config import TandemConfig
 from speculative.output import Output
@@ -75,15 +77,30 @@ class Running:
     reported: int = 0  # the tokens whose logprobs were sent so far
 
     def relay(self) -> None:
-        """After one of its rounds: the text and logprobs that round added, to the client."""
+        """After one of its rounds: the text and logprobs that round added, to the client. With logprobs, the text
+        goes out in whole tokens, each token's logprobs just before its text: the form sends both in one chunk."""
         p, output = self.job.prompt, self.output
         text = visible_text(output.text(), p.stop, output.done)
+        scored = len(output.logprobs)
+        if p.stream and p.request.logprobs is not None and not output.done:  # at the end: the rest, whatever it is
+            scored, text = self.whole_tokens(text)
+        if scored > self.reported:  # the new tokens' (tokens, rows)
+            self.job.emit("logprobs", (output.tokens[self.reported:scored], output.logprobs[self.reported:scored]))
+            self.reported = scored
         if len(text) > len(self.sent):
             self.job.emit("text", text[len(self.sent):])
             self.sent = text
-        if len(output.logprobs) > self.reported:  # the request asked for them: the new tokens' (tokens, rows)
-            self.job.emit("logprobs", (output.tokens[self.reported:len(output.logprobs)], output.logprobs[self.reported:]))
-            self.reported = len(output.logprobs)
+
+    def whole_tokens(self, visible: str) -> tuple[int, str]:
+        """The most tokens whose text lies whole within `visible` (what the client may see now), and that text."""
+        output, best = self.output, (self.reported, self.sent)
+        if output.tokenizer is None:
+            return len(output.logprobs), visible
+        for n in range(self.reported + 1, len(output.logprobs) + 1):  # a round's few new tokens
+            end = output.text_end(n)  # the length of their text; None: the n-th ends within a character
+            if end is not None and end <= len(visible):  # `visible` is a prefix of the text
+                best = n, visible[:end]
+        return best
 
     def fail(self, message: str) -> None:
         self.job.cancelled.set()
@@ -198,6 +215,10 @@ class Engine:
             running = next(r for r in self.live if r.stream is stream)
             with self.lock:
                 self.live.remove(running)
+            if stream.gen.error is not None:  # its grammar failed on the last rank: this request alone ends, in error
+                message, param = grammar_failed(running.job.prompt.tools, stream.gen.error)
+                running.job.emit("error", ApiError(400, message, param=param))
+                continue
             self._done(running)
 
     def _done(self, running: Running) -> None:
@@ -234,6 +255,12 @@ def build_app(cfg: TandemConfig, engine: Engine, tokenizer, vocab_size: int, mod
     async def api_error(_, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(http: HttpRequest, e: HTTPException):
+        """The router's own answers (an unknown route, a wrong method) in OpenAI's error shape, not {"detail"}."""
+        return JSONResponse(route_error(http.method, http.url.path, e).body(), status_code=e.status_code,
+                            headers=e.headers)
+
     if api_key is not None:
         expected = api_key.encode()
 
@@ -254,23 +281,33 @@ def build_app(cfg: TandemConfig, engine: Engine, tokenizer, vocab_size: int, mod
         return {"status": "ok", "served": engine.served, "cancelled": engine.cancelled, "waiting": engine.jobs.qsize(),
                 "live": len(engine.live), "slots": engine.session.slots}
 
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "tandem"}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "tandem"}]}
+        return {"object": "list", "data": [card]}
 
-    def parse_and_check(raw: bytes, parse) -> Prompt:  # in a worker thread: tokenizing may take a while
+    @app.get("/v1/models/{model:path}")  # a Hub id has a slash (the openai client sends it as %2F: decoded here)
+    async def model(model: str):
+        if model != model_name:
+            raise ApiError(404, f"the model {model[:100]!r} does not exist; this server serves {model_name!r}",
+                           code="model_not_found")
+        return card
+
+    def parse_and_check(raw: bytes, parse, field: str) -> Prompt:  # in a worker thread: tokenizing may take a while
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError):
             raise ApiError(400, "the request body is not valid JSON") from None
         prompt = parse(body, tokenizer, cfg, model_name)
-        check_prompt(cfg, prompt, vocab_size)
+        check_prompt(cfg, prompt, vocab_size, field)
         return prompt
 
-    async def handle(http: HttpRequest, parse, form):
+    async def handle(http: HttpRequest, parse, form, field: str):
+        """`field`: the body's field that holds the prompt (a prompt too long is a 400 naming it)."""
         arrived = time.perf_counter()
         raw = await read_body(http, cfg.serve.max_body_bytes)
-        prompt = await asyncio.to_thread(parse_and_check, raw, parse)
+        prompt = await asyncio.to_thread(parse_and_check, raw, parse, field)
         job = Job(prompt, asyncio.get_running_loop(), arrived, tokenizer=tokenizer)
         engine.submit(job)
         if prompt.stream:
@@ -279,15 +316,15 @@ def build_app(cfg: TandemConfig, engine: Engine, tokenizer, vocab_size: int, mod
 
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest):
-        return await handle(http, parse_chat, ChatForm)
+        return await handle(http, parse_chat, ChatForm, "messages")
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
-        return await handle(http, parse_completion, CompletionForm)
+        return await handle(http, parse_completion, CompletionForm, "prompt")
 
     @app.post("/v1/responses")
     async def responses(http: HttpRequest):
-        return await handle(http, parse_responses, ResponsesForm)
+        return await handle(http, parse_responses, ResponsesForm, "input")
 
     return app
 
@@ -368,17 +405,29 @@ async def drain(http: HttpRequest, most: int) -> None:
             return
 
 
-def check_prompt(cfg: TandemConfig, prompt: Prompt, vocab_size: int) -> None:
-    """Refuse what cannot be served before it is queued; an absent max_tokens becomes what fits."""
+def check_prompt(cfg: TandemConfig, prompt: Prompt, vocab_size: int, field: str = "prompt") -> None:
+    """Refuse what cannot be served before it is queued; an absent max_tokens becomes what fits. `field`: the
+    body's field the prompt came in (OpenAI names it in context_length_exceeded: messages on chat)."""
     try:
         check_ids(prompt.ids, vocab_size)
         if prompt.max_tokens is None:
             prompt.max_tokens = max(1, min(cfg.gen.max_new_tokens, output_room(cfg, len(prompt.ids))[0]))
         check_capacity(cfg, len(prompt.ids), prompt.max_tokens)
     except CapacityError as e:
-        raise ApiError(400, f"{e} (prompt + max_tokens must fit)", code="context_length_exceeded") from None
+        raise ApiError(400, f"{e} (prompt + max_tokens must fit)", param=field, code="context_length_exceeded") from None
     except ValueError as e:
-        raise ApiError(400, str(e)) from None
+        raise ApiError(400, str(e), param=field) from None
+
+
+def route_error(method: str, path: str, e: HTTPException) -> ApiError:
+    """An unknown route (404) or a wrong method (405) as OpenAI answers them."""
+    where = f"{method} {path[:200]}"
+    if e.status_code == 404:
+        return ApiError(404, f"Unknown request URL: {where}; the endpoints are in docs/api.md", code="unknown_url")
+    if e.status_code == 405:
+        allowed = (e.headers or {}).get("Allow", "another method")
+        return ApiError(405, f"{where} is not allowed: this route takes {allowed}", code="method_not_allowed")
+    return ApiError(e.status_code, f"{where}: {e.detail}", "invalid_request_error" if e.status_code < 500 else "server_error")
 
 
 async def complete(http, job: Job, form) -> dict:
@@ -422,14 +471,22 @@ def sse(body: dict, event: str | None = None) -> str:
 
 class CompletionForm:
     """/v1/completions: a text_completion, or text_completion chunks then [DONE]."""
+    OPEN = {"text": ""}  # a streamed choice's empty form
 
     def __init__(self, job: Job, model: str):
         self.job, self.model, self.id, self.created = job, model, f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         self.offset = 0  # streamed logprobs: where the next token's text starts in the answer
+        self.scored: list[tuple] = []  # streamed logprobs that go out with the next text: (tokens, rows) per event
 
     def body(self, choice: dict, **extra) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "logprobs": None, **choice}], **extra}
+
+    def chunk(self, choice: dict, **extra) -> str:
+        """One streamed chunk. With stream_options.include_usage each has `usage`, null until the last (OpenAI's)."""
+        if self.job.prompt.include_usage:
+            extra = {"usage": None, **extra}
+        return sse(self.body(choice, **extra))
 
     def answer(self, done: dict) -> dict:
         logprobs = done.get("logprobs") and completion_logprobs(self.job.tokenizer, *done["logprobs"])
@@ -437,20 +494,45 @@ class CompletionForm:
                          usage=usage(self.job.prompt, done), tandem=tandem_fields(done))
 
     def logprobs(self, value) -> list[str]:
-        """Streamed: the log-probabilities of the tokens a round committed, in a chunk of their own."""
-        logprobs = completion_logprobs(self.job.tokenizer, *value, offset=self.offset)
+        """Streamed: the log-probabilities of the tokens whose text comes next (Running.relay); they go with it."""
+        self.scored.append(value)
+        return []
+
+    def take_logprobs(self) -> dict | None:
+        """The waiting logprobs, written for this endpoint (None when none wait)."""
+        if not self.scored:
+            return None
+        tokens = [t for ts, _ in self.scored for t in ts]
+        rows = [r for _, rs in self.scored for r in rs]
+        self.scored = []
+        return self.write_logprobs(tokens, rows)
+
+    def write_logprobs(self, tokens, rows) -> dict:
+        logprobs = completion_logprobs(self.job.tokenizer, tokens, rows, offset=self.offset)
         self.offset += sum(map(len, logprobs["tokens"]))
-        return [sse(self.body({"text": "", "logprobs": logprobs, "finish_reason": None}))]
+        return logprobs
 
     def start(self) -> list[str]:
         return []
 
     def text(self, delta: str) -> list[str]:
-        return [sse(self.body({"text": delta, "finish_reason": None}))]
+        return [self.chunk({"text": delta, "logprobs": self.take_logprobs(), "finish_reason": None})]
+
+    def last(self, done: dict) -> dict:
+        """Beside finish_reason: the usage (unless it comes in a chunk of its own) and Tandem's figures."""
+        return {"usage": None if self.job.prompt.include_usage else usage(self.job.prompt, done),
+                "tandem": tandem_fields(done)}
+
+    def usage_chunk(self, done: dict) -> list[str]:
+        """stream_options.include_usage: after the last choice, a chunk with `choices: []` and the usage."""
+        if not self.job.prompt.include_usage:
+            return []
+        return [sse({**self.body(self.OPEN, usage=usage(self.job.prompt, done)), "choices": []})]
 
     def done(self, done: dict) -> list[str]:
-        return [sse(self.body({"text": "", "finish_reason": done["finish_reason"]}, usage=usage(self.job.prompt, done),
-                              tandem=tandem_fields(done)))]
+        # logprobs still waiting: tokens with no text of their own (a stop string's, one that ends the answer)
+        return [self.chunk({"text": "", "logprobs": self.take_logprobs(), "finish_reason": done["finish_reason"]},
+                           **self.last(done))] + self.usage_chunk(done)
 
     def error(self, e: ApiError) -> list[str]:
         return [sse(e.body())]
@@ -462,6 +544,7 @@ class CompletionForm:
 class ChatForm(CompletionForm):
     """/v1/chat/completions: a chat.completion, or chat.completion.chunk deltas then [DONE]. With tools (auto),
     the calls are read out of the text as it streams and sent as tool_calls (finish_reason tool_calls)."""
+    OPEN = {"delta": {}}
 
     def __init__(self, job: Job, model: str):
         super().__init__(job, model)
@@ -476,7 +559,7 @@ class ChatForm(CompletionForm):
                 **extra}
 
     def finish_reason(self, done: dict) -> str:
-        return "tool_calls" if self.calls is not None and self.calls.calls else done["finish_reason"]
+        return finish_reason(self.calls, done["finish_reason"])
 
     def answer(self, done: dict) -> dict:
         message = {"role": "assistant", "content": done["text"]}
@@ -490,33 +573,33 @@ class ChatForm(CompletionForm):
         return self.body({"message": message, "finish_reason": self.finish_reason(done), "logprobs": logprobs},
                          usage=usage(self.job.prompt, done), tandem=tandem_fields(done))
 
-    def logprobs(self, value) -> list[str]:
-        return [sse(self.body({"delta": {"content": ""}, "logprobs": chat_logprobs(self.job.tokenizer, *value),
-                               "finish_reason": None}))]
+    def write_logprobs(self, tokens, rows) -> dict:
+        return chat_logprobs(self.job.tokenizer, tokens, rows)
 
     def start(self) -> list[str]:
-        return [sse(self.body({"delta": {"role": "assistant", "content": ""}, "finish_reason": None}))]
+        return [self.chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})]
 
     def text(self, delta: str) -> list[str]:
         return self.deltas([("content", delta)] if self.calls is None else self.calls.feed(delta))
 
     def deltas(self, items) -> list[str]:
-        """Content as it is; a call as OpenAI streams one: its id and name (arguments ""), then its arguments."""
+        """Content as it is (with the logprobs of its tokens); a call as OpenAI streams one: its id and name
+        (arguments ""), then its arguments."""
         out = []
         for kind, item in items:
             if kind == "content":
-                out.append(sse(self.body({"delta": {"content": item}, "finish_reason": None})))
+                out.append(self.chunk({"delta": {"content": item}, "logprobs": self.take_logprobs(), "finish_reason": None}))
                 continue
             index = self.calls.calls.index(item)
             head = {"index": index, "id": item.id, "type": "function", "function": {"name": item.name, "arguments": ""}}
             for call in (head, {"index": index, "function": {"arguments": item.arguments}}):
-                out.append(sse(self.body({"delta": {"tool_calls": [call]}, "finish_reason": None})))
+                out.append(self.chunk({"delta": {"tool_calls": [call]}, "finish_reason": None}))
         return out
 
     def done(self, done: dict) -> list[str]:
         rest = self.deltas(self.calls.finish()) if self.calls is not None else []
-        return rest + [sse(self.body({"delta": {}, "finish_reason": self.finish_reason(done)}, usage=usage(self.job.prompt, done),
-                                     tandem=tandem_fields(done)))]
+        return rest + [self.chunk({"delta": {}, "logprobs": self.take_logprobs(), "finish_reason": self.finish_reason(done)},
+                                  **self.last(done))] + self.usage_chunk(done)
 
 
 def reserve_port(cfg: TandemConfig) -> socket.socket:

@@ -9,8 +9,9 @@ before temperature, top-p and the grammar's mask), read from an OpenAI body and 
 from __future__ import annotations
 
 import functools
+import threading
 
-from speculative.grammar import GrammarError, grammar_source, schema_of
+from speculative.grammar import GrammarError, Grammars, grammar_source, schema_of
 from speculative.verify import MAX_TOP_LOGPROBS
 
 MAX_COMPLETION_LOGPROBS = 5  # what OpenAI's /v1/completions allows
@@ -24,13 +25,50 @@ class FieldError(ValueError):
         self.param = param
 
 
-def read_grammar(body: dict) -> str | None:
-    """The grammar text a response_format asks for (checked here, before the request is queued), or None."""
+def read_grammar(body: dict, tokenizer=None) -> str | None:
+    """The grammar text a response_format asks for (checked here, before the request is queued: with the
+    tokenizer, also tried as the last rank will use it, check_grammar), or None."""
     try:
         schema = schema_of(body.get("response_format"))
-        return None if schema is None else grammar_source(schema)
+        source = None if schema is None else grammar_source(schema)
     except GrammarError as e:
         raise FieldError(str(e), param="response_format") from None
+    try:
+        return source if source is None or tokenizer is None else check_grammar(source, tokenizer, schema)
+    except GrammarError as e:
+        raise FieldError(f"response_format: {e}", param="response_format") from None
+
+
+def check_grammar(source: str, tokenizer, schema: dict) -> str:
+    """`source` (of the JSON schema `schema`), once tried as the last rank will use it (speculative.grammar.
+    Grammars.check): a GrammarError now, a 400, rather than a request that would end in an error once its answer
+    gets there."""
+    request_grammars(tokenizer).check(source, schema)
+    return source
+
+
+def grammar_failed(tools, cause: str) -> tuple[str, str]:
+    """The error of a request whose grammar failed while its answer was verified (speculative.grammar.GrammarFailure
+    on the last rank): its message and the field it names (tools when tool_choice forced a call)."""
+    if tools is not None and tools.forced is not None:
+        return f"tools: the call's grammar failed while the answer was written ({cause}); simplify the parameters", "tools"
+    return f"response_format: the grammar failed while the answer was written ({cause}); simplify the schema", \
+        "response_format"
+
+
+_lock = threading.Lock()
+_held: list = [None, None]  # the tokenizer and its Grammars (a server has one tokenizer)
+
+
+def request_grammars(tokenizer) -> Grammars:
+    """Rank 0's Grammars for the request checks, made on the first request with a grammar (its tokenizer wrap
+    takes ~1-5 s; requests are parsed in worker threads, so the lock makes it once). Its end token only ends the
+    walk (the last rank holds the model's own)."""
+    with _lock:
+        if _held[0] is not tokenizer:
+            eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [0]
+            _held[:] = [tokenizer, Grammars(tokenizer, len(tokenizer), eos)]
+        return _held[1]
 
 
 def read_chat_logprobs(body: dict) -> int | None:

@@ -27,6 +27,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from speculative.grammar import JSON_OPTIONS
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
 
@@ -49,14 +51,19 @@ class ToolSetup:
     forced: str | None = None  # tool_choice required ("*": any tool) or the named tool: the answer must be a call
 
     def grammar(self, tokenizer) -> str | None:
-        """The grammar the answer is held to (tool_choice required / named), as llguidance's source; else None."""
+        """The grammar the answer is held to (tool_choice required / named), as llguidance's source, tried on its
+        first tokens as the last rank will use it (launch.structured.check_grammar); else None."""
         if self.forced is None:
             return None
+        from launch.structured import check_grammar
         from speculative.grammar import lark_source
-        return lark_source(call_grammar(self.specs, tokenizer, None if self.forced == "*" else self.forced, self.parallel))
+        name = None if self.forced == "*" else self.forced
+        source = lark_source(call_grammar(self.specs, tokenizer, name, self.parallel))
+        return check_grammar(source, tokenizer, call_schema(self.specs, name))
 
     def parser(self) -> CallParser:
-        return CallParser(self.parallel, frozenset(s["function"]["name"] for s in self.specs or []))
+        return CallParser(self.parallel, frozenset(s["function"]["name"] for s in self.specs or []),
+                          forced=self.forced is not None)
 
 
 def tool_setup(body: dict, chat_template: str | None) -> ToolSetup | None:
@@ -122,12 +129,15 @@ def _named(choice, names: list[str]) -> bool:
 
 def call_schema(specs: list[dict], name: str | None = None) -> dict:
     """The JSON schema of the object inside <tool_call>...</tool_call>: any of the tools (tool_choice required) or
-    the named one, with its parameters as the arguments' schema. What a grammar enforces for required / named."""
+    the named one, with its parameters as the arguments' schema. What a grammar enforces for required / named:
+    JSON written as the chat template writes a call (", " and ": ", no other whitespace; "x-guidance" is where
+    llguidance reads its options inside a grammar), so a model cannot pad a call with whitespace to max_tokens."""
     options = [{"type": "object", "properties": {"name": {"const": s["function"]["name"]},
                                                  "arguments": s["function"].get("parameters") or {"type": "object"}},
                 "required": ["name", "arguments"], "additionalProperties": False}
                for s in specs if name is None or s["function"]["name"] == name]
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "x-guidance": JSON_OPTIONS}
 
 
 def call_grammar(specs: list[dict], tokenizer, name: str | None = None, parallel: bool = True) -> str:
@@ -192,10 +202,13 @@ class CallParser:
     """Reads <tool_call> JSON </tool_call> out of the answer as it streams. feed(text) returns what is decided:
     ("content", text) and ("call", Call) items in order; finish() the rest. Text that may be the start of a
     <tool_call> waits until it is decided; whitespace just before a call or after the last one is dropped (the
-    text is then the message around the calls); a call whose JSON does not parse is given back as text.
-    With `names`, an answer that begins with { or ``` is held to its end and read as bare calls (see above)."""
+    text is then the message around the calls); a call whose JSON does not parse is given back as text, but one
+    cut off at the end (no </tool_call>: max_tokens stopped it) is dropped, so no part of a call is content.
+    With `names`, an answer that begins with { or ``` is held to its end and read as bare calls (see above).
+    `forced` (tool_choice required / named): the grammar holds the answer to calls, so nothing is content."""
     parallel: bool = True
     names: frozenset = frozenset()  # the tools a bare call may name (none: bare calls are not read)
+    forced: bool = False
     calls: list[Call] = field(default_factory=list)
     _pending: str = ""  # not yet decided: a possible tag start, or a call's body until its </tool_call>
     _space: str = ""  # whitespace outside calls, held until it is known whether a call follows
@@ -237,7 +250,7 @@ class CallParser:
 
     def finish(self) -> list[tuple[str, object]]:
         """The end of the answer: an unclosed call is read as far as it goes (a stop string may have cut its
-        </tool_call>); held whitespace is content unless calls were made."""
+        </tool_call>), and dropped when its JSON is incomplete; held whitespace is content unless calls were made."""
         if self._bare is not False:  # the whole answer was held: bare calls, or else text as it came
             answer, self._head, self._bare = self._head, "", False
             calls = bare_calls(answer, self.names)
@@ -246,29 +259,38 @@ class CallParser:
                 return [("call", call) for call in self.calls]
             return self.feed(answer) + self.finish()
         rest, self._pending = self._pending, ""
-        out = self._call(rest, rest) if self._in_call else self._text(rest)
+        out = self._call(rest, None) if self._in_call else self._text(rest)
         self._in_call = False
-        if self._space and not self.calls:
+        if self._space and not self.calls and not self.forced:
             out.append(("content", self._space))
         self._space = ""
         return out
 
     def _text(self, text: str) -> list[tuple[str, object]]:
-        if not text:
+        if not text or self.forced:  # forced: only "\n" between calls, or the start of a tag max_tokens cut
             return []
         text, self._space = self._space + text, ""
         body = text.rstrip()
         self._space = text[len(body):]
         return [("content", body)] if body else []
 
-    def _call(self, body: str, raw: str) -> list[tuple[str, object]]:
+    def _call(self, body: str, raw: str | None) -> list[tuple[str, object]]:
+        """A call's body read; `raw`: its text up to its </tool_call> (None: cut off, no </tool_call>)."""
         call = parse_call(body)
-        if call is None:  # given back as it was written, with the whitespace before it
-            text, self._space = self._space + OPEN + raw, ""
-            return [("content", text)]
+        if call is None:
+            held, self._space = self._space, ""
+            if raw is None or self.forced:  # cut off by max_tokens (or held to calls by the grammar): dropped
+                return []
+            return [("content", held + OPEN + raw)]  # given back as it was written, with the whitespace before it
         self._space = ""
         self.calls.append(call)
         return [("call", call)]
+
+
+def finish_reason(parser: CallParser | None, reason: str) -> str:
+    """OpenAI's finish_reason of a chat answer whose own is `reason` (stop, length): tool_calls when it made calls
+    and ended by itself; length whenever max_tokens stopped it, calls or not (a call it cut off is dropped)."""
+    return "tool_calls" if parser is not None and parser.calls and reason != "length" else reason
 
 
 def parse_call(body: str) -> Call | None:

@@ -11,7 +11,8 @@
     Prefill(start, hidden)              -->  a long prompt's leading chunks: extend the cache, no reply
     Round(slot, start, hidden, drafts,  -->  forward its slice from `start` in `slot`, verify; `batch` Rounds of
           [q], batch)                        several slots sent back to back run as one forward
-                                        <--  Reply(accepted, token, stage1_ms, marks, [logprobs]), one per Round
+                                        <--  Reply(accepted, token, stage1_ms, marks, [logprobs], [error]), one per
+                                                 Round; `error`: its request's grammar failed, that request ends
     ... more Rounds, more Requests (serving: several generations live at once, each in its own slot) ...
     Idle                                -->  nothing to do yet (serving): the link is alive
     Bye                                 -->  the session is over
@@ -36,7 +37,7 @@ import torch
 
 from netbridge.channel import Channel, PeerError
 
-VERSION = 9  # bumped when a message changes; Hello carries it
+VERSION = 10  # bumped when a message changes; Hello carries it
 
 
 @dataclass
@@ -132,6 +133,7 @@ class Reply:
     logprobs: torch.Tensor | None = None  # Request.logprobs: [accepted + 1] the committed tokens' (verify.token_logprobs)
     top_ids: torch.Tensor | None = None  # [accepted + 1, n] the most likely tokens at each, and theirs:
     top_logprobs: torch.Tensor | None = None  # [accepted + 1, n]
+    error: str | None = None  # the request's grammar failed (speculative.grammar.GrammarFailure): it ends with this
 
 
 @dataclass

@@ -23,6 +23,11 @@ class GrammarError(ValueError):
     """A response_format that cannot be turned into a grammar; the message names the cause and the fix."""
 
 
+class GrammarFailure(RuntimeError):
+    """A request's grammar failed while its answer was verified (llguidance's matcher in its error state, e.g. a
+    lexer limit reached on a token; or an exception from it): that request ends with this, the others go on."""
+
+
 def schema_of(response_format: dict | None) -> dict | None:
     """The JSON schema an OpenAI `response_format` asks for; None for plain text (absent or {"type": "text"})."""
     if response_format is None:
@@ -42,6 +47,36 @@ def schema_of(response_format: dict | None) -> dict | None:
                                "the schema object is missing")
         return schema
     raise GrammarError(f"response_format type {kind!r} is not supported: use text, json_object or json_schema")
+
+
+PROBE_CHOICES = 32  # free choices Grammars.check walks (forced tokens between them come free)
+PROBE_TOKENS = 512  # and tokens in all (~25 us each on Qwen's vocabulary: a long forced constant stops here)
+PROBE_PATTERNS = 64  # regexes of a schema it walks alone (a few ms each; llguidance's limits bound the worst)
+
+
+def patterns(schema) -> set[str]:
+    """Every regex of a JSON schema, however deep: each "pattern", and "patternProperties"' keys (not inside
+    values: const, enum, default, examples)."""
+    found, todo = set(), [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                found.add(node["pattern"])
+            if isinstance(node.get("patternProperties"), dict):
+                found.update(node["patternProperties"])
+            todo.extend(v for k, v in node.items() if k not in VALUES)
+        elif isinstance(node, list):
+            todo.extend(node)
+    return found
+
+
+VALUES = {"const", "enum", "default", "examples"}  # a schema's keys whose values are JSON, not schemas
+
+
+def first_line(error) -> str:
+    """An llguidance error's first line (the rest is the parser's state dump, with the grammar in it)."""
+    return (str(error).splitlines() or ["no error"])[0]
 
 
 # JSON written as json.dumps writes it (", " and ": "), with no other whitespace: a model left free to choose its
@@ -83,7 +118,7 @@ class Grammars:
         if not eos:
             raise GrammarError("structured outputs need an end-of-sequence token to end the JSON: the model's "
                                "generation_config and tokenizer name none; set eos_token_id in generation_config.json")
-        self.vocab_size = vocab_size
+        self.vocab_size, self.eos = vocab_size, set(eos)
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
 
     def make(self, response_format: dict | None) -> Grammar | None:
@@ -98,10 +133,44 @@ class Grammars:
         """A Grammar from llguidance's grammar text (grammar_source's, or lark_source's): what a Request carries
         to the last rank, which makes the matcher against its own copy of the tokenizer."""
         import llguidance
-        matcher = llguidance.LLMatcher(self.tokenizer, source, log_level=0)
+        try:
+            matcher = llguidance.LLMatcher(self.tokenizer, source, log_level=0)
+        except Exception as e:  # noqa: BLE001 - it says it never raises on a grammar; one line if it does
+            raise GrammarError(f"the grammar cannot be enforced: {first_line(e)}") from None
         if matcher.is_error():
-            raise GrammarError(f"the grammar cannot be enforced: {matcher.get_error().splitlines()[0]}")
+            raise GrammarError(f"the grammar cannot be enforced: {first_line(matcher.get_error())}")
         return Grammar(matcher, self.vocab_size)
+
+    def check(self, source: str, schema: dict | None = None) -> None:
+        """The grammar tried here as the last rank will use it, so that what fails at once is a 400 instead of a
+        request that ends in an error: its matcher made and its answer's start walked (walk), and each regex of its
+        JSON schema (`schema`: a response_format's, a tool's parameters) walked alone, wherever it lies. llguidance
+        builds a lexeme's regex when the answer reaches it: `{"type": "string", "pattern": "^a{1000000}$"}` fails on
+        its opening quote, not before. A failure past this still ends only its own request (speculative.rounds)."""
+        try:
+            self.walk(source, PROBE_CHOICES)
+        except GrammarFailure as e:
+            raise GrammarError(f"the grammar fails on its first tokens ({e}); simplify the schema") from None
+        for pattern in sorted(patterns(schema))[:PROBE_PATTERNS]:
+            try:
+                self.walk(grammar_source({"type": "string", "pattern": pattern}), 2)
+            except GrammarError:  # not a regex llguidance reads alone: the whole schema compiled, so not one of its own
+                continue
+            except GrammarFailure as e:
+                raise GrammarError(f"the pattern {pattern[:40]!r} fails on its first tokens ({e}); simplify it") from None
+
+    def walk(self, source: str, choices: int) -> None:
+        """The answer's first `choices` free choices (each the lowest token allowed; what the grammar forces between
+        them, llguidance's fast-forward tokens, comes free), the mask computed before every token as verification
+        does; GrammarFailure where it fails."""
+        grammar, walked = self.from_source(source), 0
+        for _ in range(choices):
+            for token in grammar.matcher.compute_ff_tokens() or [grammar.lowest_allowed()]:
+                if token in self.eos or grammar.matcher.is_stopped() or walked == PROBE_TOKENS:
+                    return
+                grammar.allows(token)  # the mask first, as the last rank computes it
+                grammar.accept(token)
+                walked += 1
 
 
 class FolderGrammars:
@@ -115,7 +184,12 @@ class FolderGrammars:
     def from_source(self, source: str) -> Grammar:
         if self._grammars is None:
             from transformers import AutoTokenizer
-            self._grammars = Grammars(AutoTokenizer.from_pretrained(self.folder), self.vocab_size, self.eos_ids)
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(self.folder)
+            except (OSError, ValueError) as e:
+                raise GrammarError(f"the last rank cannot load the tokenizer of {self.folder} to enforce the grammar "
+                                   f"({first_line(e)}); give it the model folder's tokenizer files") from None
+            self._grammars = Grammars(tokenizer, self.vocab_size, self.eos_ids)
         return self._grammars.from_source(source)
 
 
@@ -149,12 +223,20 @@ class Grammar:
         """Whether `token` may come next (one bit of the mask)."""
         return 0 <= token < self.vocab_size and bool((int(self._bitmask()[token >> 5]) >> (token & 31)) & 1)
 
+    def lowest_allowed(self) -> int:
+        """The lowest token the grammar allows next (Grammars.check's walk)."""
+        words = np.flatnonzero(self._bitmask())
+        if not words.size:
+            raise GrammarFailure(f"the grammar allows no token after {self.consumed} tokens: {self._error()}")
+        word = int(self._bits[words[0]]) & 0xFFFFFFFF
+        return int(words[0]) * 32 + (word & -word).bit_length() - 1
+
     def allowed(self) -> torch.Tensor:
         """The mask at the current position: bool [vocab_size], True where the grammar allows the token."""
         bits = np.unpackbits(self._bitmask().view(np.uint8), bitorder="little")[:self.vocab_size]
         mask = torch.from_numpy(bits.astype(bool))
         if not mask.any():  # every logit would be -inf: the choice after it is NaN
-            raise RuntimeError(f"the grammar allows no token after {self.consumed} tokens: {self._error()}")
+            raise GrammarFailure(f"the grammar allows no token after {self.consumed} tokens: {self._error()}")
         return mask
 
     def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -164,7 +246,7 @@ class Grammar:
     def accept(self, token: int) -> None:
         stopped = self.matcher.is_stopped()
         if not self.matcher.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token} after {self.consumed} tokens: {self._error()}")
+            raise GrammarFailure(f"the grammar refused token {token} after {self.consumed} tokens: {self._error()}")
         self._counted.append(not stopped)
         self.tokens.append(token)
         self._fresh = False
@@ -174,10 +256,10 @@ class Grammar:
         if n <= 0:
             return
         if n > self.consumed:
-            raise RuntimeError(f"cannot roll the grammar back {n} tokens: it holds {self.consumed}")
+            raise GrammarFailure(f"cannot roll the grammar back {n} tokens: it holds {self.consumed}")
         counted = sum(self._counted[-n:])
         if counted and not self.matcher.rollback(counted):
-            raise RuntimeError(f"cannot roll the grammar back {n} tokens: {self._error()}")
+            raise GrammarFailure(f"cannot roll the grammar back {n} tokens: {self._error()}")
         del self._counted[-n:]
         del self.tokens[-n:]
         self._fresh = False
@@ -185,7 +267,7 @@ class Grammar:
     def rewind(self, consumed: int) -> None:
         """Back to `consumed` accepted tokens (rank 0 is the authority on the committed length)."""
         if consumed > self.consumed:
-            raise RuntimeError(f"the grammar holds {self.consumed} tokens, fewer than the {consumed} committed")
+            raise GrammarFailure(f"the grammar holds {self.consumed} tokens, fewer than the {consumed} committed")
         self.rollback(self.consumed - consumed)
 
     def at(self, position: int) -> bool:
@@ -203,7 +285,7 @@ class Grammar:
 
     def _check(self) -> None:
         if self.matcher.is_error():
-            raise RuntimeError(f"the grammar failed after {self.consumed} tokens: {self._error()}")
+            raise GrammarFailure(f"the grammar failed after {self.consumed} tokens: {self._error()}")
 
     def _error(self) -> str:
-        return (self.matcher.get_error().splitlines() or ["no error"])[0]  # the rest is the parser's state dump
+        return first_line(self.matcher.get_error())

@@ -34,6 +34,7 @@ from netbridge import protocol
 from netbridge.channel import Channel
 from speculative.prefixes import pass_on
 from netbridge.protocol import Lookup, Prefill, Reply, Request, Restore, Round
+from speculative.grammar import GrammarFailure, first_line
 from speculative.output import Output
 from speculative.verify import token_logprobs, verify
 
@@ -62,6 +63,7 @@ class RoundRecord:
     batch: int = 1  # blocks in the forward it went out in (several streams' rounds run as one)
     live: int = 1  # streams live when its reply came
     on_the_way: int = 1  # blocks of every stream on the way when its reply was awaited, itself included
+    looked_up: bool = False  # its drafts were found in the context, with no model step (draft.kind=hybrid, ngram)
 
     @property
     def later_ms(self) -> float:
@@ -85,6 +87,7 @@ class Generation:
     t0_s: float = 0.0  # time.perf_counter() at the start: start_s + t0_s is a round's clock reading
     reused: int = 0  # prompt tokens found in the caches (not prefilled again)
     reused_disk: int = 0  # of them, those read from cache.dir (speculative.prefixes); the rest were in memory
+    error: str | None = None  # it ended because its grammar failed on the last rank (Reply.error): why
 
 
 class NonFiniteLogits(RuntimeError):
@@ -98,10 +101,12 @@ def middle_ms(reply: Reply) -> list[float]:
 
 class SlotVerifier:
     """The last rank's state for the generation in one slot: its Request, its generator, its grammar, and
-    which bet a block sent on its last round's full acceptance must carry (spec.in_flight)."""
+    which bet a block sent on its last round's full acceptance must carry (spec.in_flight). `failed`: why its
+    grammar failed (speculative.grammar.GrammarFailure), once it has; every Round of the slot is then answered
+    with it until the slot's next Request."""
 
-    def __init__(self, request: Request = Request(), grammar=None):
-        self.request, self.grammar = request, grammar
+    def __init__(self, request: Request = Request(), grammar=None, failed: str | None = None):
+        self.request, self.grammar, self.failed = request, grammar, failed
         self.generator = torch.Generator()
         self.bet_holds_for: tuple[int, int] | None = None
 
@@ -129,7 +134,7 @@ def run_rank1(stage: Stage, channel: Channel, reply_to: Channel | None = None, p
             if isinstance(answer, Lookup):  # back to rank 0, which decides
                 protocol.send(reply_to, answer)
         elif isinstance(msg, Request):
-            slots[msg.slot] = SlotVerifier(msg, request_grammar(grammars, msg))
+            slots[msg.slot] = slot_verifier(grammars, msg)
         elif isinstance(msg, Prefill):
             stage.run(msg.start, msg.hidden.to(stage.device), num_logits=None, slot=msg.slot)
         elif isinstance(msg, Round):
@@ -149,12 +154,15 @@ def verify_batch(stage: Stage, batch: list[Round], verifiers: list[SlotVerifier]
     work = [(m, v) for m, v in zip(batch, verifiers) if not v.skips(m)]
     logits = batch_logits(stage, [m for m, _ in work])
     t_forward = time.perf_counter()
-    verdicts = {id(m): verify_round(m, rows, v) for (m, v), rows in zip(work, logits)}
+    verdicts = {id(m): verify_or_fail(m, rows, v) for (m, v), rows in zip(work, logits)}
     t_send = time.perf_counter()
     replies = []
     for m, v in zip(batch, verifiers):
         if id(m) not in verdicts:
             replies.append(Reply(-1, -1, 0.0, [t_wait, t0, t0, t0], m.marks))
+            continue
+        if verdicts[id(m)] is None:  # its grammar failed: rank 0 ends that request alone
+            replies.append(Reply(-1, -1, (t_send - t0) * 1000, [t_wait, t0, t_forward, t_send], m.marks, error=v.failed))
             continue
         accepted, token, logprobs = verdicts[id(m)]
         replies.append(Reply(accepted, token, (t_send - t0) * 1000, [t_wait, t0, t_forward, t_send], m.marks, *logprobs))
@@ -252,6 +260,25 @@ def request_grammar(grammars, request: Request):
     return grammars.from_source(request.grammar)
 
 
+def slot_verifier(grammars, request: Request) -> SlotVerifier:
+    """The verifier of a new generation; one whose grammar cannot be made is failed from the start (its Rounds are
+    answered with the cause: that request ends, the others go on)."""
+    try:
+        return SlotVerifier(request, request_grammar(grammars, request))
+    except ValueError as e:  # speculative.grammar.GrammarError, or no tokenizer on this rank
+        return SlotVerifier(request, failed=str(e))
+
+
+def verify_or_fail(msg: Round, logits: torch.Tensor, v: SlotVerifier):
+    """verify_round, or None once the slot's grammar has failed (v.failed says why)."""
+    if v.failed is None:
+        try:
+            return verify_round(msg, logits, v)
+        except GrammarFailure as e:
+            v.failed = str(e)
+    return None
+
+
 def verify_round(msg: Round, logits: torch.Tensor, v: SlotVerifier):
     """Rank 1's half of a round over the target's `logits` [K+1, V] at its positions: (accepted drafts, the next
     token, and the committed tokens' log-probabilities as Reply's (logprobs, top_ids, top_logprobs), Nones unless
@@ -262,9 +289,16 @@ def verify_round(msg: Round, logits: torch.Tensor, v: SlotVerifier):
                               "the weights are corrupt or model.dtype overflows (float16?); try model.dtype=bfloat16 or float32")
     position = decided(msg)
     v.generator.manual_seed(round_seed(request.seed, position))
-    grammar = v.grammar if v.grammar is not None and v.grammar.at(position) else None  # else a dropped round's
-    accepted, token = verify(logits, msg.drafts, request.temperature, request.top_p, v.generator, msg.q_ids,
-                             msg.q_probs, grammar)
+    try:
+        grammar = v.grammar if v.grammar is not None and v.grammar.at(position) else None  # else a dropped round's
+        accepted, token = verify(logits, msg.drafts, request.temperature, request.top_p, v.generator, msg.q_ids,
+                                 msg.q_probs, grammar)
+    except GrammarFailure:
+        raise
+    except Exception as e:  # noqa: BLE001 - with a grammar, whatever llguidance raised: this request's alone
+        if v.grammar is None:
+            raise
+        raise GrammarFailure(f"{type(e).__name__}: {first_line(e)}") from e
     if request.logprobs is None:
         return accepted, token, (None, None, None)
     lp = token_logprobs(logits, msg.drafts[:accepted].tolist() + [token], request.logprobs)

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from transformers import AddedToken, AutoModelForCausalLM, AutoTokenizer
 
-from launch.tools import CallParser
+from launch.tools import CallParser, ToolSetup, call_grammar, finish_reason
 from tests.support.serve_harness import served, served_args
 from tests.support.tiny_models import randomize_norms, reference_greedy, save_tiny, save_tiny_tokenizer
 
@@ -213,6 +213,8 @@ def test_tool_choice_none_leaves_the_tools_out_and_reads_no_calls(client, tokeni
     ({"stream_options": {"include_usage": "yes"}}, "stream_options"),
     ({"top_k": 5}, "top_k"),  # not an OpenAI field: refused like OpenAI's "Unrecognized request argument"
     ({"max_token": 5}, "max_token"),  # a typo is not silently ignored
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {  # issue 39
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "^a{1000000}$"}}}}}]}, "tools"),
 ])
 def test_what_is_not_honoured_is_a_400_naming_the_field(client, fields, param):
     body = {"tools": TOOLS, **fields}
@@ -257,8 +259,20 @@ def test_the_parser_reads_the_same_however_the_text_is_cut(pieces, names, data):
     cuts = sorted(data.draw(st.sets(st.integers(0, len(text)), max_size=6)))
     items = parse(text, [], names)
     assert parse(text, cuts, names) == items
-    if not any(kind == "call" for kind, _ in items):  # no call: the answer's text, exactly
-        assert "".join(item for _, item in items) == text
+    if not any(kind == "call" for kind, _ in items):  # no call: the answer's text, but a call cut off at its end
+        assert "".join(item for _, item in items) == without_a_cut_off_call(text)
+
+
+def without_a_cut_off_call(text: str) -> str:
+    """An answer's text less a <tool_call> with no </tool_call> after it (max_tokens cut it) and the whitespace
+    before that: what the parser gives back of an answer without calls."""
+    end = 0
+    while (start := text.find("<tool_call>", end)) >= 0:
+        end = text.find("</tool_call>", start + len("<tool_call>"))
+        if end < 0:
+            return text[:start].rstrip()
+        end += len("</tool_call>")
+    return text
 
 
 @pytest.mark.parametrize("tags_are_tokens", [True, False])
@@ -379,3 +393,77 @@ def test_tool_choice_required_or_named_makes_the_answer_a_call(long_client, choi
                                      tools=[{"type": "function", **t["function"]} for t in FORCED_TOOLS])
     assert [item.type for item in r.output] == ["function_call"] and json.loads(r.output[0].arguments)["unit"] in "cf"
 
+
+
+# --- issue 39 (6): a forced call, and what comes after it -------------------------------------------------------
+
+def tag_tokenizer(folder: Path):
+    """The tiny tokenizer with <tool_call> and </tool_call> as one token each (as Qwen's)."""
+    save_tiny_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in ("<tool_call>", "</tool_call>")])
+    return tokenizer
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_forced_call_is_written_as_the_template_writes_it_then_another_call_or_the_end(tmp_path, parallel):
+    """At every position of a call of get_unit, each token the grammar allows continues `{"name": "get_unit",
+    "arguments": {"unit": "c"}}` or its "f" twin (no whitespace of the model's choosing: a model cannot pad a call
+    to max_tokens); after the call only the end, or with parallel calls a newline and then only another call."""
+    from speculative.grammar import Grammars, lark_source
+    tokenizer = tag_tokenizer(tmp_path)
+    eos, newline, open_tag = tokenizer.eos_token_id, *tokenizer("\n<tool_call>", add_special_tokens=False)["input_ids"]
+    grammar = Grammars(tokenizer, len(tokenizer), [eos]).from_source(
+        lark_source(call_grammar(FORCED_TOOLS, tokenizer, "get_unit", parallel)))
+    calls = [f'<tool_call>\n{{"name": "get_unit", "arguments": {{"unit": "{unit}"}}}}\n</tool_call>' for unit in "cf"]
+    written = ""
+    for token in tokenizer(calls[0], add_special_tokens=False)["input_ids"]:
+        for allowed in grammar.allowed().nonzero().flatten().tolist():
+            piece = tokenizer.decode([allowed])
+            assert any(call.startswith(written + piece) for call in calls), (written, piece)
+        grammar.accept(token)
+        written += tokenizer.decode([token])
+    assert written == calls[0]
+    assert set(grammar.allowed().nonzero().flatten().tolist()) == ({eos, newline} if parallel else {eos})
+    if parallel:
+        grammar.accept(newline)
+        assert grammar.allowed().nonzero().flatten().tolist() == [open_tag]
+
+
+CALL = '<tool_call>\n{"name": "get_unit", "arguments": {"unit": "c"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("forced", [True, False])
+def test_a_call_cut_off_at_the_end_is_never_content(forced):
+    """max_tokens stopped the answer inside its second call: the first is the call, nothing of the second is
+    content (forced or auto), however the text came; the finish reason is length, not tool_calls."""
+    text = f'{CALL}\n<tool_call>\n{{"name": "set_u'
+    for cut in range(len(text) + 1):
+        parser = CallParser(names=frozenset({"get_unit", "set_unit"}), forced=forced)
+        items = parser.feed(text[:cut]) + parser.feed(text[cut:]) + parser.finish()
+        assert [(kind, item.name if kind == "call" else item) for kind, item in items] == [("call", "get_unit")], cut
+    assert finish_reason(parser, "length") == "length"
+    assert finish_reason(parser, "stop") == "tool_calls"
+    assert finish_reason(CallParser(), "stop") == "stop" and finish_reason(None, "length") == "length"
+
+
+def test_a_forced_answer_gives_no_content_even_when_not_a_call():
+    """tool_choice required / named (ToolSetup.parser): the grammar leaves no text besides calls, and what a cut
+    leaves (the start of a tag) is not content either."""
+    parser = ToolSetup(FORCED_TOOLS, True, forced="*").parser()
+    items = parser.feed(f"{CALL}\n<tool_") + parser.finish()
+    assert [kind for kind, _ in items] == ["call"]
+
+
+def test_a_forced_call_cut_by_max_tokens_is_length_with_no_content(long_client):
+    """tool_choice required with parallel_tool_calls left at its default, and max_tokens too small for the call:
+    finish_reason length, and no part of the call in content, streamed or not."""
+    kwargs = dict(model="scripted", messages=[{"role": "user", "content": "hi <sunny>"}], tools=FORCED_TOOLS,
+                  tool_choice="required", max_tokens=20)
+    r = long_client.chat.completions.create(**kwargs)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 20
+    assert not r.choices[0].message.content and not r.choices[0].message.tool_calls
+    chunks = list(long_client.chat.completions.create(**kwargs, stream=True))
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]

@@ -162,7 +162,7 @@ def post(server, path: str, body: bytes) -> tuple[int, dict]:
 @pytest.mark.parametrize("path,body,status,param", [
     ("/v1/chat/completions", b"{not json", 400, None),
     ("/v1/chat/completions", b'{"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}', 404, "model"),
-    ("/v1/completions", json.dumps({"prompt": "x" * 3000}).encode(), 400, None),
+    ("/v1/completions", json.dumps({"prompt": "x" * 3000}).encode(), 400, "prompt"),  # context_length_exceeded
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": 100000}', 400, "max_tokens"),  # > gen.max_new_tokens
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, "n"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}', 400, "tools"),

@@ -19,10 +19,10 @@ from scipy.stats import chisquare
 from transformers import AutoTokenizer
 
 from netbridge.protocol import Request
-from speculative.grammar import GrammarError, Grammars, grammar_source, schema_of
+from speculative.grammar import GrammarError, GrammarFailure, Grammars, grammar_source, schema_of
 from speculative.verify import token_logprobs, verify
-from tests.support.grammar_reference import ReferenceGrammar, constrained_greedy
-from tests.support.session_harness import serve, session_args
+from tests.support.grammar_reference import BOMB, ReferenceGrammar, constrained_greedy, late_bomb
+from tests.support.session_harness import serve, serve_together, session_args
 from tests.support.tiny_models import VOCAB, load_reference, reference_greedy, save_tiny, save_tiny_tokenizer
 
 EOS = 0  # the tiny tokenizer's <eos>
@@ -331,3 +331,45 @@ def test_at_follows_the_committed_answer_through_rounds_sent_on_a_failed_bet(tin
     assert grammar.at(origin + i + 1) and grammar.tokens == real[:i + 1]  # the real round after it
     assert torch.equal(grammar.allowed(), ReferenceAfter(tokenizer, real[:i + 1]))
     assert grammar.at(origin + 2) and grammar.tokens == real[:2]  # a rewind as far as rank 0 says
+
+
+# ---- a grammar llguidance gives up on (issue 39): a 400 when its first tokens show it, else its request alone ends --
+def test_a_grammar_that_fails_on_its_first_tokens_is_refused_by_the_check(tiny):
+    """Grammars.check (the request checks on rank 0) walks the answer's start as the last rank would, and each regex
+    of the schema alone: the million-repetition pattern fails there, in one line naming llguidance's cause, at the
+    top of the schema or past the walk's reach (late_bomb); ordinary schemas pass."""
+    grammars = tiny[2]
+    with pytest.raises(GrammarError, match="first tokens .*too many expressions constructed") as info:
+        grammars.check(grammar_source(BOMB))
+    assert "\n" not in str(info.value)
+    grammars.check(grammar_source(late_bomb()))  # the walk alone does not get to its pattern...
+    with pytest.raises(GrammarError, match="pattern '\\^a\\{1000000\\}\\$' .*too many expressions constructed"):
+        grammars.check(grammar_source(late_bomb()), late_bomb())  # ...its regexes walked alone do
+    for schema in (SCHEMA, {"type": "object"}, {"type": "integer"}, {"enum": [{"pattern": "(unclosed"}]},
+                   {"type": "string", "pattern": "^[a-z]{2,8}$"}):
+        grammars.check(grammar_source(schema), schema)
+
+
+def test_a_grammar_that_fails_while_verifying_ends_its_own_request_alone(tiny, folder, expected, tmp_path):
+    """late_bomb's grammar (sent without the request checks) fails on the last rank once its answer reaches the
+    pattern: that request ends with the cause (Generation.error), while a plain request served at the same time gives
+    the target's own answer, and the request after them, given the failed one's slot, its answer under SCHEMA."""
+    draft = save_tiny(tmp_path / "draft", "qwen2", seed=7, layers=2)
+    requests = [(PROMPT, Request(grammar=grammar_source(late_bomb(8)))), (PROMPT, Request(), 24),
+                (PROMPT, Request(grammar=grammar_source(SCHEMA)))]
+    gens, _ = serve_together(session_args(folder, draft, max_new=MAX_NEW), requests, slots=2)
+    assert "too many expressions constructed" in gens[0].error
+    assert len(gens[0].output.tokens) > 8  # it failed midway: after the string's 8 characters
+    assert gens[1].error is None and gens[1].output.tokens == reference_greedy(folder, PROMPT, 24, eos=EOS)
+    assert gens[2].error is None and gens[2].output.tokens == expected[0]
+    assert gens[2].rounds[0].slot == gens[0].rounds[0].slot != gens[1].rounds[0].slot
+
+
+@pytest.mark.slow  # the test above covers the same failure among others; this is the one-at-a-time loop's
+def test_a_lone_generation_whose_grammar_fails_raises_it(folder, tmp_path):
+    """Session.generate (one request at a time) raises the failure; the session serves the next request."""
+    draft = save_tiny(tmp_path / "draft", "qwen2", seed=7, layers=2)
+    gens = serve(session_args(folder, draft, max_new=MAX_NEW),
+                 [(PROMPT, Request(grammar=grammar_source(late_bomb()))), (PROMPT, Request())], keep_going=True)
+    assert isinstance(gens[0], GrammarFailure) and "too many expressions constructed" in str(gens[0])
+    assert gens[1].output.tokens == reference_greedy(folder, PROMPT, MAX_NEW, eos=EOS)

@@ -38,3 +38,17 @@ def constrained_greedy(model, tokenizer, prompt: list[int], schema: dict, max_ne
                          eos_token_id=eos, pad_token_id=eos, output_logits=True, return_dict_in_generate=True,
                          logits_processor=LogitsProcessorList([grammar]))
     return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float()
+
+
+# Schemas llguidance cannot enforce (issue 39): its lexer gives up ("too many expressions constructed") when the
+# answer reaches a pattern of a million repetitions. BOMB fails on the answer's first token; late_bomb() only once
+# the answer has written `chars` characters of a string before it, past the start speculative.grammar.Grammars.check
+# walks (it finds the pattern by walking each regex of the schema alone). A Request that skips the checks (built
+# directly, or with the check patched out) has its grammar fail while the last rank verifies: every answer of
+# late_bomb() gets there (the string's length is fixed).
+BOMB = {"type": "string", "pattern": "^a{1000000}$"}
+
+
+def late_bomb(chars: int = 34) -> dict:
+    return {"type": "object", "properties": {"k": {"type": "string", "minLength": chars, "maxLength": chars}, "b": BOMB},
+            "required": ["k", "b"], "additionalProperties": False}
