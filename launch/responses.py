@@ -5,8 +5,8 @@ one more request behind the same API key check and limits.
 Read: `input` (a string, or a list of items: messages {role, content} whose content is a string or input_text /
 output_text parts, function_call and function_call_output items), `instructions` (a system message before
 them), `max_output_tokens`, `temperature`, `top_p`, `stream`, and function `tools` with `tool_choice` and
-`parallel_tool_calls` (as on chat, launch/tools.py: auto and none; required and a named function are 400s until
-a grammar enforces them). Everything else follows launch/api.py's field table: inert values are accepted, the
+`parallel_tool_calls` (as on chat, launch/tools.py: auto and none parse the answer; required and a named function
+hold it to calls by a grammar). Everything else follows launch/api.py's field table: inert values are accepted, the
 rest is a 400 naming the field (previous_response_id, store=true, text formats other than plain text...).
 
 The output is a message item for the text and a function_call item per call. A streamed response is the typed

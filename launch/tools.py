@@ -144,7 +144,7 @@ def call_grammar(specs: list[dict], tokenizer, name: str | None = None, parallel
     """The llguidance (Lark) grammar of an answer that is only calls: <tool_call>, a newline, call_schema's JSON,
     a newline, </tool_call> (one call, or several separated by newlines when `parallel`). A tag that is one token
     of the tokenizer (Qwen's added tokens) is written as that token, else as its text. What tool_choice required /
-    named hand to the grammar (speculative.grammar) once requests carry one."""
+    named hand to the grammar (speculative.grammar)."""
     def tag(text: str) -> str:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(text)
