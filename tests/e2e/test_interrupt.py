@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.support.tiny_models import REPO, free_port, ids_arg, save_tiny
+from tests.support.tiny_models import REPO, free_port, ids_arg, kill_launch, save_tiny
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT])
@@ -43,8 +43,7 @@ def test_ctrl_c_mid_generation_names_the_signal_on_both_ranks(tmp_path, sig):
         proc.wait(30)
         exit_s = time.monotonic() - t0
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_launch(proc)
     reader.join(5)
     stderr = "".join(lines)
     name = signal.Signals(sig).name

@@ -15,7 +15,7 @@ import pytest
 import train_free_infer
 from launch.config import ConfigError, config_from_argv
 from launch.relay_rendezvous import launcher_exit_status
-from tests.support.tiny_models import REPO, free_port, reference_greedy, run_entry_pair, save_tiny, save_tiny_tokenizer
+from tests.support.tiny_models import REPO, free_port, kill_launch, reference_greedy, run_entry_pair, save_tiny, save_tiny_tokenizer
 
 # each of these, from the command line, came to the model as something else (or failed) through omegaconf
 PROMPTS = ["Explain this Python error: KeyError: 'name'", "a: b", "{a: 1}", "[1, 2]", "- item", "yes", "no", "on", "off",
@@ -151,8 +151,7 @@ def test_closed_stdout_and_every_prompt_through_torchrun(tmp_path, talking_model
         stderr = proc.stderr.read().decode()
         proc.wait(60)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_launch(proc)
     assert proc.returncode == 141 and "Traceback" not in stderr and "tandem[rank" not in stderr and "exitcode" not in stderr, stderr[-3000:]
     kept = json.loads(out.read_text())
     ids = AutoTokenizer.from_pretrained(talking_model)(text)["input_ids"]

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from tests.support.grammar_reference import BOMB, constrained_greedy, late_bomb
 from tests.support.serve_harness import CHAT_TEMPLATE, chat_folder, launch_served, served, served_args, wait_healthy
-from tests.support.tiny_models import free_port, load_reference, reference_greedy, save_tiny, save_tiny_tokenizer
+from tests.support.tiny_models import free_port, kill_launch, load_reference, reference_greedy, save_tiny, save_tiny_tokenizer
 
 EOS = 0  # the tiny tokenizer's <eos>
 MAX_NEW = 48
@@ -228,8 +228,6 @@ def test_a_schema_that_fails_while_verifying_ends_its_own_request_alone(server, 
 def test_a_launched_server_answers_after_schemas_llguidance_gives_up_on(tmp_path):
     """The same through torchrun (issue 39: the last rank died and torchrun exited): both schemas are 400s (the
     request checks find the pattern at the top and deep in the schema), and the next request is answered."""
-    import os
-    import signal
     target, draft = chat_folder(tmp_path / "target", seed=1), chat_folder(tmp_path / "draft", seed=7, layers=2)
     port = free_port()
     proc = launch_served(target, draft, port, 2)
@@ -245,5 +243,4 @@ def test_a_launched_server_answers_after_schemas_llguidance_gives_up_on(tmp_path
         answer = launched.chat.completions.create(model="target", messages=MESSAGES, max_tokens=8)
         assert answer.usage.completion_tokens == 8 and proc.poll() is None
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_launch(proc)

@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.support.serve_harness import EIGHT_PROMPTS, MAX_LEN, launch_served, post_together, serve_args, wait_healthy
-from tests.support.tiny_models import free_port, reference_greedy
+from tests.support.tiny_models import free_port, kill_launch, reference_greedy
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +27,7 @@ def server(models):
         wait_healthy(url, proc)
         yield {"url": url, "proc": proc, "target": target}
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_launch(proc)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from tests.support.serve_harness import EIGHT_PROMPTS, launch_served, post_together, wait_healthy
-from tests.support.tiny_models import free_port, reference_greedy
+from tests.support.tiny_models import free_port, kill_launch, reference_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -28,5 +28,4 @@ def test_eight_concurrent_clients_through_three_ranks_each_equal_generate(models
         assert stderr.count("stopped by SIGTERM") == 3, stderr[-3000:]  # each rank's one line
         assert "[rank 2: layers " in stderr, stderr[-3000:]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_launch(proc)

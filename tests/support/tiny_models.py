@@ -83,6 +83,29 @@ def _reference_greedy(folder: str, prompt: tuple[int, ...], max_new_tokens: int,
     return tuple(tokens)
 
 
+def kill_launch(proc: subprocess.Popen) -> None:
+    """SIGKILL a torchrun started with start_new_session=True and its ranks. torchrun starts each rank in a session
+    of its own (torch's SubprocessHandler), so killing torchrun's group alone leaves the ranks running, orphaned
+    (a served one forever); they are found as torchrun's children first."""
+    if proc.poll() is not None:
+        return
+    ranks = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _parent(d) == proc.pid]
+    for pid in ranks:
+        try:
+            os.killpg(pid, 9)  # the rank's own session (and anything it started)
+        except (ProcessLookupError, PermissionError):
+            pass
+    os.killpg(proc.pid, 9)
+    proc.wait(30)
+
+
+def _parent(proc_dir: Path) -> int | None:
+    try:  # /proc/PID/stat: "pid (name) state ppid ...": the name may hold spaces, so split after its ')'
+        return int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def free_port() -> int:
     """A free port below the kernel's ephemeral range: a port the kernel handed out (bind to 0) may be
     handed out again, to gloo or torchrun's store, between this check and the bind under test."""
