@@ -22,7 +22,7 @@ if __name__ == "__main__" and {"--help", "-h"} & set(sys.argv[1:]):  # at once: 
     sys.exit(0)
 
 from launch import ranks as lives
-from launch.config import ConfigError, TandemConfig, config_from_argv
+from launch.config import ConfigError, StdinError, TandemConfig, config_from_argv
 from launch.distributed import (Interrupted, close_channel, error_line, expected_failures, open_links, report,
                                 skip_the_final_collections_at_exit, tell_peer, torchrun_rank, wait_for_peer_to_leave)
 from launch.ranks import StdoutClosed
@@ -33,12 +33,7 @@ REFUSAL_WAIT_S = 30.0  # at most this (and transport.timeout_s) rank 0 waits for
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
-        cfg = config_from_argv(argv)  # exits 0 after printing the keys for --help / -h
-    except ConfigError as e:
-        # every rank on this host read the same command line: the first says so, each tells torchrun
-        report(str(e), echo=os.environ.get("LOCAL_RANK", "0") == "0")
-        sys.exit(1)
+    cfg, refusal = parse(argv)
     if threading.current_thread() is threading.main_thread():  # (tests drive main() from threads)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lives.raise_interrupted)
@@ -46,6 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         rank, ranks = torchrun_rank()
         skip_the_final_collections_at_exit()
+        if refusal is not None:
+            _refuse(cfg, rank, ranks, refusal)
         listener = serving_port(cfg, rank, ranks)
         links = prev, next = open_links(cfg, rank, ranks)  # one channel both ways with two ranks
         if rank == 0:
@@ -73,6 +70,21 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if links is not None:
             close_channel(*links)
+
+
+def parse(argv: list[str] | None) -> tuple[TandemConfig, StdinError | None]:
+    """The config (exits 0 after printing the keys for --help / -h); a mistake is one line and exit 1. Stdin is
+    rank 0's alone: when what came there is refused, the other ranks, which parsed the command line without it,
+    are on their way to meet rank 0, so that error comes back with their config, for `_refuse` to tell them."""
+    try:
+        try:
+            return config_from_argv(argv), None
+        except StdinError as e:
+            return config_from_argv(argv, read_stdin=False), e
+    except ConfigError as e:
+        # every rank on this host read the same command line: the first says so, each tells torchrun
+        report(str(e), echo=os.environ.get("LOCAL_RANK", "0") == "0")
+        sys.exit(1)
 
 
 def serving_port(cfg: TandemConfig, rank: int, ranks: int):

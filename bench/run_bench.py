@@ -3,6 +3,8 @@
     python bench/run_bench.py            # the default sweep (under 15 minutes on 2 CPU cores)
     python bench/run_bench.py --full     # every delay x K x drafter
     python bench/run_bench.py --split    # model.split=auto vs the even split vs a memory-forced one, overlap on/off
+    python bench/run_bench.py --hybrid --prompt-set edit --max-new-tokens 256   # draft.kind=hybrid vs model
+                                         # on answers that copy their prompt (--prompt-set novel: on the default prompts)
 
 Tandem runs as the real entry under torchrun (two ranks on this host), once per configuration and
 prompt, with an EMULATED one-way delay (transport.emulate_delay_ms: each message arrives that long after
@@ -24,6 +26,7 @@ Per Tandem row, over the decode rounds of all prompts pooled:
     bound overlapped   tok/round / max(2 x delay + stage1, draft + stage0 + drafting ahead): the same
                 if rank 0's work per round hid entirely behind its wait for rank 1 (or the reverse)
     x K=0       tok/s over Tandem's K=0 at the same delay
+    looked up   draft.kind=hybrid: the share of decode rounds proposed by prompt lookup (no model step)
     x HF greedy e2e tok/s over transformers greedy's (end to end: assisted generation's first
                 emission already holds drafting work, which a decode-only figure would hide)
     = greedy    tokens identical to transformers greedy (common prefix / tokens; bf16 near-ties can differ)
@@ -58,9 +61,18 @@ PROMPTS = [
 ]
 
 
+def prompt_set(name: str) -> list[str]:
+    """--prompt-set: novel (PROMPTS: answers that copy little) or edit (bench/edit_prompts.py: rewrite a given
+    function with a small change, answers that copy most of their prompt)."""
+    if name == "edit":
+        from bench.edit_prompts import EDIT_PROMPTS
+        return EDIT_PROMPTS
+    return PROMPTS
+
+
 @dataclass
 class Row:
-    drafter: str  # none | model | ngram
+    drafter: str  # none | model | ngram | hybrid
     k: int
     delay_ms: float
     extra: list[str] = field(default_factory=list)  # more key=value overrides
@@ -90,9 +102,11 @@ def split_sweep() -> list[Row]:
                                   for on in (True, False) for name, extra in splits.items())]]
 
 
-def sweep(full: bool, overlap: bool = False, split: bool = False) -> list[Row]:
+def sweep(full: bool, overlap: bool = False, split: bool = False, hybrid: bool = False) -> list[Row]:
     if split:
         return split_sweep()
+    if hybrid:  # draft.kind=hybrid beside the model drafter it adds prompt lookup to, at 0 and 40 ms
+        return [Row(kind, 4, d) for d in (0, 40) for kind in ("model", "hybrid")]
     if overlap:  # spec.overlap on/off beside K=0 at 0, 40 and 80 ms
         return [row for d in (0, 40, 80) for row in
                 (Row("none", 0, d), Row("model", 4, d, ["spec.overlap=false"], note="no overlap"),
@@ -204,6 +218,7 @@ def pool(runs: list[dict], delay_ms: float) -> dict:
     tok_s = tokens / decode_s if decode_s > 0 else 0.0
     e2e = sum(len(run["token_ids"]) for run in runs) / sum(run["stats"]["total_s"] for run in runs)
     return {"tokens_per_s": tok_s, "e2e_tokens_per_s": e2e, "tokens_per_round": per_round, "decode_rounds": n,
+            "looked_up": sum(bool(r.get("looked_up")) for r in decode) / n if n else 0.0,
             "acceptance": sum(r["accepted"] for r in decode) / drafted if drafted else None, "ms": ms,
             "round_ms": sum(ms.values()), "bound_tokens_per_s": bound, "bound_overlap_tokens_per_s": bound_overlap, "efficiency": tok_s / bound if bound else 0.0,
             "ttft_s": sum(run["stats"]["ttft_s"] for run in runs) / len(runs), "busy": [busy0, busy1],
@@ -290,7 +305,7 @@ def agreement(token_lists: list[list[int]], reference: list[list[int]]) -> tuple
 def table(rows: list[dict], hf: dict | None) -> str:
     cols = ["run", "delay (ms, emulated)", "tok/s", "e2e tok/s", "tok/round", "accept", "draft", "stage0", "network", "stage1", "other",
             "bound tok/s", "eff", "bound overlapped", "busy 0/1", "split", "est ms 0/1", "block ms 0/1", "x K=0",
-            "x HF greedy (e2e)", "= greedy"]
+            "looked up", "x HF greedy (e2e)", "= greedy"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     ref = [r["token_ids"] for r in hf["greedy"]["runs"]] if hf else None
     hf_e2e = pool_hf(hf["greedy"]["runs"])["e2e_tokens_per_s"] if hf else None
@@ -309,7 +324,7 @@ def table(rows: list[dict], hf: dict | None) -> str:
                      f"| {p['bound_tokens_per_s']:.2f} | {p['efficiency']:.0%} | {p.get('bound_overlap_tokens_per_s', 0):.2f} "
                      f"| {'/'.join(f'{b:.0%}' for b in p.get('busy', [0, 0]))} | {split_of(r)} | {estimates(r)} "
                      f"| {'/'.join(f'{b:.0f}' for b in p.get('block_ms', [0, 0]))} | {ratio(p['tokens_per_s'], k0.get(r['delay_ms']))} "
-                     f"| {ratio(p['e2e_tokens_per_s'], hf_e2e)} | {agree} |")
+                     f"| {p['looked_up']:.0%} | {ratio(p['e2e_tokens_per_s'], hf_e2e)} | {agree} |")
     threads = f"{hf['threads']} threads" if hf and "threads" in hf else "1 thread"
     for name, label in (("greedy", f"HF generate, greedy (1 process, {threads})"),
                         ("assisted", f"HF assisted generation, same drafter ({threads})")):
@@ -318,7 +333,7 @@ def table(rows: list[dict], hf: dict | None) -> str:
         h = pool_hf(hf[name]["runs"])
         agree = "%d/%d" % agreement([run["token_ids"] for run in hf[name]["runs"]], ref)
         lines.append(f"| {label} | - | {h['tokens_per_s']:.2f} | {h['e2e_tokens_per_s']:.2f} | {h['tokens_per_forward']:.2f} "
-                     f"| - | - | - | - | - | - | - | - | - | - | - | - | - | - | {ratio(h['e2e_tokens_per_s'], hf_e2e)} | {agree} |")
+                     f"| - | - | - | - | - | - | - | - | - | - | - | - | - | - | - | {ratio(h['e2e_tokens_per_s'], hf_e2e)} | {agree} |")
     return "\n".join(lines)
 
 
@@ -382,7 +397,7 @@ def header(info: dict) -> str:
     lines = [f"{info['date']}, `{info['command']}`: {m['cpu']} ({m['cores']} cores, {m['memory_gb']} GB, "
              f"{m['gpu'] or 'no GPU'}), Tandem {m.get('threads_per_rank', m.get('threads_per_process'))} thread(s) per rank, "
              f"transformers baselines {m.get('hf_threads', m.get('threads_per_process'))} thread(s), {info['dtype']} "
-             f"(drafter {info.get('draft_dtype', info['dtype'])}), prompts of "
+             f"(drafter {info.get('draft_dtype', info['dtype'])}), {info.get('prompt_set', 'novel')} prompts of "
              f"{' and '.join(str(p['tokens']) for p in info['prompts'])} tokens (chat template), "
              f"{info['max_new_tokens']} new tokens each, greedy.",
              "Delays are EMULATED (one-way, per message); both ranks on one host.",
@@ -400,7 +415,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--full", action="store_true", help="delays 0/10/40 ms x K 0/1/2/4/8 x drafters model/ngram")
     ap.add_argument("--overlap", action="store_true", help="spec.overlap on/off beside K=0 at 0, 40 and 80 ms")
     ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"use the first N of the {len(PROMPTS)} prompts")
+    ap.add_argument("--prompt-set", choices=("novel", "edit"), default="novel",
+                    help="novel: the default prompts; edit: 8 'rewrite this function with a small change' prompts")
+    ap.add_argument("--prompts", type=int, default=None, help="use the first N prompts of the set (default: all)")
+    ap.add_argument("--hybrid", action="store_true", help="draft.kind=hybrid beside model, K=4, at 0 and 40 ms")
     ap.add_argument("--split", action="store_true", help="model.split=auto / even / memory-forced, overlap on/off, at 0 and 40 ms")
     ap.add_argument("--threads", type=int, default=1, help="threads per Tandem rank (torchrun's default with 2 ranks per host)")
     ap.add_argument("--hf-threads", type=int, default=os.cpu_count(), help="threads of the transformers baselines (default: every core)")
@@ -432,11 +450,11 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    texts = PROMPTS[:args.prompts]
+    texts = prompt_set(args.prompt_set)[:args.prompts]
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=True)["input_ids"]) for t in texts]
     info = {"machine": machine(args.threads, args.hf_threads), "dtype": args.dtype, "draft_dtype": args.draft_dtype, "target": args.target, "draft": args.draft,
-            "max_new_tokens": args.max_new_tokens, "prompts": [{"text": t, "tokens": len(p)} for t, p in zip(texts, prompts)],
+            "max_new_tokens": args.max_new_tokens, "prompt_set": args.prompt_set, "prompts": [{"text": t, "tokens": len(p)} for t, p in zip(texts, prompts)],
             "delays": "EMULATED one-way delay per message (delivered that long after its send; netbridge/delay.py), both ranks on this host",
             "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
     print(f"# {info['machine']['cpu']}, {info['machine']['cores']} cores, {args.threads} threads per rank, "
@@ -450,7 +468,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"# transformers baselines: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
     rows = []
-    for row in sweep(args.full, args.overlap, args.split):
+    for row in sweep(args.full, args.overlap, args.split, args.hybrid):
         if args.only is not None and row.slug not in args.only:
             continue
         runs = [run_tandem(row, i, ids, args, out) for i, ids in enumerate(prompts)]
@@ -462,7 +480,8 @@ def main(argv: list[str] | None = None) -> None:
             entry["pooled"] = pool(runs, row.delay_ms)
         rows.append(entry)
         p = entry.get("pooled")
-        print(f"# {row.label} @ {row.delay_ms:g} ms: " + (f"{p['tokens_per_s']:.2f} tok/s, {p['tokens_per_round']:.2f} tok/round"
+        print(f"# {row.label} @ {row.delay_ms:g} ms: " + (f"{p['tokens_per_s']:.2f} tok/s, {p['tokens_per_round']:.2f} tok/round, "
+                                                          f"{p['looked_up']:.0%} looked up"
               if p else f"FAILED {entry['error']}") + f" ({sum(r['wall_s'] for r in runs):.0f} s)", file=sys.stderr)
 
     info["runtime_s"] = time.perf_counter() - t_start

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from launch.config import CapacityError, ConfigError, TandemConfig, output_room
-from launch.plan import Plan, quantizer
+from launch.plan import Models, Plan, quantizer
 from model_parallel.lines import one_line
 from model_parallel.loader import ModelLoadError, ModelSource, load_stage
 
@@ -28,7 +28,7 @@ def build_draft_stage(plan: Plan):
     """The drafter's whole model (embeddings, every layer, head) as one stage on draft.device."""
     d, drafter = plan.settings.draft, plan.models.drafter
     return _load_stage(drafter, 0, drafter.num_layers, embed=True, head=True, dtype=d.dtype, device=plan.draft_device,
-                       quant=quantizer(plan.settings, "draft"), max_len=d.max_len, setting="draft.max_len",
+                       quant=plan.models.draft_quant, max_len=d.max_len, setting="draft.max_len",
                        progress="rank 0 drafter", rank=0, slots=plan.slots)
 
 
@@ -83,8 +83,10 @@ def prompt_ids(cfg: TandemConfig, tokenizer, vocab_size: int) -> list[int]:
     elif tokenizer is None:
         raise ConfigError(f"{cfg.model.target} has no tokenizer: give prompt_ids=[...] instead of prompt")
     elif cfg.chat and tokenizer.chat_template:
-        messages = ([{"role": "system", "content": cfg.system}] if cfg.system else []) + [{"role": "user", "content": cfg.prompt}]
-        ids = chat_ids(tokenizer, messages)
+        ids = chat_ids(cfg, tokenizer)
+    elif cfg.system is not None:  # (chat=false with system= is refused at parse)
+        raise ConfigError(f"system= goes in through the chat template, and {cfg.model.target} has none: put the system "
+                          "message in the prompt")
     else:
         ids = tokenizer(cfg.prompt)["input_ids"]
     check_ids(ids, vocab_size)
@@ -92,15 +94,23 @@ def prompt_ids(cfg: TandemConfig, tokenizer, vocab_size: int) -> list[int]:
     return ids
 
 
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """The conversation through the model's chat template, ready for the assistant's answer."""
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-    return list(out["input_ids"])
+def chat_ids(cfg: TandemConfig, tokenizer) -> list[int]:
+    """system (if given) and prompt through the model's chat template, ready for the assistant's answer, as the
+    server sends a conversation (launch.api.template_ids); a template that refuses them (some refuse a system
+    role) is one line."""
+    from launch.api import ApiError, template_ids
+    system = [{"role": "system", "content": cfg.system}] if cfg.system is not None else []
+    try:
+        return template_ids(tokenizer, [*system, {"role": "user", "content": cfg.prompt}])
+    except ApiError as e:
+        fix = "leave system= out (or put it in the prompt)" if system else "give chat=false to send the prompt without it"
+        raise ConfigError(f"{cfg.model.target}: {e.message}; {fix}") from None
 
 
 def check_ids(ids: list[int], vocab_size: int) -> None:
-    if not ids:
-        raise ConfigError("the prompt is empty")
+    if not ids:  # an empty text (allow_empty_prompt) without the chat template, and no BOS of the tokenizer's
+        raise ConfigError("the prompt has no tokens (an empty text without the chat template, and the tokenizer adds "
+                          "none of its own); give some text, or prompt_ids=[...]")
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
         raise ConfigError(f"prompt_ids holds {bad[0]}, outside the model's vocabulary of {vocab_size}")
@@ -132,11 +142,15 @@ def build_drafter(plan: Plan):
 
 
 def model_drafter(plan: Plan):
-    """draft.model as a ModelDrafter (what build_drafter gives once the vocabularies are checked)."""
-    from speculative.drafters import ModelDrafter
+    """draft.model as a ModelDrafter (what build_drafter gives once the vocabularies are checked); with
+    draft.kind=hybrid, one that looks the context up first (draft.lookup_min) and drafts only when that fails."""
+    from speculative.drafters import HybridDrafter, ModelDrafter
     cfg = plan.settings
-    return ModelDrafter(build_draft_stage(plan), max_k=max(cfg.spec.k, 1), top_k=cfg.draft.top_k,
-                        use_graph=use_graph(cfg.draft, plan.draft_device), slots=plan.slots)
+    model = dict(max_k=max(cfg.spec.k, 1), top_k=cfg.draft.top_k, use_graph=use_graph(cfg.draft, plan.draft_device),
+                 slots=plan.slots)
+    if cfg.draft.kind == "hybrid":
+        return HybridDrafter(build_draft_stage(plan), cfg.draft.lookup_min, cfg.draft.ngram_max, **model)
+    return ModelDrafter(build_draft_stage(plan), **model)
 
 
 def build_prefixes(plan: Plan, stage, drafter=None):
@@ -160,12 +174,12 @@ def build_prefixes(plan: Plan, stage, drafter=None):
     settings = CacheSettings(c.dir, c.min_tokens, parse_size(c.max_bytes, "cache.max_bytes"), c.block_tokens)
     cfg, layers, rank = plan.settings, plan.layers(), plan.rank
     identity = stage_identity(plan.models.target.folder, layers.start, layers.stop, rank == 0, rank == plan.ranks - 1,
-                              numerics(dtype=cfg.model.dtype, quant=str(quantizer(cfg, "model"))))
+                              numerics(dtype=cfg.model.dtype, quant=str(quantizer(cfg, "model"))), cache_dir=c.dir)
     draft = None
     if isinstance(drafter, ModelDrafter):
         model = plan.models.drafter
         draft = (stage_identity(model.folder, 0, model.num_layers, True, True,
-                                numerics(dtype=cfg.draft.dtype, quant=str(quantizer(cfg, "draft")))), drafter)
+                                numerics(dtype=cfg.draft.dtype, quant=str(plan.models.draft_quant)), cache_dir=c.dir), drafter)
     warn = (lambda line: print(f"[rank {rank}] warning: {line}", file=sys.stderr, flush=True))
     return RankPrefixes(settings, identity, stage.cache, draft, warn)
 
@@ -180,10 +194,10 @@ def use_graph(d, device: str) -> bool:
     return d.graph == "on" or (d.graph == "auto" and on_cuda)
 
 
-def check_vocabularies(plan: Plan, target_tokenizer) -> None:
+def check_vocabularies(models: Models, target_tokenizer) -> None:
     """Rank 0, from config.json, the tokenizers and the checkpoints' headers, before any weights load:
     the target's embedding and head rows match its vocab_size, and a model drafter shares its vocabulary."""
-    target, drafter = plan.models.target, plan.models.drafter
+    target, drafter = models.target, models.drafter
     check_tokenizer(target_tokenizer, target.config, str(target.folder))
     check_vocabulary_rows(target.folder, target.config)
     if drafter is not None:

@@ -35,6 +35,11 @@ class ConfigError(ValueError):
     """A configuration mistake; the message says what to change."""
 
 
+class StdinError(ConfigError):
+    """prompt_file=- (or system_file=-) that rank 0 alone read is empty or not UTF-8: the other ranks never read
+    it, parse the same command line without it and go on to meet rank 0, which must tell them (the entry does)."""
+
+
 class CapacityError(ConfigError):
     """A request that does not fit the caches (one-shot: at start; serving: a 400 for that request)."""
 
@@ -47,25 +52,26 @@ class ModelConfig:
     max_len: int = 4096  # KV-cache capacity of each stage, in tokens (prompt + output + K)
     max_memory: Any = None  # bytes a rank may hold for weights + KV cache (+ the drafter on rank 0): 6GiB, 500MB, or a list, one per rank; None = free memory less 10%
     prefill_chunk: int = 512  # a longer prompt crosses in chunks of this many tokens, pipelined across the ranks
-    quant: str = "none"  # none | nf4 (bitsandbytes 4-bit; each rank quantizes its own slice)
+    quant: str = "none"  # none | int8 (weight-only, a scale per output channel) | nf4 (bitsandbytes 4-bit); each rank quantizes its own slice; lossy (docs/exactness.md)
     quant_compute_dtype: str = "bfloat16"  # NF4 matmuls compute in this; norms, embeddings, KV cache stay in model.dtype
     quant_double: bool = True  # NF4 double quantization
-    quant_lm_head: bool = False  # NF4 the LM head too (target and drafter); it stays in full precision unless asked
+    quant_lm_head: bool = False  # quantize the target's LM head too (and an NF4 drafter's); it stays in full precision unless asked
     hub_cache: str | None = None  # where Hub ids (target and drafter) are cached; None = huggingface_hub's (HF_HUB_CACHE)
 
 
 @dataclass
 class DraftConfig:
-    kind: str = "model"  # none (one token per round trip) | model (a small LM) | ngram (prompt lookup)
+    kind: str = "model"  # none (one token per round trip) | model (a small LM) | ngram (prompt lookup) | hybrid (lookup when the context recurs, else the model)
     model: str | None = f"{MODELS}/qwen2.5-coder-0.5b-instruct"  # a local HF folder or Hub id sharing the target's tokenizer
     device: str = "auto"  # auto = the target's device on rank 0 (its GPU when it has one), or e.g. cpu, cuda:1
     dtype: str = "bfloat16"  # float32 | bfloat16 | float16
     graph: str = "auto"  # auto | on | off : capture the draft step as a CUDA graph (CUDA only)
     max_len: int = 4096  # drafter KV-cache capacity, in tokens
     top_k: int = 32  # sampled drafts come from the drafter's top-k: their probabilities travel with them
-    quant: str = "none"  # none | nf4 (with model.quant_compute_dtype, quant_double, quant_lm_head)
+    quant: str = "auto"  # auto (rank 0 times a draft step in each format at start-up and keeps the fastest that keeps acceptance) | none | int8 (weight-only, head too) | nf4 (with model.quant_compute_dtype, quant_double, quant_lm_head); output unchanged
     ngram_max: int = 3  # n-gram drafter: longest suffix it looks up in the context
     ngram_min: int = 1  # n-gram drafter: shortest suffix it looks up
+    lookup_min: int = 3  # hybrid: the round is a lookup (no model step) when the context's last this many tokens occurred earlier
 
 
 @dataclass
@@ -152,6 +158,7 @@ class TandemConfig:
     chat: bool = True  # false: the prompt goes in as plain text, without the chat template
     system: str | None = None  # system message for the chat template, taken as typed
     system_file: str | None = None  # the system message from this UTF-8 file, as it is
+    allow_empty_prompt: bool = False  # true: an empty or all-whitespace prompt / system message is taken as given, not refused
 
 
 def _valid_keys(node_cls, path: list[str]) -> list[str]:
@@ -173,8 +180,9 @@ VERBATIM = ("prompt", "system", "prompt_file", "system_file", "prompt_ids_file",
             "transport.relay_token")
 TEXT_FILES = {"prompt_file": "prompt", "system_file": "system"}  # the file's text becomes that key's
 
-def load_config(overrides: list[str], config_file: str | Path | None = None) -> TandemConfig:
-    """Defaults <- YAML file (if any) <- `key=value` overrides. `config=PATH` among the overrides picks the file."""
+def load_config(overrides: list[str], config_file: str | Path | None = None, *, read_stdin: bool | None = None) -> TandemConfig:
+    """Defaults <- YAML file (if any) <- `key=value` overrides. `config=PATH` among the overrides picks the file.
+    `read_stdin`: whether `-` (prompt_file=-) reads stdin here; None = on rank 0 alone (`reads_stdin`)."""
     rest, typed = [], {}
     for item in overrides:
         key, _, value = item.partition("=")
@@ -205,7 +213,7 @@ def load_config(overrides: list[str], config_file: str | Path | None = None) -> 
         raise ConfigError(f"unknown config key {key!r} ({where}); valid keys in {section}: {', '.join(valid)}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"bad config value: {one_line(e, first=True)} (full key: {getattr(e, 'full_key', '?')})") from None
-    _set_typed(cfg, typed)
+    _set_typed(cfg, typed, reads_stdin() if read_stdin is None else read_stdin)
     for name in ("target",):
         setattr(cfg.model, name, _expand(getattr(cfg.model, name)))
     cfg.draft.model = _expand(cfg.draft.model)
@@ -240,9 +248,12 @@ def _load_yaml(path: Path):
         return OmegaConf.load(path)
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(e).split())}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start} is 0x{e.object[e.start]:02x}); save it "
+                          "as UTF-8") from None
 
 
-def _set_typed(cfg: TandemConfig, typed: dict[str, str]) -> None:
+def _set_typed(cfg: TandemConfig, typed: dict[str, str], read_stdin: bool) -> None:
     """The keys the dotlist does not parse: free text as typed, token ids as JSON (YAML's alias limit
     refuses a list of more than 10,000); then the text and ids the *_file keys name."""
     for key, value in typed.items():
@@ -256,7 +267,7 @@ def _set_typed(cfg: TandemConfig, typed: dict[str, str]) -> None:
         if path is not None:
             if getattr(cfg, text_key) is not None:
                 raise ConfigError(f"give {text_key}=... or {key}=PATH, not both")
-            setattr(cfg, text_key, _read_text(key, path))
+            setattr(cfg, text_key, _read_text(key, path, read_stdin, cfg.allow_empty_prompt))
     if cfg.prompt_ids_file is not None:
         if cfg.prompt_ids is not None:
             raise ConfigError("give prompt_ids=[...] or prompt_ids_file=PATH, not both")
@@ -264,17 +275,38 @@ def _set_typed(cfg: TandemConfig, typed: dict[str, str]) -> None:
                                     f"prompt_ids_file={cfg.prompt_ids_file}")
 
 
-def _read_text(key: str, path: str) -> str:
-    """A file's text as it is (trailing newline and all); `-` is stdin, read by rank 0 alone: torchrun gives
-    every worker of a host the launcher's stdin, and only rank 0 tokenizes the prompt. The other ranks take
-    an empty text in its place (they never read it)."""
-    if path == "-" and os.environ.get("RANK", "0") != "0":
+def reads_stdin() -> bool:
+    """`-` is stdin, read by rank 0 alone (torchrun's RANK; 0 outside torchrun): torchrun gives every worker of
+    a host the launcher's stdin, and only rank 0 tokenizes the prompt."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _read_text(key: str, path: str, read_stdin: bool, allow_empty: bool) -> str:
+    """A file's text as it is (trailing newline and all), UTF-8 and not empty; `-` is stdin where `read_stdin`.
+    The other ranks take an empty text in its place (they never read it)."""
+    stdin = path == "-"
+    if stdin and not read_stdin:
         return ""
     data = _read_file(key, path)
+    error = StdinError if stdin else ConfigError  # stdin's are rank 0's alone: the entry tells the others
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{key}={path}: not UTF-8 text (byte {e.start} is 0x{data[e.start]:02x}); save it as UTF-8") from None
+        raise error(f"{key}={path}: not UTF-8 text (byte {e.start} is 0x{data[e.start]:02x}); save it as UTF-8") from None
+    if not allow_empty and not text.strip():
+        raise error(_empty_line(TEXT_FILES[key], f"{key}=- (stdin)" if stdin else f"{key}={path}", text))
+    return text
+
+
+def _empty_line(text_key: str, where: str, text: str) -> str:
+    """An empty prompt (an unset variable, an empty pipe such as an empty `git diff`) is a mistake far more
+    often than a question: one line, with the opt-in."""
+    what = "empty" if not text else "all whitespace"
+    if text_key == "prompt":
+        return (f"{where} is {what}: there is nothing to answer; give the prompt's text, or allow_empty_prompt=true to "
+                "answer it as it is")
+    return (f"{where} is {what}; give the system message, leave it out (the chat template's default), or "
+            "allow_empty_prompt=true to send it as it is")
 
 
 def _read_file(key: str, path: str) -> bytes:
@@ -305,9 +337,9 @@ def validate(cfg: TandemConfig) -> None:
     _choice(cfg.model.dtype, ("float32", "bfloat16", "float16"), "model.dtype")
     _choice(cfg.draft.dtype, ("float32", "bfloat16", "float16"), "draft.dtype")
     _choice(cfg.model.quant_compute_dtype, ("float32", "bfloat16", "float16"), "model.quant_compute_dtype")
-    _choice(cfg.model.quant, ("none", "nf4"), "model.quant")
-    _choice(cfg.draft.quant, ("none", "nf4"), "draft.quant")
-    _choice(cfg.draft.kind, ("none", "model", "ngram"), "draft.kind")
+    _choice(cfg.model.quant, ("none", "int8", "nf4"), "model.quant")
+    _choice(cfg.draft.quant, ("auto", "none", "int8", "nf4"), "draft.quant")
+    _choice(cfg.draft.kind, ("none", "model", "ngram", "hybrid"), "draft.kind")
     _choice(cfg.draft.graph, ("auto", "on", "off"), "draft.graph")
     _choice(cfg.transport.kind, ("gloo", "relay"), "transport.kind")
     _check_sizes(cfg.model.max_memory)
@@ -318,8 +350,9 @@ def validate(cfg: TandemConfig) -> None:
         raise ConfigError(f"spec.in_flight={cfg.spec.in_flight!r} must be 1..8 or auto (rounds of a stream on the way at once)")
     if cfg.draft.ngram_min > cfg.draft.ngram_max:
         raise ConfigError(f"draft.ngram_min={cfg.draft.ngram_min} must be <= draft.ngram_max={cfg.draft.ngram_max}")
-    if cfg.draft.kind == "model" and not cfg.draft.model:
-        raise ConfigError("draft.kind=model needs draft.model=PATH or a Hub id (a model sharing the target's tokenizer)")
+    if cfg.draft.kind in ("model", "hybrid") and not cfg.draft.model:
+        raise ConfigError(f"draft.kind={cfg.draft.kind} needs draft.model=PATH or a Hub id (a model sharing the target's "
+                          "tokenizer)")
     if not in_range("temperature", cfg.gen.temperature):
         raise ConfigError("gen.temperature must be a finite number >= 0 (0 = greedy)")
     if not in_range("top_p", cfg.gen.top_p):
@@ -327,13 +360,72 @@ def validate(cfg: TandemConfig) -> None:
     if not in_range("seed", cfg.gen.seed):
         raise ConfigError(f"gen.seed={cfg.gen.seed} does not fit in 64 bits")
     split_cuts(cfg.model.split)
-    if cfg.prompt is None and cfg.prompt_ids is None and cfg.serve.port is None:
-        raise ConfigError('give a prompt: prompt="..." (or prompt_ids=[1,2,3]), or serve.port=PORT to serve an API')
+    _check_prompt(cfg)
     if cfg.serve.port is not None and not 0 <= cfg.serve.port <= 65535:
         raise ConfigError(f"serve.port={cfg.serve.port} is not a TCP port (0..65535)")
     if cfg.serve.api_key is not None and cfg.serve.api_key_file is not None:
         raise ConfigError("give serve.api_key_file or serve.api_key, not both")
     _check_room(cfg)
+
+
+def _check_prompt(cfg: TandemConfig) -> None:
+    """The prompt keys, before anything loads: text that is UTF-8, no two keys of which the run would use one
+    and drop the other, a prompt unless serving, and not an empty one (unless allow_empty_prompt)."""
+    for key in ("prompt", "system"):
+        bad = _not_utf8(getattr(cfg, key))
+        if bad:
+            fix = "or give the exact token ids as prompt_ids=[...]" if key == "prompt" else "or leave it out"
+            raise ConfigError(f"{key}= is not UTF-8 text ({bad}): the tokenizer takes text; convert it (e.g. iconv -f "
+                              f"LATIN1 -t UTF-8), {fix}")
+    _check_conflicts(cfg)
+    if cfg.prompt is None and cfg.prompt_ids is None and cfg.serve.port is None:
+        raise ConfigError('give a prompt: prompt="..." (or prompt_ids=[1,2,3]), or serve.port=PORT to serve an API')
+    for key in ("prompt", "system"):  # a *_file's text was checked as it was read (stdin on rank 0 alone)
+        text = getattr(cfg, key)
+        if text is not None and getattr(cfg, f"{key}_file") is None and not text.strip() and not cfg.allow_empty_prompt:
+            raise ConfigError(_empty_line(key, f"{key}=", text))
+    if cfg.prompt_ids == []:
+        raise ConfigError(f"{_given(cfg, 'prompt_ids').replace('[...]', '[]')} holds no token id; the model needs at "
+                          "least one")
+
+
+def _not_utf8(text: str | None) -> str | None:
+    """Where `text` is not UTF-8: bytes the command line could not decode reach Python as lone surrogates
+    (surrogateescape), which no tokenizer takes. There is no lossless way to send them as text."""
+    try:
+        (text or "").encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        at, char = len(text[:e.start].encode("utf-8")), ord(text[e.start])
+        if 0xDC80 <= char <= 0xDCFF:  # the byte the command line held
+            return f"byte {at} is 0x{char - 0xDC00:02x}"
+        return f"byte {at} starts a lone surrogate U+{char:04X}"
+
+
+def _given(cfg: TandemConfig, key: str) -> str | None:
+    """How the text or ids of `key` (prompt, prompt_ids, system) were given, as the user wrote it; None if not."""
+    path = getattr(cfg, f"{key}_file")
+    if path is not None:
+        return f"{key}_file={path}"
+    return None if getattr(cfg, key) is None else f"{key}=[...]" if key == "prompt_ids" else f"{key}=..."
+
+
+def _check_conflicts(cfg: TandemConfig) -> None:
+    """Two keys of which the run would use one and silently drop the other: one line naming both."""
+    text, ids, system = (_given(cfg, key) for key in ("prompt", "prompt_ids", "system"))
+    if cfg.serve.port is not None:
+        one_answer = [key for key in (text, ids, system) if key] + ([f"output.json={cfg.output.json}"] if cfg.output.json else [])
+        if one_answer:
+            raise ConfigError(f"serve.port={cfg.serve.port} serves requests that bring their own prompts, and {one_answer[0]} "
+                              "is for one answer (a server ignores it): give one or the other")
+    if text and ids:
+        raise ConfigError(f"give {text} (text) or {ids} (token ids), not both")
+    if system and ids:
+        raise ConfigError(f"{ids} is used as it is, without the chat template, so {system} would be dropped: give "
+                          "prompt=... as text instead, or put the system message's tokens in the ids")
+    if system and not cfg.chat:
+        raise ConfigError(f"{system} goes in through the chat template and chat=false leaves the template out: drop one "
+                          "(or put the system message in the prompt)")
 
 
 # The sampling fields of a generation, as gen.* at launch and as an API request's fields (launch.api): their ranges,
@@ -367,6 +459,7 @@ def split_cuts(split) -> list[int] | str | None:
 MAX_TOKENS = 2**24  # a KV cache, a prompt chunk, an answer: 16M tokens
 BOUNDS = [("model.max_len", 1, MAX_TOKENS), ("draft.max_len", 1, MAX_TOKENS), ("model.prefill_chunk", 1, MAX_TOKENS),
           ("spec.k", 0, 1024), ("draft.top_k", 1, 2**20), ("draft.ngram_max", 1, 1024), ("draft.ngram_min", 1, 1024),
+          ("draft.lookup_min", 1, 1024),
           ("gen.max_new_tokens", 1, MAX_TOKENS), ("serve.max_concurrent", 1, 64), ("serve.max_queue", 0, 2**20),
           ("serve.max_body_bytes", 1, 2**31),
           ("transport.timeout_s", 0.001, 7 * 86400), ("transport.reconnect_s", 0, 7 * 86400),
@@ -400,7 +493,7 @@ def output_room(cfg: TandemConfig, prompt_tokens: int) -> tuple[int, str]:
     """(new tokens that fit every cache after this prompt, the setting that bounds it). Every cache must
     hold prompt + output + the drafts of the last round."""
     caches = [(cfg.model.max_len, "model.max_len")]
-    if cfg.draft.kind == "model" and cfg.spec.k > 0:
+    if cfg.draft.kind in ("model", "hybrid") and cfg.spec.k > 0:
         caches.append((cfg.draft.max_len, "draft.max_len"))
     capacity, setting = min(caches, key=lambda c: c[0])  # on a tie, the target's setting
     return capacity - prompt_tokens - cfg.spec.k, setting
@@ -464,10 +557,10 @@ def _field_comments(node_cls) -> dict[str, str]:
     return {node.target.id: lines[node.end_lineno] for node in fields if node.end_lineno in lines}
 
 
-def config_from_argv(argv: list[str] | None = None) -> TandemConfig:
+def config_from_argv(argv: list[str] | None = None, read_stdin: bool | None = None) -> TandemConfig:
     """The command line's config (a ConfigError if it is wrong); `--help` / `-h` prints the keys and exits 0."""
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
         print(help_text())
         sys.exit(0)
-    return load_config(argv)
+    return load_config(argv, read_stdin=read_stdin)

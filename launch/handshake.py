@@ -15,7 +15,7 @@ import sys
 
 from launch.config import ConfigError, TandemConfig
 from launch.plan import (Models, Plan, asked_slots, describe, given_cuts, rank_costs, rank_speed, settle, split_text,
-                         timed)
+                         timed, with_draft_format)
 from model_parallel.split import RankCosts
 from netbridge import protocol
 from netbridge.protocol import Hello, Hellos
@@ -28,6 +28,7 @@ def handshake(cfg: TandemConfig, models: Models, prev, next, rank: int, ranks: i
     time, so ranks that share a host's cores time what they will meet there), else in turns, each after the
     Hellos of the ranks before it have come (as a round without overlap runs them one after another)."""
     given = given_cuts(cfg, models.target.num_layers, ranks)
+    models = with_draft_format(cfg, models)  # rank 0, draft.quant=auto: each format's draft step timed now
     costs, source = rank_costs(cfg, models, rank, ranks)
     auto, together = given is None, bool(cfg.spec.overlap)
     if auto and together:

@@ -4,6 +4,7 @@ layers, how rank 0 speculates.
 
     models = open_models(cfg, rank)          # folders resolved (a Hub id's config, tokenizer and index
                                              # fetched), config.json parsed once per model
+    models = with_draft_format(cfg, models)  # rank 0: draft.quant=auto timed (model_parallel.draft_format)
     costs, source = rank_costs(cfg, models, rank, ranks)   # what this rank may hold (+ rank_speed: how fast)
     ... launch.handshake gathers every rank's costs around the ring ...
     plan = settle(cfg, models, rank, every_costs, source, given, asked)   # the KV slots, then the cuts that
@@ -20,13 +21,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from launch.config import ConfigError, TandemConfig, split_cuts
+from model_parallel.draft_format import DraftFormat
 from model_parallel.lines import human
 from model_parallel.loader import DTYPES, ModelLoadError, ModelSource
 from model_parallel.split import RankCosts
 from speculative.session import SpecSettings
 
 AUTO_SLOTS = 8  # serve.max_concurrent=null: as many KV slots as every budget holds, at most this many
-MEMORY_FIXES = ("would help: model.quant=nf4, a smaller model.max_len (less KV cache), the drafter elsewhere "
+MEMORY_FIXES = ("would help: model.quant=nf4 or int8, a smaller model.max_len (less KV cache), the drafter elsewhere "
                 "(draft.device, or draft.kind=ngram), or another machine")
 
 
@@ -34,9 +36,15 @@ MEMORY_FIXES = ("would help: model.quant=nf4, a smaller model.max_len (less KV c
 class Models:
     """This rank's models: each folder as resolved, its config.json parsed once (loader.ModelSource)."""
     target: ModelSource
-    drafter: ModelSource | None  # rank 0 drafting with a model (draft.kind=model, spec.k > 0), else None
+    drafter: ModelSource | None  # rank 0 drafting with a model (draft.kind=model or hybrid, spec.k > 0), else None
     name: str  # the model id API clients send: serve.model_name, else the Hub id or the folder's name as given
     lines: tuple[str, ...]  # which folders were used, for the start-up lines
+    draft_format: DraftFormat | None = None  # the drafter's weight format (draft.quant; auto: with_draft_format)
+
+    @property
+    def draft_quant(self):
+        """The drafter's quant settings (model_parallel.quant; None: as stored, or no drafter)."""
+        return None if self.draft_format is None else self.draft_format.settings
 
 
 @dataclass(frozen=True)
@@ -65,7 +73,7 @@ class Plan:
 
 
 def drafts_with_model(cfg: TandemConfig) -> bool:
-    return cfg.draft.kind == "model" and cfg.spec.k > 0
+    return cfg.draft.kind in ("model", "hybrid") and cfg.spec.k > 0
 
 
 def spec_settings(cfg: TandemConfig) -> SpecSettings:
@@ -93,7 +101,8 @@ def open_models(cfg: TandemConfig, rank: int) -> Models:
         lines.append(line)
         drafter = ModelSource.open(folder, cfg.draft.dtype)
     name = cfg.serve.model_name or (given if target != given else Path(given.rstrip("/")).name)  # a Hub id, not its cache folder
-    return Models(ModelSource.open(target, cfg.model.dtype), drafter, name, tuple(lines))
+    draft_format = settle_draft_format(cfg, drafter) if drafter is not None and cfg.draft.quant != "auto" else None
+    return Models(ModelSource.open(target, cfg.model.dtype), drafter, name, tuple(lines), draft_format)
 
 
 def here(model: str, setting: str, rank: int) -> None:
@@ -112,7 +121,7 @@ def here(model: str, setting: str, rank: int) -> None:
                          f"({'missing folder' if not folder.exists() else 'not a HF model folder'}); {fetch_hint(folder)}{other}")
 
 
-# --- devices and NF4 ------------------------------------------------------------------------------
+# --- devices and weight formats ---------------------------------------------------------------------
 
 def this_device() -> str:
     """This rank's device: its GPU (LOCAL_RANK's, of those visible) when it has one."""
@@ -127,14 +136,51 @@ def draft_device(cfg: TandemConfig) -> str:
     return this_device() if cfg.draft.device == "auto" else cfg.draft.device
 
 
-def quantizer(cfg: TandemConfig, which: str):
-    """NF4 settings for the target's stages (which="model") or the drafter ("draft"); None = as stored.
-    The drafter uses the target's model.quant_compute_dtype / quant_double / quant_lm_head."""
-    if (cfg.model.quant if which == "model" else cfg.draft.quant) == "none":
+# An int8 drafter's LM head is int8 too: the embedded 0.5B's head (untied) is 136M of its 630M weights, and an int8
+# head over one row took 38 ms against 58 in bf16 on one thread here (AVX512-BF16, 2026-12-04, one quick run under
+# load); over 8 rows it took longer (110 vs 83), which draft.quant=auto weighs when serving several requests at
+# once. The target's head follows model.quant_lm_head (exactness: docs/exactness.md).
+DRAFT_INT8_HEAD = True
+
+
+def quantizer(cfg: TandemConfig, which: str, name: str | None = None):
+    """Quant settings for the target's stages (which="model": model.quant) or the drafter ("draft": `name`, a
+    format draft.quant=auto settled, else draft.quant); None = as stored. NF4 takes model.quant_compute_dtype /
+    quant_double / quant_lm_head for both; an int8 drafter quantizes its head (DRAFT_INT8_HEAD)."""
+    name = name or (cfg.model.quant if which == "model" else cfg.draft.quant)
+    if name == "none":
         return None
-    from model_parallel.quant import NF4Settings
+    from model_parallel.quant import Int8Settings, NF4Settings
     m = cfg.model
+    if name == "int8":
+        return Int8Settings(lm_head=m.quant_lm_head if which == "model" else DRAFT_INT8_HEAD)
+    if name != "nf4":
+        raise ValueError(f"{which}.quant={name!r} is not a weight format (auto is settled at start-up: Models.draft_format)")
     return NF4Settings(compute_dtype=DTYPES[m.quant_compute_dtype], double_quant=m.quant_double, lm_head=m.quant_lm_head)
+
+
+def with_draft_format(cfg: TandemConfig, models: Models) -> Models:
+    """`models` with the drafter's format settled: draft.quant=auto is timed here (seconds on a real drafter), when the
+    ranks meet (launch.handshake), after rank 0 has checked what can be checked from the files."""
+    if models.drafter is None or models.draft_format is not None:
+        return models
+    return replace(models, draft_format=settle_draft_format(cfg, models.drafter))
+
+
+def settle_draft_format(cfg: TandemConfig, drafter: ModelSource) -> DraftFormat:
+    """draft.quant as given, or (auto) the format whose draft step is fastest here among those that keep
+    acceptance, timed on rank 0 now (model_parallel.draft_format: the rule and the figures behind it). With
+    several requests served at once, a step of that many rows is timed too."""
+    if cfg.draft.quant != "auto":
+        return DraftFormat(cfg.draft.quant, quantizer(cfg, "draft"), f"draft.quant={cfg.draft.quant}")
+    from model_parallel.draft_format import FORMATS, MAX_ROWS, choose
+    from model_parallel.memory import model_bytes
+    stored = model_bytes(drafter, None, 1)
+    weights = sum(stored.layers) + stored.head
+    rows = min(asked_slots(cfg) or AUTO_SLOTS, MAX_ROWS)
+    settings = {name: quantizer(cfg, "draft", name) for name in FORMATS}
+    name, why = choose(drafter, draft_device(cfg), DTYPES[cfg.draft.dtype], settings, (1, rows) if rows > 1 else (1,), weights)
+    return DraftFormat(name, settings[name], why)
 
 
 def _same_memory(one: str, other: str) -> bool:
@@ -158,7 +204,7 @@ def rank_costs(cfg: TandemConfig, models: Models, rank: int, ranks: int) -> tupl
     fixed = target.stage(0, 0, embed=rank == 0, head=rank == ranks - 1)
     slot = target.slot(0, 0)
     if models.drafter is not None and _same_memory(draft_device(cfg), device):
-        drafter = model_bytes(models.drafter, quantizer(cfg, "draft"), cfg.draft.max_len)
+        drafter = model_bytes(models.drafter, models.draft_quant, cfg.draft.max_len)
         fixed += drafter.stage(0, len(drafter.layers), embed=True, head=True)
         slot += drafter.slot(0, len(drafter.layers))  # every request drafts in its own slot of the drafter's cache
     return RankCosts(budget, fixed, target.layer(), slot_fixed_bytes=slot, slot_layer_bytes=target.cache_per_layer), source
@@ -171,7 +217,7 @@ def rank_speed(cfg: TandemConfig, models: Models, rank: int, ranks: int) -> tupl
                    head=rank == ranks - 1)
     drafter = None
     if models.drafter is not None:
-        drafter = Timed(models.drafter, 1, draft_device(cfg), DTYPES[cfg.draft.dtype], quantizer(cfg, "draft"),
+        drafter = Timed(models.drafter, 1, draft_device(cfg), DTYPES[cfg.draft.dtype], models.draft_quant,
                         head=True, calls=draft_steps(cfg))
     return time_rank(target, drafter)
 
@@ -289,7 +335,7 @@ def settle(cfg: TandemConfig, models: Models, rank: int, costs: list[RankCosts],
 def plan_here(cfg: TandemConfig, rank: int, ranks: int = 2) -> Plan:
     """Rank `rank`'s Plan for a script that builds every stage in one process: every rank's costs measured
     here (timed here, rank after rank, for model.split=auto), no handshake."""
-    every = [open_models(cfg, r) for r in range(ranks)]
+    every = [with_draft_format(cfg, open_models(cfg, r)) for r in range(ranks)]
     given = given_cuts(cfg, every[rank].target.num_layers, ranks)
     measured = [rank_costs(cfg, models, r, ranks) for r, models in enumerate(every)]
     costs = [timed(c, rank_speed(cfg, every[r], r, ranks)) if given is None else c for r, (c, _) in enumerate(measured)]
@@ -313,6 +359,8 @@ def describe(plan: Plan) -> str:
         drafting = f", the drafter's {draft_steps(cfg)} steps" if rank == 0 and drafts_with_model(cfg) else ""
         line += (f"estimated {mine.ms_for(n):.0f} ms per round ({n} x {mine.layer_ms:.1f} ms per layer over blocks of "
                  f"{cfg.spec.k + 1}, {mine.fixed_ms:.0f} ms besides{drafting}; timed here)")
+    if plan.models.draft_format is not None:
+        line += f"; the drafter's weights: {plan.models.draft_format.why}"
     return line + slots_text(plan) if cfg.serve.port is not None or plan.slots > 1 else line
 
 

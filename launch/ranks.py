@@ -22,7 +22,7 @@ from launch.build import (build_drafter, build_prefixes, build_stage, check_voca
 from launch.config import TandemConfig
 from launch.distributed import Interrupted, error_line
 from launch.handshake import handshake
-from launch.plan import Plan, open_models
+from launch.plan import Models, Plan, open_models
 from netbridge.protocol import Request
 from speculative.output import Output
 from speculative.grammar import FolderGrammars
@@ -59,11 +59,11 @@ def first_rank(cfg: TandemConfig, next, replies=None, listener=None, ranks: int 
     `listener`, the HTTP port bound at start). The last rank's replies come back on `replies` (with two
     ranks, `next` itself)."""
     replies = replies or next
-    plan = meet(cfg, replies, next, 0, ranks)
+    models = open_models(cfg, 0)
+    announce(models.lines)
+    tokenizer, ids = read_prompt(cfg, models)
+    plan = handshake(cfg, models, replies, next, 0, ranks)
     target = plan.models.target
-    tokenizer = load_tokenizer(target.folder)  # what can be checked is, before any weights load
-    check_vocabularies(plan, tokenizer)
-    ids = prompt_ids(cfg, tokenizer, target.config.vocab_size) if cfg.serve.port is None else None
     stage = build_stage(plan)
     drafter = build_drafter(plan)
     session = Session(stage, drafter, next, plan.spec, replies, build_prefixes(plan, stage, drafter), slots=plan.slots)
@@ -86,6 +86,16 @@ def first_rank(cfg: TandemConfig, next, replies=None, listener=None, ranks: int 
     return result
 
 
+def read_prompt(cfg: TandemConfig, models: Models) -> tuple[object, list[int] | None]:
+    """Rank 0's tokenizer, checked against the models, and (one answer) the prompt as ids, checked: from the files
+    alone, before the ranks meet (with model.split=auto they time their layers) and before any weight loads. A
+    refusal here reaches the other ranks where they wait to meet this one."""
+    tokenizer = load_tokenizer(models.target.folder)
+    check_vocabularies(models, tokenizer)
+    ids = prompt_ids(cfg, tokenizer, models.target.config.vocab_size) if cfg.serve.port is None else None
+    return tokenizer, ids
+
+
 def answer(plan: Plan, session: Session, ids: list[int], output: Output, tokenizer) -> dict:
     from launch.telemetry import Telemetry
     cfg = plan.settings
@@ -98,12 +108,17 @@ def answer(plan: Plan, session: Session, ids: list[int], output: Output, tokeniz
     if warning:
         status(warning)
     status(f"[{stats['tokens']} tokens, {stats['tokens_per_s']:.2f} tokens/s, {stats['tokens_per_round']:.2f} tokens/round, "
-           f"acceptance {stats['acceptance_rate']:.0%}, stop: {stats['stop_reason']}]")
+           f"acceptance {stats['acceptance_rate']:.0%}, {looked_up(stats)}stop: {stats['stop_reason']}]")
     if telemetry:
         clock = telemetry.finish(gen, stats, output.text())
         status(f"[log: {telemetry.dir}; rank {telemetry.last_rank}'s clock {clock['offset_ms']:+.3f} +/- {clock['uncertainty_ms']:.3f} ms "
                f"from rank 0's over {clock['rounds']} round trips]")
     return {"token_ids": output.tokens, "text": output.text(), "stats": stats}
+
+
+def looked_up(stats: dict) -> str:
+    """draft.kind=hybrid: how many rounds prompt lookup proposed (no model step), for the last status line."""
+    return f"{stats['lookup_rounds']} of {stats['decode_rounds']} rounds looked up, " if stats["drafter"] == "hybrid" else ""
 
 
 def write_output(cfg: TandemConfig, result: dict) -> None:

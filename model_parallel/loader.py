@@ -2,7 +2,7 @@
 
 The full model is instantiated on the meta device (no memory), the stage's tensors are read one by
 one from the safetensors files (sharded or single) and assigned in place, and the rest of the shell
-is dropped. A rank therefore never holds the other rank's weights, not even briefly. With NF4
+is dropped. A rank therefore never holds the other rank's weights, not even briefly. With NF4 or int8
 (`quant=`), each layer is quantized as soon as it arrived, before the next one is read.
 """
 from __future__ import annotations
@@ -341,7 +341,7 @@ def check_quantization(folder: Path, config, stats: dict, quant) -> None:
                 (f" {qc['bnb_4bit_quant_type']}" if qc.get("load_in_4bit") else "")
             raise ModelLoadError(f"{folder} is quantized ({kind}); Tandem reads plain safetensors checkpoints and "
                                  f"bitsandbytes NF4 ones: use the full-precision checkpoint (and model.quant=nf4 to quantize on load)")
-    if stats and quant is None:
+    if stats and (quant is None or getattr(quant, "name", "nf4") != "nf4"):  # (quant=True: any, to list names)
         raise ModelLoadError(f"{folder} is stored in 4-bit NF4 (bitsandbytes); load it with model.quant=nf4 "
                              f"(draft.quant=nf4 for a drafter), or use the full-precision checkpoint")
 
@@ -418,11 +418,11 @@ def place_fused(shell, param: str, ckpts: list[str], fused: tuple, params: dict,
 def quantize_part(shell, part: int | str, names: dict[str, str], quant) -> None:
     """Quantize the linears a part just brought: a layer's always, the head if asked (and only when
     it has its own weight here: a head tied to embeddings this stage holds stays tied). Embeddings never."""
-    from model_parallel.quant import nf4_linear, quantize_linears, return_freed_heap
+    from model_parallel.quant import quantize_linears, return_freed_heap
     if isinstance(part, int):
         quantize_linears(shell.model.layers[part], quant)
     elif part == "head" and quant.lm_head and "lm_head.weight" in names:
-        shell.lm_head = nf4_linear(shell.lm_head, quant)
+        shell.lm_head = quant.linear(shell.lm_head)
     return_freed_heap()
 
 
@@ -478,7 +478,7 @@ def load_stage(model: str | Path | ModelSource, first: int, last: int, embed: bo
                quant=None) -> Stage:
     """A stage with layers [first, last), plus the embeddings and/or norm + head.
 
-    `quant` (optional, a `model_parallel.quant.NF4Settings`) stores the linears in NF4. The stage is
+    `quant` (optional, `model_parallel.quant.NF4Settings` or `Int8Settings`) stores the linears in NF4 or int8. The stage is
     read part by part (embeddings, one layer, ..., norm + head) and each part's linears are quantized
     before the next part is read, so at most one layer exists in full precision at a time. A
     checkpoint already saved in NF4 (transformers + BitsAndBytesConfig) is taken as saved. `model`: a folder,

@@ -93,6 +93,21 @@ def nf4_bytes(numel: int, double_quant: bool) -> int:
     return packed + blocks + code + 4 + nested  # absmax as uint8, the offset one fp32
 
 
+def int8_bytes(rows: int, cols: int, size: int) -> int:
+    """Bytes an Int8Linear keeps for a [rows, cols] weight: the int8 matrix and a scale per row (`size` bytes)."""
+    return rows * cols + rows * size
+
+
+def linear_bytes(weight: torch.Tensor, size: int, quant, double: bool) -> int:
+    """Bytes of one linear weight (of the meta shell) as loaded: full precision, NF4 or int8."""
+    name = getattr(quant, "name", None)
+    if name == "nf4":
+        return nf4_bytes(weight.numel(), double)
+    if name == "int8":
+        return int8_bytes(weight.shape[0], weight.shape[1], size)
+    return weight.numel() * size
+
+
 @dataclass(frozen=True)
 class ModelBytes:
     """Bytes of a model's parts as loaded: `layers[i]` is layer i's weights, `cache_per_layer` its KV
@@ -128,16 +143,15 @@ class ModelBytes:
 
 def model_bytes(model, quant, max_len: int) -> ModelBytes:
     """Bytes of every part of `model` (a loader.ModelSource: config.json and the meta-device shell, in its
-    dtype) as loaded (quant: NF4Settings or None), with KV caches of `max_len` tokens. Reads no weight."""
+    dtype) as loaded (quant: NF4Settings, Int8Settings or None), with KV caches of `max_len` tokens. Reads no weight."""
     from model_parallel.loader import DTYPES
     config, shell = model.config, model.shell
     size = DTYPES[model.dtype].itemsize
     double = _double_quant(config, quant)
     layers = [_module_bytes(layer, size, quant, double) for layer in shell.model.layers]
     embed = shell.model.embed_tokens.weight.numel() * size
-    head_weight = shell.lm_head.weight.numel()
     tied = getattr(config, "tie_word_embeddings", False)
-    head = nf4_bytes(head_weight, double) if quant is not None and quant.lm_head else head_weight * size
+    head = linear_bytes(shell.lm_head.weight, size, quant if quant is not None and quant.lm_head else None, double)
     norm = sum(p.numel() for p in shell.model.norm.parameters()) * size
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -151,16 +165,16 @@ def _double_quant(config, quant) -> bool:
     if qc is not None:
         qc = qc if isinstance(qc, dict) else qc.to_dict()
         return bool(qc.get("bnb_4bit_use_double_quant", False))
-    return quant is not None and quant.double_quant
+    return bool(getattr(quant, "double_quant", False))
 
 
 def _module_bytes(module: torch.nn.Module, size: int, quant, double: bool) -> int:
-    """A layer's parameters: its linears' weights in NF4 when quantized, everything else in the dtype."""
+    """A layer's parameters: its linears' weights in NF4 or int8 when quantized, everything else in the dtype."""
     total = 0
     for sub in module.modules():
         for leaf, p in sub.named_parameters(recurse=False):
             if quant is not None and type(sub) is torch.nn.Linear and leaf == "weight":
-                total += nf4_bytes(p.numel(), double)
+                total += linear_bytes(p, size, quant, double)
             else:
                 total += p.numel() * size
     return total

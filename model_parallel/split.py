@@ -10,8 +10,10 @@ Per round of K drafts (overlap or not, a round takes about the busiest rank's ti
     middle rank: its layers over the block
     last rank:   its layers + the final norm and LM head over the block
 The costs are timed (`time_rank`) on the modules a run calls, built from config.json with placeholder weights
-in the run's dtype (or NF4), through Stage.forward over a KV cache holding a short context, with the
-threads this process runs with: every part in turn, after a warm-up, for about WINDOW_S, medians.
+in the run's dtype (or NF4 / int8), in eval mode as a loaded stage is, through Stage.forward over a KV cache
+holding a short context, with the threads this process runs with: every part in turn, after a warm-up (which
+also takes bitsandbytes' one-time repack of a 4-bit weight), for about WINDOW_S, medians. `draft_step_ms` times
+one drafter step the same way, for several formats and batch rows at once (model_parallel.draft_format).
 """
 from __future__ import annotations
 
@@ -212,10 +214,12 @@ def _placeholder(module: torch.nn.Module, device: str, dtype: torch.dtype) -> to
     return module.eval().requires_grad_(False)
 
 
-def stage_runs(model, tokens: int, device: str, dtype: torch.dtype, quant=None, context: int = CONTEXT) -> dict:
+def stage_runs(model, tokens: int, device: str, dtype: torch.dtype, quant=None, context: int = CONTEXT,
+               rows: int = 1) -> dict:
     """{layers: a forward of `tokens` tokens after `context` cached ones} for a stage of each size in
     STAGE_SIZES, through Stage.forward as a round calls it (placeholder weights of `model`'s shapes, `dtype`,
-    NF4 with `quant`; every layer its own weights, as in a real stage)."""
+    NF4 or int8 with `quant`; every layer its own weights, as in a real stage); `rows` requests at once, each in
+    its own KV slot (a batched draft step)."""
     from model_parallel.stage import Stage
     layer_cls, rotary_cls, _, small = _classes(model)
 
@@ -225,17 +229,19 @@ def stage_runs(model, tokens: int, device: str, dtype: torch.dtype, quant=None, 
         built = _placeholder(built, device, dtype)
         if quant is not None:
             from model_parallel.quant import quantize_linears
-            quantize_linears(built, quant)
+            quantize_linears(built, quant)  # each quantized module in eval mode, as the layer it went into
         return built
-    hidden = torch.randn(1, tokens, small.hidden_size, dtype=dtype, device=device) * 0.1
+    hidden = torch.randn(rows, tokens, small.hidden_size, dtype=dtype, device=device) * 0.1
+    slots = list(range(rows))
     runs = {}
     for n in STAGE_SIZES:  # each stage its own layers: none is still in a CPU cache from the other's call
-        stage = Stage(small, [layer(i) for i in range(n)], 0, rotary_cls(config=small).to(device))
-        stage.allocate_cache(context + tokens, dtype)  # its first `context` slots stand for cached tokens:
+        stage = Stage(small, [layer(i) for i in range(n)], 0, rotary_cls(config=small).to(device)).eval()
+        stage.allocate_cache(context + tokens, dtype, slots=rows)  # its first `context` slots stand for cached tokens:
 
         def block(stage=stage):  # attention reads them whatever they hold, so nothing need compute them
-            stage.cache.rewind(context)
-            stage(hidden, live=context + tokens)
+            for slot in slots:
+                stage.cache.rewind(context, slot)
+            stage(hidden, live=context + tokens, rows=slots)
             _sync(device)
         runs[n] = block
     return runs
@@ -251,26 +257,25 @@ def layer_and_call_ms(ms: dict) -> tuple[float, float]:
     return layer_ms, max(ms[one] - layer_ms, 0.0)
 
 
-def head_run(model, tokens: int, device: str, dtype: torch.dtype, quant=None):
-    """(the final norm + LM head over `tokens` positions, logits to fp32 as Stage.forward returns them;
-    the factor from its ms to the whole head's): a head taller than MAX_HEAD_ROWS runs on a slice."""
+def head_run(model, tokens: int, device: str, dtype: torch.dtype, quant=None, rows: int = 1):
+    """(the final norm + LM head over `tokens` positions of `rows` requests, logits to fp32 as Stage.forward
+    returns them; the factor from its ms to the whole head's): a head taller than MAX_HEAD_ROWS runs on a slice."""
     _, _, norm_cls, small = _classes(model)
     config = model.config
-    rows = min(config.vocab_size, MAX_HEAD_ROWS)
+    height = min(config.vocab_size, MAX_HEAD_ROWS)
     with torch.device("meta"):
         norm = norm_cls(config.hidden_size, eps=getattr(config, "rms_norm_eps", 1e-6))
-        head = torch.nn.Linear(config.hidden_size, rows, bias=False)
+        head = torch.nn.Linear(config.hidden_size, height, bias=False)
     norm, head = _placeholder(norm, device, dtype), _placeholder(head, device, dtype)
     if quant is not None and quant.lm_head:
-        from model_parallel.quant import nf4_linear
-        head = nf4_linear(head, quant)
-    hidden = torch.randn(1, tokens, config.hidden_size, dtype=dtype, device=device) * 0.1
+        head = quant.linear(head)  # in eval mode, as the placeholder was
+    hidden = torch.randn(rows, tokens, config.hidden_size, dtype=dtype, device=device) * 0.1
 
     @torch.inference_mode()
     def run():
         head(norm(hidden)).float().argmax(-1)
         _sync(device)
-    return run, config.vocab_size / rows
+    return run, config.vocab_size / height
 
 
 @dataclass
@@ -292,22 +297,57 @@ def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WIN
     over one token). Every part is timed here, in turn with the others, in one window (median_ms)."""
     runs, scale = {}, {}
     for name, model in (("target", target), ("drafter", drafter)):
-        if model is None:
-            continue
-        for n, run in stage_runs(model.model, model.tokens, model.device, model.dtype, model.quant).items():
-            runs[name, n] = run
-        if model.head:
-            runs[name, "head"], scale[name] = head_run(model.model, model.tokens, model.device, model.dtype, model.quant)
+        if model is not None:
+            scale[name] = add_runs(runs, name, model)
     ms = median_ms(runs, window_s)
     layer_ms, call_ms = layer_and_call_ms({n: ms["target", n] for n in STAGE_SIZES})
     other_ms = call_ms + (ms["target", "head"] * scale["target"] if target.head else 0.0)
     if drafter is not None:
-        d_layer, d_call = layer_and_call_ms({n: ms["drafter", n] for n in STAGE_SIZES})
-        step = d_call + drafter.model.config.num_hidden_layers * d_layer + ms["drafter", "head"] * scale["drafter"]
-        other_ms += drafter.calls * step
-    if any(str(m.device).startswith("cuda") for m in (target, drafter) if m is not None):
-        torch.cuda.empty_cache()  # the placeholder weights go back before the real ones load
+        other_ms += drafter.calls * model_ms(ms, "drafter", drafter, scale["drafter"])
+    _release(target, drafter)
     return layer_ms, other_ms
+
+
+def add_runs(runs: dict, name, model: Timed, rows: int = 1) -> float:
+    """Add `model`'s stage calls (and head) to `runs` under (name, n) and (name, "head"); returns the head's scale."""
+    for n, run in stage_runs(model.model, model.tokens, model.device, model.dtype, model.quant, rows=rows).items():
+        runs[name, n] = run
+    if not model.head:
+        return 1.0
+    runs[name, "head"], scale = head_run(model.model, model.tokens, model.device, model.dtype, model.quant, rows=rows)
+    return scale
+
+
+def model_ms(ms: dict, name, model: Timed, scale: float) -> float:
+    """One call of the whole model (every layer, and the head) from its parts' medians under `name`."""
+    layer, call = layer_and_call_ms({n: ms[name, n] for n in STAGE_SIZES})
+    return call + model.model.config.num_hidden_layers * layer + (ms[name, "head"] * scale if model.head else 0.0)
+
+
+def draft_step_ms(steps: dict, window_s: float = WINDOW_S) -> tuple[dict, dict]:
+    """({key: ms of one drafter step}, {key: why it could not run}) for `steps` {key: (Timed, rows)}: a step of
+    every layer, the norm and the head over one token for `rows` requests, each key its own modules (a format
+    and a batch size, say), all timed in turn in one window after warm-up steps. A key whose trial step raises
+    (a format this device cannot run) is left out, its reason kept."""
+    runs, scale, failed = {}, {}, {}
+    for key, (model, rows) in steps.items():
+        mine = {}
+        try:
+            scale[key] = add_runs(mine, key, model, rows)
+            for run in mine.values():
+                run()
+        except Exception as e:  # noqa: BLE001 - a format this device cannot run is a finding, not a failed launch
+            failed[key] = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+            continue
+        runs.update(mine)
+    ms = median_ms(runs, window_s) if runs else {}
+    _release(*(model for model, _ in steps.values()))
+    return {key: model_ms(ms, key, model, scale[key]) for key, (model, _) in steps.items() if key not in failed}, failed
+
+
+def _release(*models) -> None:
+    if any(str(m.device).startswith("cuda") for m in models if m is not None):
+        torch.cuda.empty_cache()  # the placeholder weights go back before the real ones load
 
 
 def even_cuts(num_layers: int, ranks: int) -> list[int]:

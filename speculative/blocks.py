@@ -64,11 +64,12 @@ class BlockMaker:
 
     def bet(self, s: Stream, tip: Block, k_next: int) -> Block | None:
         """Draft the guess plus k_next tokens after the tip's drafts and run stage 0 over them: on a hit the
-        caches are exactly where this block needs them. None when the drafter has nothing to propose."""
+        caches are exactly where this block needs them. None when the drafter has no draft after its guess.
+        A lookup (ngram, hybrid) may find fewer than k_next: the block then carries what it found."""
         t0 = time.perf_counter()
         context = s.committed[:s.chain[0].start] + [t for block in s.chain for t in block.fed]
         proposal = self.drafter.propose(context, k_next + 1, slot=s.slot)
-        if len(proposal) < k_next + 1:  # a drafter with nothing to propose (n-gram miss, no drafter)
+        if len(proposal) < 2:  # nothing to propose (n-gram miss, no drafter), or the guess alone
             return None
         guess, drafts = int(proposal.tokens[0]), proposal.after_first()
         fed = [guess] + drafts.tokens.tolist()

@@ -6,6 +6,10 @@ after it.
 see. A drafter returns at most k tokens (fewer is fine) and, when the target samples, the sparse
 distribution each was drawn from (rank 1 needs q for rejection sampling). `slot` is the request's KV slot
 (serve.max_concurrent): a drafter with a cache keeps each slot's tokens apart; the others ignore it.
+
+Four kinds (draft.kind): none, ngram (prompt lookup: free, one-hot q), model (a small LM: its own q), and hybrid
+(a lookup when the context is being copied, else the model). Each round's Drafts carry the q they were drawn
+from, so rank 1's rejection sampling is exact whichever kind proposed them, round by round.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ class Drafts:
     tokens: torch.Tensor  # [k] int64
     q_ids: torch.Tensor | None = None  # [k, m] token ids of each draft's distribution
     q_probs: torch.Tensor | None = None  # [k, m] their probabilities
+    looked_up: bool = False  # found in the context (q one-hot), no model step; else the model's own q (None greedy)
 
     def __len__(self) -> int:
         return self.tokens.numel()
@@ -30,13 +35,14 @@ class Drafts:
     def after_first(self) -> Drafts:
         """The drafts after the first (which draft_ahead uses as its guess of the target's next token)."""
         cut = (lambda t: None if t is None else t[1:])
-        return Drafts(self.tokens[1:], cut(self.q_ids), cut(self.q_probs))
+        return Drafts(self.tokens[1:], cut(self.q_ids), cut(self.q_probs), self.looked_up)
 
 
-def one_hot_drafts(tokens: list[int]) -> Drafts:
-    """A deterministic proposal is a one-hot q: rejection sampling then keeps d with probability p(d)."""
+def one_hot_drafts(tokens: list[int], looked_up: bool = False) -> Drafts:
+    """A deterministic proposal is a one-hot q: rejection sampling then keeps d with probability p(d).
+    `looked_up`: the tokens were found in the context (a lookup round, when there are any)."""
     t = torch.tensor(tokens, dtype=torch.long)
-    return Drafts(t, t[:, None].clone(), torch.ones(len(tokens), 1))
+    return Drafts(t, t[:, None].clone(), torch.ones(len(tokens), 1), looked_up and bool(tokens))
 
 
 class StatelessDrafter:
@@ -74,13 +80,18 @@ class NgramDrafter(StatelessDrafter):
         self.max_n, self.min_n = max_n, min_n
 
     def propose(self, context: list[int], k: int, slot: int = 0) -> Drafts:
+        return one_hot_drafts(self.look_up(context, k), looked_up=True)
+
+    def look_up(self, context: list[int], k: int) -> list[int]:
+        """What followed the latest earlier occurrence of the longest suffix found (at least one token: the
+        occurrence ends before the context does), at most k tokens; [] when no suffix recurs."""
         if k > 0:
             for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
                 suffix = context[-n:]
                 for start in range(len(context) - n - 1, -1, -1):
                     if context[start:start + n] == suffix:
-                        return one_hot_drafts(context[start + n:start + n + k])
-        return one_hot_drafts([])
+                        return context[start + n:start + n + k]
+        return []
 
 
 class ModelDrafter:
@@ -173,3 +184,27 @@ class ModelDrafter:
         # Valid: the committed prefix the slot saw. Its last committed token is fed next round.
         self.cached[slot] = min(self.cached[slot], n_committed - 1)
         self.stage.cache.rewind(self.cached[slot], slot)
+
+
+class HybridDrafter(ModelDrafter):
+    """draft.kind=hybrid: each round looks the context (prompt and output so far) up first, as NgramDrafter does;
+    when its last `lookup_min` tokens (or more, up to `lookup_max`) occurred earlier, what followed them is the
+    round's proposal (at most the round's K, a one-hot q), with no model step. Otherwise the model drafts.
+
+    The model's slot does not take in looked-up tokens when they are proposed: the next time the model drafts for
+    that slot, it takes in everything it lacks (the tokens committed in the looked-up rounds) in one forward, as
+    after a fully accepted round (catch_up_rows: batched with the other slots' when it lacks at most FEW_MISSING,
+    else alone). So a copied stretch costs the model one forward over it, not a step per token. In a batch some
+    rows may be looked up and others drafted by the model: the looked-up rows take no part in the model's steps."""
+
+    def __init__(self, stage, lookup_min: int = 3, lookup_max: int | None = None, **model):
+        super().__init__(stage, **model)
+        self.lookup = NgramDrafter(max(lookup_max or lookup_min, lookup_min), lookup_min)
+
+    def propose_rows(self, contexts: list[list[int]], ks: list[int], slots: list[int]) -> list[Drafts]:
+        drafts = [self.lookup.propose(context, k) for context, k in zip(contexts, ks)]
+        rows = [b for b, d in enumerate(drafts) if not d.looked_up]
+        modelled = super().propose_rows([contexts[b] for b in rows], [ks[b] for b in rows], [slots[b] for b in rows])
+        for b, d in zip(rows, modelled):
+            drafts[b] = d
+        return drafts

@@ -34,6 +34,7 @@ import torch
 from netbridge import protocol
 from netbridge.protocol import Prefill, Reply, Request, Round
 from speculative.blocks import BlockMaker
+from speculative.grammar import GrammarFailure
 from speculative.in_flight import in_flight_policy
 from speculative.k_choice import k_policy
 from speculative.output import Output
@@ -91,6 +92,8 @@ class Session:
             if not stream.ended:
                 self.end(stream, clean=False)
         self.replies.drain()
+        if stream.gen.error is not None:
+            raise GrammarFailure(stream.gen.error)
         return stream.gen
 
     def admit(self, prompt_ids: list[int], output: Output, request: Request = Request(), on_round=None,
@@ -199,6 +202,10 @@ class Session:
         waited_ms, ended = _ms(t_wait), []
         for i, (block, reply) in enumerate(replies):
             s = block.stream
+            if reply.error is not None:  # its grammar failed on the last rank: it ends alone, nothing committed
+                s.gen.error = reply.error
+                ended.append(self.end(s, clean=False))
+                continue
             record = self.commit_round(s, block, reply, wasted_ms, on_the_way)
             if i == 0:  # the batch's costs, once (scheduler: spec.in_flight=auto, how many batches)
                 self.scheduler.observe(record, waited_ms, decode=len(s.gen.rounds) > 1)
@@ -228,7 +235,7 @@ class Session:
                              reply.stage1_ms, s.t_round - s.t_start, block.send_ms, block.sent_at - s.t_start,
                              block.guess is not None, ahead_ms, middle_ms(reply),
                              in_flight, lost, bet, wasted_ms, prepared, s.slot, block.batch, len(self.scheduler.live),
-                             on_the_way)
+                             on_the_way, block.drafts.looked_up)
         s.gen.rounds.append(record)
         s.k_now = self.k_policy.after(s.k_now, record, decode=len(s.gen.rounds) > 1)
         return record

@@ -36,6 +36,8 @@ def summarize(gen: Generation, k: int, drafter: str) -> dict:
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "acceptance_per_position": per_position,
         "full_hit_rate": mean(r.accepted == r.drafted for r in rounds if r.drafted),
+        "lookup_rounds": sum(r.looked_up for r in rounds),  # drafts found in the context, no model step (hybrid, ngram)
+        "lookup_acceptance_rate": lookup_acceptance(rounds),
         "rounds_from_ahead": sum(r.from_ahead for r in rounds),  # spec.overlap: prepared while the last was in flight
         "in_flight_mean": mean(r.in_flight for r in gen.rounds),  # spec.in_flight: rounds on the way at each reply
         "bets_won": sum(r.bet is True for r in gen.rounds),  # rounds prepared ahead whose bet held
@@ -58,6 +60,13 @@ def summarize(gen: Generation, k: int, drafter: str) -> dict:
     }
 
 
+def lookup_acceptance(rounds) -> float:
+    """Accepted / drafted over the rounds whose drafts were looked up (draft.kind=hybrid: how well the lookup
+    chose; the model's rounds are the rest)."""
+    drafted = sum(r.drafted for r in rounds if r.looked_up)
+    return sum(r.accepted for r in rounds if r.looked_up) / drafted if drafted else 0.0
+
+
 def busy_fraction(rounds, decode_s: float, middles: int = 0) -> list[float]:
     """Per rank (0, the middle ones, the last), the share of the decode time it computed: rank 0 drafting
     (ahead too) and its slice, a middle rank its slice, the last rank its slice, head and verification."""
@@ -72,7 +81,7 @@ def busy_fraction(rounds, decode_s: float, middles: int = 0) -> list[float]:
 def broken_drafter_warning(stats: dict, min_rounds: int = 16) -> str | None:
     """A neural drafter that agrees with the target on nothing, round after round, is almost always
     a bug (elsewhere this was how a broken graph capture showed itself), not a bad drafter."""
-    if stats["drafter"] == "model" and stats["decode_rounds"] >= min_rounds and stats["k"] > 0 \
+    if stats["drafter"] in ("model", "hybrid") and stats["decode_rounds"] >= min_rounds and stats["k"] > 0 \
             and stats["acceptance_rate"] == 0.0:
         return (f"warning: {stats['decode_rounds']} rounds with a mean of 1.00 tokens per round: the drafter never "
                 "agreed with the target. Check that draft.model shares the target's tokenizer and family; "

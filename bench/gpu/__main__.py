@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     if drafter:
         t["drafter_k_loop"] = budget.run("drafter K-step loop, eager vs graph",
                                          lambda: costs.drafter_steps(drafter, device, k, reps), 30)
+        t["drafter_k_loop_formats"] = budget.run("drafter K-step loop per weight format (draft.quant)",
+                                                 lambda: costs.drafter_formats(drafter, device, k, reps), 40)
     for shape in ("qwen2.5-7b", "qwen2.5-32b"):
         t[shape] = budget.run(f"stage costs, {shape} shape", lambda: costs.layer_ms(shape, device, k, chunk, 2 if dry else 4, reps, dry), 30)
     target = budget.run("random target (7B shape, 2 layers) for whole rounds", lambda: costs.round_target(tmp, dry, 2, device), 30)

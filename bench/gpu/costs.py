@@ -1,6 +1,7 @@
 """What a round costs on the device, in bf16, with random weights in the real shapes (bench/gpu/models.py).
 
-- the drafter's K-step loop, eager and graph-captured (ms, and host syncs inside the loop: the goal is 0);
+- the drafter's K-step loop, eager and graph-captured (ms, and host syncs inside the loop: the goal is 0), with its
+  weights in each format (draft.quant: none, int8, nf4 where bitsandbytes imports): a row per format;
 - one target layer over 1, K+1 and a prefill chunk of tokens (ms per layer, measured over a few layers);
 - the norm + LM head over K+1 positions;
 - a whole round through the real entry at an emulated 0 and 43 ms one way, both ranks on the device.
@@ -45,14 +46,22 @@ def host_syncs(fn, device: str) -> int | None:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def drafter_steps(folder: str, device: str, k: int, repeats: int) -> dict:
+def drafter_formats(folder: str, device: str, k: int, repeats: int) -> dict:
+    """{format: drafter_steps' row} for each weight format; a format that does not run here says why."""
+    from bench.draft_speed import runnable_formats
+    formats, left_out = runnable_formats("none,int8,nf4")
+    rows = {quant: drafter_steps(folder, device, k, repeats, quant) for quant in formats}
+    return {**rows, **{line.split()[0]: {"skipped": line} for line in left_out}}
+
+
+def drafter_steps(folder: str, device: str, k: int, repeats: int, quant: str = "none") -> dict:
     """propose(K) + commit over the same context, eager and graph (bench/draft_speed.make_drafter: the entry's
-    own drafter construction). On the CPU only eager runs."""
+    own drafter construction), the weights in `quant`. On the CPU only eager runs."""
     from bench.draft_speed import make_drafter
     context = list(range(1, 65))
     row = {}
     for graph in (["off", "on"] if device.startswith("cuda") else ["off"]):
-        drafter = make_drafter(folder, device, "bfloat16", graph, max_k=k)
+        drafter = make_drafter(folder, device, "bfloat16", graph, max_k=k, quant=quant)
         drafter.commit(1)
         drafter.propose(context, k)
 

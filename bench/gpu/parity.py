@@ -113,7 +113,7 @@ def concurrent_parity(device: str, tmp: Path, requests: int = 4) -> dict:
     from speculative.session import Session
     target, drafter = tiny_folders(tmp / "concurrent")
     graph = "on" if device.startswith("cuda") else "off"
-    cfg = load_config([f"model.target={target}", "model.dtype=float32", "chat=false", "prompt_ids=[1]", "serve.port=0",
+    cfg = load_config([f"model.target={target}", "model.dtype=float32", "chat=false", "serve.port=0",
                        f"serve.max_concurrent={requests}", "draft.kind=model", f"draft.model={drafter}",
                        "draft.dtype=float32", f"draft.graph={graph}", "spec.k=4", "model.split=null",
                        "output.stream=false"])

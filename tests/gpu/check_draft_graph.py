@@ -3,13 +3,16 @@
     python tests/gpu/check_draft_graph.py                      # the fetched 0.5B drafter on cuda:0
     python tests/gpu/check_draft_graph.py --tiny               # a tiny random model (no fetch needed)
     python tests/gpu/check_draft_graph.py --tiny --device cpu  # dry run of this script: eager vs eager
+    python tests/gpu/check_draft_graph.py --quant none,int8    # the weight formats checked (default: each that runs)
 
 Two drafters with the same weights on the same device, one with draft.graph=on, one off, are driven
 through the same 500 rounds (random K, random number accepted, sometimes a deep rewind), greedy and
 sampled; their drafts must be equal token for token. Then the same over 4 KV slots (serve.max_concurrent):
 propose_rows over a random subset of the slots in each of up to 100 rounds (each batch size its own graph),
-greedy, sampled and both mixed in one batch, each row at its own length and K. Then it prints ms per draft
-step, eager vs graph, and the ratio. Exit status 0 = all equal.
+greedy, sampled and both mixed in one batch, each row at its own length and K. All of it for the drafter's
+weights in each format (draft.quant: none, int8, nf4; nf4 left out, said so, where bitsandbytes does not import):
+each must capture, and replay what it computes eagerly. Then it prints ms per draft step, eager vs graph, and the
+ratio, a row per format and K. Exit status 0 = all equal.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.draft_speed import make_drafter, ms_per_round  # noqa: E402
+from bench.draft_speed import make_drafter, ms_per_round, runnable_formats  # noqa: E402
 
 
 def drive(drafters, rounds: int, vocab: int, seed: int) -> int:
@@ -87,7 +90,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rounds", type=int, default=500)
     ap.add_argument("--timing-rounds", type=int, default=50, help="rounds per K in the ms table (0: no table)")
+    ap.add_argument("--quant", default="none,int8,nf4", help="the drafter's weight formats to check (draft.quant)")
     args = ap.parse_args()
+    formats, left_out = runnable_formats(args.quant)
+    for line in left_out:
+        print(line)
     if args.tiny:
         folder = tiny_model(Path(tempfile.mkdtemp()) / "tiny")
     else:
@@ -97,25 +104,30 @@ def main() -> None:
     if on_gpu and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here; run with --device cpu for a dry run of the script")
     graph_mode = "on" if on_gpu else "off"  # on CPU: eager vs eager, which checks only this script
-    for temperature in (0.0, 0.8):
-        make = lambda graph: make_drafter(folder, args.device, args.dtype, graph, temperature, seed=3)  # noqa: E731
-        graphed, eager = make(graph_mode), make("off")
-        n = drive([graphed, eager], args.rounds, graphed.vocab_size, seed=11)
-        print(f"temperature {temperature}: {n} rounds, graph == eager token for token ({'graph' if on_gpu else 'DRY RUN: eager'} vs eager)")
-    for temperatures in ([0.0] * 4, [0.8] * 4, [0.0, 0.8, 0.0, 1.2]):
-        make = lambda graph: make_drafter(folder, args.device, args.dtype, graph, slots=4)  # noqa: E731
-        graphed, eager = make(graph_mode), make("off")
-        n = drive_rows([graphed, eager], min(args.rounds, 100), graphed.vocab_size, seed=12, temperatures=temperatures)
-        print(f"4 slots at temperatures {temperatures}: {n} batched rounds, graph == eager token for token "
-              f"({'graph' if on_gpu else 'DRY RUN: eager'} vs eager)")
+    kind = "graph" if on_gpu else "DRY RUN: eager"
+    for quant in formats:
+        for temperature in (0.0, 0.8):
+            make = lambda graph: make_drafter(folder, args.device, args.dtype, graph, temperature, seed=3, quant=quant)  # noqa: E731
+            graphed, eager = make(graph_mode), make("off")
+            n = drive([graphed, eager], args.rounds, graphed.vocab_size, seed=11)
+            print(f"draft.quant={quant}, temperature {temperature}: {n} rounds, graph == eager token for token ({kind} vs eager)")
+        for temperatures in ([0.0] * 4, [0.8] * 4, [0.0, 0.8, 0.0, 1.2]):
+            make = lambda graph: make_drafter(folder, args.device, args.dtype, graph, slots=4, quant=quant)  # noqa: E731
+            graphed, eager = make(graph_mode), make("off")
+            n = drive_rows([graphed, eager], min(args.rounds, 100), graphed.vocab_size, seed=12, temperatures=temperatures)
+            print(f"draft.quant={quant}, 4 slots at temperatures {temperatures}: {n} batched rounds, graph == eager token "
+                  f"for token ({kind} vs eager)")
     if not args.timing_rounds:
         return
-    graphed, eager = make_drafter(folder, args.device, args.dtype, graph_mode), make_drafter(folder, args.device, args.dtype, "off")
-    print(f"\n| K | eager ms/step | graph ms/step | eager/graph |\n|---|---|---|---|")
+    print(f"\n| draft.quant | K | eager ms/step | graph ms/step | eager/graph |\n|---|---|---|---|---|")
     context = list(range(1, 65))
-    for k in (1, 4, 8):
-        e, g = ms_per_round(eager, k, args.timing_rounds, context) / k, ms_per_round(graphed, k, args.timing_rounds, context) / k
-        print(f"| {k} | {e:.2f} | {g:.2f} | {e / g:.2f}x |")
+    for quant in formats:
+        graphed = make_drafter(folder, args.device, args.dtype, graph_mode, quant=quant)
+        eager = make_drafter(folder, args.device, args.dtype, "off", quant=quant)
+        for k in (1, 4, 8):
+            e, g = ms_per_round(eager, k, args.timing_rounds, context) / k, ms_per_round(graphed, k, args.timing_rounds, context) / k
+            print(f"| {quant} | {k} | {e:.2f} | {g:.2f} | {e / g:.2f}x |", flush=True)
+        del graphed, eager
     print(f"\nmodel {folder}, {args.dtype}, device {args.device}"
           f" ({torch.cuda.get_device_name(args.device) if on_gpu else 'CPU: no graph, both eager'})")
 

@@ -152,7 +152,7 @@ def test_the_drafter_runs_where_the_target_runs_by_default(tiny_qwen, tiny_qwen_
 
 
 def test_split_out_of_range(tiny_qwen):
-    error = pair_error(f"model.target={tiny_qwen}", "model.split=4", "prompt_ids=[1,2]")
+    error = pair_error(f"model.target={tiny_qwen}", "model.split=4", "draft.kind=none", "prompt_ids=[1,2]")
     assert_one_line_error(error, ConfigError, "model.split=4 is out of range", "has 4 layers", "1..3")
 
 
@@ -222,7 +222,8 @@ def entry_lines(capsys) -> list[str]:
 
 
 def test_entry_reports_a_config_error_on_both_ranks(tiny_qwen, monkeypatch, capsys):
-    outcome = run_entry_pair(monkeypatch, f"model.target={tiny_qwen}", "model.split=4", "prompt_ids=[1,2]")
+    outcome = run_entry_pair(monkeypatch, f"model.target={tiny_qwen}", "model.split=4", "draft.kind=none",
+                             "prompt_ids=[1,2]")
     assert outcome == {0: 1, 1: 1}  # sys.exit(1) on both ranks
     lines = entry_lines(capsys)
     assert len(lines) == 2, lines

@@ -68,7 +68,8 @@ def costs_holding(slots_each: list[int], num_layers: int = 4) -> list[RankCosts]
 
 
 def cfg_of(*args: str):
-    return load_config(["draft.kind=none", "prompt_ids=[1]", *args])
+    serving = any(a.startswith("serve.port=") for a in args)  # a server takes no prompt of its own
+    return load_config(["draft.kind=none", *([] if serving else ["prompt_ids=[1]"]), *args])
 
 
 SERVING = cfg_of("serve.port=0")

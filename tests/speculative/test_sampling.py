@@ -198,12 +198,14 @@ def pit(tokens, q_ids, q_probs, rng, sharpen: float = 1.0) -> list[float]:
     return out
 
 
-def test_model_drafter_samples_follow_the_q_it_reports(sampling_qwen):
+@pytest.mark.parametrize("quant", ["none", pytest.param("int8", marks=pytest.mark.slow)])  # int8: ~2.5 s
+def test_model_drafter_samples_follow_the_q_it_reports(quant, sampling_qwen):
     """Rejection sampling is exact only if the drafts really are drawn from the q sent with them. The target drafts
     for itself here, at TEMPERATURE; each run drafts DRAFT_K tokens after the prompt with fresh noise, so the draws
-    pool over many contexts."""
+    pool over many contexts. An int8 drafter's q is its own int8 model's (what its drafts are drawn from)."""
     cfg = load_config(["prompt_ids=[1]", f"model.target={sampling_qwen}", "model.dtype=float32", "draft.kind=model",
-                       f"draft.model={sampling_qwen}", "draft.dtype=float32", f"spec.k={DRAFT_K}", "model.split=null"])
+                       f"draft.model={sampling_qwen}", "draft.dtype=float32", f"spec.k={DRAFT_K}", "model.split=null",
+                       f"draft.quant={quant}"])
     drafter = model_drafter(plan_here(cfg, 0))
     drafter.reset(0, TEMPERATURE, seed=0)
     rng = np.random.default_rng(0)
@@ -252,17 +254,20 @@ def next_token_pvalue(model, samples: list[tuple[list[int], int]]) -> float:
     return chi2_pvalue(np.array([observed[c] for c in cells]), np.array([expected[c] for c in cells]))
 
 
-@pytest.mark.parametrize("overlap,ranks,in_flight", [(True, 2, 1), (True, 3, 1), (True, 2, 3)],
-                         ids=["overlap-on", "overlap-on-3-ranks", "3-in-flight"])  # overlap off: the verifier's tests above
-def test_sampled_generation_keeps_the_targets_joint_distribution(overlap, ranks, in_flight, sampling_qwen):
+@pytest.mark.parametrize("overlap,ranks,in_flight,quant", [(True, 2, 1, "none"), (True, 3, 1, "none"), (True, 2, 3, "none"),
+                                                           (True, 2, 1, "int8")],
+                         ids=["overlap-on", "overlap-on-3-ranks", "3-in-flight", "int8-drafter"])  # overlap off: the verifier's tests above
+def test_sampled_generation_keeps_the_targets_joint_distribution(overlap, ranks, in_flight, quant, sampling_qwen):
     """Both ranks, sampled at (TEMPERATURE, TOP_P): the first two tokens' joint distribution is the reference's,
     computed from the reference model's logits, and the third token, when it is the bonus after an accepted draft,
     follows the reference given the first two. The target drafts for itself, so drafts are often accepted and,
     with spec.overlap, round 1 often runs from what was drafted ahead while round 0 was in flight. With three
     ranks the block crosses a middle rank (model.split=[1,3]) before the last one verifies it. With rounds in
-    flight (spec.in_flight=3) rounds 1 and 2 are sent before round 0's reply, and dropped when its bet fails."""
+    flight (spec.in_flight=3) rounds 1 and 2 are sent before round 0's reply, and dropped when its bet fails. With
+    an int8 drafter (draft.quant=int8) its q is its own (int8) model's, not the target's: drafts are drawn from it
+    and it travels with them."""
     overrides = session_args(sampling_qwen, sampling_qwen, max_new=3) + [f"spec.overlap={str(overlap).lower()}",
-                                                                         f"spec.in_flight={in_flight}"]
+                                                                         f"spec.in_flight={in_flight}", f"draft.quant={quant}"]
     overrides += ["model.split=[1,3]"] if ranks == 3 else []
     n = 300
     gens = serve(overrides, [(PROMPT, Request(TEMPERATURE, TOP_P, seed)) for seed in range(n)], ranks)

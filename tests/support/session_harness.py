@@ -68,7 +68,8 @@ def serve_together(overrides: list[str], requests: list[tuple], ranks: int = 2, 
 def with_ranks(overrides: list[str], ranks: int, body, links=None, batches: int | None = None):
     """body(session, cfg, eos ids) on rank 0 with the other ranks in threads; its result. `links`: every rank's
     (from the rank before, to the rank after), default local_ring's (with two ranks local_pair's)."""
-    cfg = load_config(["output.stream=false", "chat=false", "prompt_ids=[1]", *overrides])
+    serving = any(o.startswith("serve.port=") for o in overrides)  # a server takes no prompt of its own
+    cfg = load_config(["output.stream=false", "chat=false", *([] if serving else ["prompt_ids=[1]"]), *overrides])
     links = links or local_ring(ranks, 30.0)
     errors = []
 

@@ -1,0 +1,262 @@
+"""draft.kind=hybrid: each round looks the context up first and, when its last draft.lookup_min tokens occurred
+earlier, proposes what followed them with no model step; otherwise the model drafts. Lossless like every drafter:
+greedy output is transformers generate's, one request and several at once, with rounds in flight. The lookup
+really proposes where the answer copies its context, the model where it does not, both kinds in one batched tick;
+the model's cache takes in the tokens it did not draft, so its drafts after a looked-up stretch are a fresh
+drafter's; each round's Drafts carry the q they were drawn from (one-hot for a lookup)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from launch.config import ConfigError, load_config
+from model_parallel.loader import load_stage
+from netbridge.protocol import Request
+from speculative.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+from speculative.stats import summarize
+from tests.support.session_harness import serve, serve_together
+from tests.support.tiny_models import VOCAB, load_reference, reference_greedy, save_tiny
+
+NOVEL = [11, 42, 7, 250, 3, 99, 180, 5]  # the copier's answer to it repeats itself only after a lap of its cycle
+MAX_NEW = 64
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: a second thread per forward only adds contention (most of the time on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def copier(tiny_qwen, tmp_path_factory):
+    """tiny_qwen with every attention and MLP output zeroed: its next token depends on the last one alone, so its
+    greedy answer soon runs round a cycle, and an answer that repeats what came before is what prompt lookup is
+    for. (Its caches matter to nothing; the drafter's cache is checked below with a real model.)"""
+    return copier_of(tiny_qwen, tmp_path_factory.mktemp("copier") / "model")
+
+
+def copier_of(folder, dest):
+    """The model in `folder` with every attention and MLP output zeroed, saved in `dest`."""
+    model = load_reference(folder)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.zero_()
+    model.save_pretrained(dest)
+    return dest
+
+
+def cycle_of(copier) -> list[int]:
+    """The tokens of the copier's cycle, from where its answer to NOVEL enters it."""
+    answer = reference_greedy(copier, NOVEL, MAX_NEW)
+    start = next(i for i, t in enumerate(answer) if t in answer[i + 1:])
+    period = answer[start + 1:].index(answer[start]) + 1
+    return answer[start:start + period]
+
+
+def hybrid_args(target, draft, k: int = 3, max_new: int = MAX_NEW, *extra: str) -> list[str]:
+    return [f"model.target={target}", "model.dtype=float32", "draft.kind=hybrid", f"draft.model={draft}",
+            "draft.dtype=float32", f"spec.k={k}", "spec.adaptive=false", f"gen.max_new_tokens={max_new}", *extra]
+
+
+def kinds(rounds) -> tuple[int, int]:
+    """(decode rounds looked up, decode rounds the model drafted)."""
+    return sum(r.looked_up for r in rounds[1:]), sum(r.drafted > 0 and not r.looked_up for r in rounds[1:])
+
+
+# --- greedy: generate's tokens, whichever proposes -------------------------------------------------------
+
+@pytest.mark.parametrize("in_flight", [1, 3])
+def test_greedy_is_generate_the_model_drafts_a_novel_answer_and_the_lookup_a_copied_one(in_flight, copier,
+                                                                                      tiny_qwen_draft):
+    """The copier's answer to NOVEL starts off novel (the model drafts) and then goes round its cycle (each round a
+    lookup of the last lap, no model step). The model is unrelated: its drafts are rejected, the lookup's accepted.
+    With rounds in flight, bets are made on both (spec.overlap): the model's fail, the lookups' hold and rounds sent
+    on them are kept."""
+    args = hybrid_args(copier, tiny_qwen_draft, 3, MAX_NEW, "spec.overlap=true", f"spec.in_flight={in_flight}")
+    (gen,) = serve(args, [(NOVEL, Request())])
+    assert gen.output.tokens == reference_greedy(copier, NOVEL, MAX_NEW)
+    looked_up, modelled = kinds(gen.rounds)
+    assert looked_up > 0 and modelled > 0
+    stats = summarize(gen, 3, "hybrid")
+    # the copier's next token is a function of its last: a lookup of its own answer is always right
+    assert stats["lookup_rounds"] == looked_up and stats["lookup_acceptance_rate"] == 1.0
+    if in_flight > 1:  # rounds prepared on a lookup's bet, sent before the round they bet on was answered, kept
+        assert any(r.looked_up and r.from_ahead for r in gen.rounds) and stats["in_flight_mean"] > 1.5
+
+
+def test_a_prompt_the_answer_copies_is_looked_up_from_the_first_round(copier, tiny_qwen_draft):
+    """A prompt holding the cycle one and a half times: the answer copies it, so every decode round is a lookup and
+    the model never steps (its drafts would all be rejected: the unrelated drafter)."""
+    cycle = cycle_of(copier)
+    prompt = NOVEL + cycle + cycle[:len(cycle) // 2]
+    (gen,) = serve(hybrid_args(copier, tiny_qwen_draft, 4, 24), [(prompt, Request())])
+    assert gen.output.tokens == reference_greedy(copier, prompt, 24)
+    drafted = [r for r in gen.rounds[1:] if r.drafted]
+    assert kinds(gen.rounds) == (len(drafted), 0) and len(drafted) >= 4
+    assert all(r.accepted == r.drafted for r in drafted)
+
+
+def test_four_requests_at_once_some_looked_up_and_some_drafted_in_one_tick(copier, tiny_qwen_draft):
+    """Two prompts the answer copies, two novel ones, served together: generate's tokens each; ticks batched both
+    kinds (a lookup row beside model-drafted rows in one drafting step)."""
+    cycle = cycle_of(copier)
+    prompts = [NOVEL + cycle + cycle[:12], [9, 8] + cycle[5:] + cycle, NOVEL[::-1], [200, 17, 3, 64, 121]]
+    gens, _ = serve_together(hybrid_args(copier, tiny_qwen_draft, 3, 30), [(p, Request()) for p in prompts])
+    for prompt, gen in zip(prompts, gens):
+        assert gen.output.tokens == reference_greedy(copier, prompt, 30), prompt
+    rounds = [r for g in gens for r in g.rounds[1:] if r.batch > 1]
+    assert any(r.looked_up for r in rounds) and any(r.drafted and not r.looked_up for r in rounds)
+
+
+# --- the drafter itself: lookups take no model step, and the model catches up on them ----------------------
+
+CAPACITY = 512
+
+
+
+def model_stage(folder, slots: int):
+    stage = load_stage(folder, 0, 2, embed=True, head=True)  # tiny_qwen_draft: 2 layers
+    stage.allocate_cache(CAPACITY, torch.float32, setting="draft.max_len", slots=slots)
+    return stage
+
+
+def test_the_model_drafts_after_looked_up_rounds_what_a_fresh_drafter_drafts(tiny_qwen_draft):
+    """Three requests at once, 25 rounds, each context growing by some of its drafts and a token of its own; one
+    request copies a stretch of its context now and then (lookups), one never does, one alternates. Every row the
+    model drafts == a fresh one-slot drafter's drafts of the same context (prefilled from nothing): the model's
+    cache took in, in its one catching-up forward, every token committed while lookups proposed. A looked-up row
+    is the lookup's proposal, with a one-hot q, and takes no model step (its slot's cache untouched)."""
+    rng = random.Random(3)
+    hybrid = HybridDrafter(model_stage(tiny_qwen_draft, 3), lookup_min=3, max_k=8, top_k=16)
+    fresh = ModelDrafter(model_stage(tiny_qwen_draft, 1), max_k=8, top_k=16)
+    lookup = NgramDrafter(3, 3)
+    contexts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (12, 7, 9)]
+    copy_rate = [0.6, 0.0, 0.3]
+    mixed_ticks = 0
+    for round in range(25):
+        ks = [rng.choice([3, 4]) for _ in contexts]
+        held = [hybrid.cached[slot] for slot in range(3)]
+        got = hybrid.propose_rows(contexts, ks, [0, 1, 2])
+        mixed_ticks += len({d.looked_up for d in got}) == 2
+        for slot, (context, k, drafts) in enumerate(zip(contexts, ks, got)):
+            assert torch.equal(drafts.q_ids[:, 0], drafts.tokens) if drafts.looked_up else drafts.q_ids is None
+            if drafts.looked_up:
+                assert drafts.tokens.tolist() == lookup.look_up(context, k)
+                assert torch.all(drafts.q_probs == 1) and hybrid.cached[slot] == held[slot]  # no model step
+            else:
+                fresh.reset(0, 0.0, seed=0)  # nothing held: the context is prefilled from scratch
+                assert drafts.tokens.tolist() == fresh.propose(context, k).tokens.tolist(), (round, slot)
+        for slot, drafts in enumerate(got):
+            kept = drafts.tokens.tolist()[:rng.randint(0, len(drafts))]
+            source = contexts[slot][:-4]
+            copies = len(source) >= 8 and rng.random() < copy_rate[slot]
+            copied = source[rng.randrange(len(source) - 4):][:4] if copies else []
+            contexts[slot] = contexts[slot] + kept + [rng.randrange(VOCAB)] + copied  # copied: what comes back
+            hybrid.commit(len(contexts[slot]) - len(copied), slot=slot)
+    assert mixed_ticks >= 3  # both kinds in one batch, often
+
+
+def test_sampled_rows_carry_the_q_they_were_drawn_from(tiny_qwen_draft):
+    """A sampled request: a looked-up round carries a one-hot q of its tokens, a model round the model's sparse q
+    (its tokens within it): rank 1's rejection sampling is exact round by round whichever proposed."""
+    hybrid = HybridDrafter(model_stage(tiny_qwen_draft, 2), lookup_min=2, max_k=8, top_k=16)
+    for slot in range(2):
+        hybrid.reset(0, 0.8, seed=5 + slot, slot=slot)
+    copied, novel = [5, 6, 7, 8, 9, 5, 6], [20, 21, 22, 23]
+    looked, modelled = hybrid.propose_rows([copied, novel], [3, 3], [0, 1])
+    assert looked.looked_up and looked.tokens.tolist() == [7, 8, 9]
+    assert looked.q_ids.tolist() == [[7], [8], [9]] and looked.q_probs.tolist() == [[1.0]] * 3
+    assert not modelled.looked_up and modelled.q_ids.shape == (3, 16)
+    assert all(t in ids for t, ids in zip(modelled.tokens.tolist(), modelled.q_ids.tolist()))
+    torch.testing.assert_close(modelled.q_probs.sum(-1), torch.ones(3))
+
+
+# --- sampling through the whole loop --------------------------------------------------------------------
+
+TEMPERATURE, TOP_P = 0.7, 0.8
+
+
+@pytest.mark.slow
+def test_sampled_generation_with_the_hybrid_drafter_keeps_the_targets_joint_distribution(tiny_qwen, tmp_path):
+    """Both ranks, sampled: the first two tokens' joint distribution is the target's, computed here from the
+    reference model's logits. The target is a copier with spread distributions (its next token depends on the last
+    alone) and the prompt its greedy cycle: when the first token is on the cycle the next round is a lookup of the
+    cycle (one-hot q on a token the target likes: its q matters), else the model (the target itself, its own q)
+    drafts. Per round, either q keeps p. Power: the same check rejects the second token drawn one position early."""
+    target = copier_of(save_tiny(tmp_path / "spread", "qwen2", seed=1, head_scale=0.75), tmp_path / "copier")
+    answer = reference_greedy(target, NOVEL, 60)
+    start = next(i for i, t in enumerate(answer) if t in answer[i + 1:])
+    prompt = NOVEL + answer[start:]  # the cycle, over and over
+    n = 300
+    args = hybrid_args(target, target, 3, 3, "draft.lookup_min=1", "spec.overlap=false")
+    gens = serve(args, [(prompt, Request(TEMPERATURE, TOP_P, seed)) for seed in range(n)])
+    reference = load_reference(target)
+    (p1,) = nucleus(reference, [prompt])
+    firsts = [int(t) for t in np.flatnonzero(p1)]
+    p2 = dict(zip(firsts, nucleus(reference, [prompt + [t] for t in firsts])))
+    expected = {(a, int(b)): p1[a] * p2[a][b] for a in firsts for b in np.flatnonzero(p2[a])}
+    early = {(a, b): p1[a] * p1[b] for a in firsts for b in firsts}
+    observed = {}
+    for g in gens:
+        observed[tuple(g.output.tokens[:2])] = observed.get(tuple(g.output.tokens[:2]), 0) + 1
+    rounds = [g.rounds[1] for g in gens]
+    looked_up, kept = sum(r.looked_up for r in rounds), sum(r.looked_up and r.accepted > 0 for r in rounds)
+    p, wrong = chi2_pvalue(observed, expected), chi2_pvalue(observed, early)
+    print(f"{looked_up} of {n} first decode rounds looked up, {kept} of them kept; {len(expected)} pairs, p={p:.3g}; "
+          f"one position early p={wrong:.3g}")
+    assert n / 10 < looked_up < n * 9 / 10 and kept > looked_up / 5  # both kinds of q, the lookup's often kept
+    assert p > 0.001 and wrong < 1e-6
+
+
+def chi2_pvalue(observed: dict, expected: dict) -> float:
+    """Chi-square of counts against probabilities over the same cells; cells expected below 5 pooled into one; 0
+    when a cell the distribution cannot produce was observed."""
+    from scipy.stats import chisquare
+    if set(observed) - set(expected):
+        return 0.0
+    n = sum(observed.values())
+    cells = sorted(expected)
+    exp = np.array([expected[c] for c in cells]) * n
+    obs = np.array([observed.get(c, 0) for c in cells])
+    big = exp >= 5
+    exp, obs = np.append(exp[big], exp[~big].sum()), np.append(obs[big], obs[~big].sum())
+    keep = exp > 0
+    return float(chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
+
+
+def nucleus(model, contexts: list[list[int]]) -> list[np.ndarray]:
+    """The target's sampling distribution after each context: softmax(logits / T), its top-p nucleus, renormalized
+    (written here from the definition, in float64)."""
+    with torch.no_grad():
+        logits = model(torch.tensor(contexts)).logits[:, -1].double().numpy()
+    out = []
+    for row in logits:
+        p = np.exp((row - row.max()) / TEMPERATURE)
+        p /= p.sum()
+        keep, mass = np.zeros_like(p), 0.0
+        for token in np.argsort(-p, kind="stable"):
+            if mass >= TOP_P:
+                break
+            keep[token], mass = p[token], mass + p[token]
+        out.append(keep / keep.sum())
+    return out
+
+
+# --- settings ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides,says", [
+    (["draft.kind=hybrid", "draft.model=null"], "draft.kind=hybrid needs draft.model="),
+    (["draft.kind=hybird"], "draft.kind='hybird' is not one of none, model, ngram, hybrid"),
+    (["draft.kind=hybrid", "draft.lookup_min=0"], "draft.lookup_min=0 must be between 1 and"),
+])
+def test_a_bad_hybrid_setting_is_one_line_naming_its_key(overrides, says):
+    with pytest.raises(ConfigError) as e:
+        load_config(["prompt_ids=[1]", *overrides])
+    assert says in str(e.value) and "\n" not in str(e.value)
