@@ -255,7 +255,7 @@ def next_token_pvalue(model, samples: list[tuple[list[int], int]]) -> float:
 
 
 @pytest.mark.parametrize("overlap,ranks,in_flight,quant", [(True, 2, 1, "none"), (True, 3, 1, "none"), (True, 2, 3, "none"),
-                                                           (True, 2, 1, "int8")],
+                                                           pytest.param(True, 2, 1, "int8", marks=pytest.mark.slow)],  # int8: ~3.8 s
                          ids=["overlap-on", "overlap-on-3-ranks", "3-in-flight", "int8-drafter"])  # overlap off: the verifier's tests above
 def test_sampled_generation_keeps_the_targets_joint_distribution(overlap, ranks, in_flight, quant, sampling_qwen):
     """Both ranks, sampled at (TEMPERATURE, TOP_P): the first two tokens' joint distribution is the reference's,
