@@ -64,8 +64,9 @@ class RefusalsBySource:
         return self.delay(entry.streak)
 
     def delay(self, streak: int) -> float:
-        """None for the first of a run, then 1/16 of the bound, doubling up to it."""
-        return 0.0 if streak <= 1 else min(self.max_delay_s, self.max_delay_s / 16 * 2 ** (streak - 2))
+        """None for the first of a run, then 1/16 of the bound, doubling up to it (the exponent capped: a streak
+        of thousands, as a flood against --max-refusal-delay-s 0 makes, must not overflow a float)."""
+        return 0.0 if streak <= 1 else min(self.max_delay_s, self.max_delay_s / 16 * 2 ** min(streak - 2, 4))
 
     def sweep(self, now: float) -> None:
         """Once an interval: one line per source refused since its last line (the busiest first, at most

@@ -130,6 +130,8 @@ def test_the_table_and_the_log_stay_bounded_when_many_sources_are_refused(caplog
     # the first refusal of a run is answered at once (an honest node with the wrong token learns it without delay),
     # the next 1/16 of the bound later, doubling
     assert [refusals.refused("10.1.0.1", "10.1.0.1:1", "wrong MAC", 0.5) for _ in range(3)] == [0.0, 0.125, 0.25]
+    # a flood's streak of thousands (the fuzz's, against --max-refusal-delay-s 0) stays at the bound, no overflow
+    assert refusals.delay(5000) == 2.0 and RefusalsBySource(max_delay_s=0.0).delay(5000) == 0.0
     for i in range(1000):  # 1000 addresses, 3 wrong-token dials each
         for _ in range(3):
             refusals.refused(f"10.0.{i // 256}.{i % 256}", f"10.0.{i // 256}.{i % 256}:1234", "wrong MAC", 1 + i / 1000)
