@@ -63,10 +63,10 @@ def logprobs_of(model, prompt: list[int], answer: list[int]) -> torch.Tensor:
         return torch.log_softmax(model(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1:-1].float(), -1)
 
 
-def test_chat_logprobs_equal_transformers(client, reference):
+def assert_raw_logprobs(answer, reference) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The answer's 12 logprobs and top-3 equal log_softmax of an independent transformers forward at its tokens;
+    returns (tokens, every position's reference logprobs, the chosen ones as served, the reference top-3)."""
     model, tokenizer, prompt = reference
-    answer = client.chat.completions.create(model="qwen2", messages=MESSAGES, max_tokens=12, temperature=0,
-                                            logprobs=True, top_logprobs=3)
     tokens = answer.model_extra["tandem"]["token_ids"]
     content = answer.choices[0].logprobs.content
     assert len(content) == len(tokens) == 12
@@ -76,6 +76,14 @@ def test_chat_logprobs_equal_transformers(client, reference):
     values, ids = ref.topk(3, -1)
     assert [[t.token for t in c.top_logprobs] for c in content] == [[tokenizer.decode([i]) for i in row] for row in ids.tolist()]
     torch.testing.assert_close(torch.tensor([[t.logprob for t in c.top_logprobs] for c in content]), values, atol=1e-4, rtol=0)
+    return tokens, ref, chosen, values
+
+
+def test_chat_logprobs_equal_transformers(client, reference):
+    answer = client.chat.completions.create(model="qwen2", messages=MESSAGES, max_tokens=12, temperature=0,
+                                            logprobs=True, top_logprobs=3)
+    content = answer.choices[0].logprobs.content
+    assert_raw_logprobs(answer, reference)
     # each token's own bytes (half a character, some of them): together, the answer's text
     assert bytes(b for c in content for b in c.bytes).decode(errors="replace") == answer.choices[0].message.content
 
@@ -110,18 +118,9 @@ def test_completion_logprobs_equal_transformers(client, reference):
 def test_sampled_logprobs_are_the_raw_ones(client, reference):
     """Issue 39 (12): at temperature 0.7 and top_p 0.9 the logprobs are still log_softmax of the target's raw
     logits (as OpenAI's, and vLLM's default raw_logprobs), not of the logits over T or cut to the nucleus."""
-    model, tokenizer, prompt = reference
     answer = client.chat.completions.create(model="qwen2", messages=MESSAGES, max_tokens=12, temperature=0.7,
                                             top_p=0.9, seed=5, logprobs=True, top_logprobs=3)
-    tokens = answer.model_extra["tandem"]["token_ids"]
-    content = answer.choices[0].logprobs.content
-    assert len(content) == len(tokens) == 12
-    ref = logprobs_of(model, prompt, tokens)
-    chosen = torch.tensor([c.logprob for c in content])
-    torch.testing.assert_close(chosen, ref.gather(-1, torch.tensor(tokens)[:, None])[:, 0], atol=1e-4, rtol=0)
-    values, ids = ref.topk(3, -1)
-    assert [[t.token for t in c.top_logprobs] for c in content] == [[tokenizer.decode([i]) for i in row] for row in ids.tolist()]
-    torch.testing.assert_close(torch.tensor([[t.logprob for t in c.top_logprobs] for c in content]), values, atol=1e-4, rtol=0)
+    tokens, ref, chosen, values = assert_raw_logprobs(answer, reference)
     assert (chosen < values[:, 0] - 1e-3).any()  # sampled: some token is not the most likely one
     scaled = torch.log_softmax(ref / 0.7, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
     assert (chosen - scaled).abs().max() > 1e-2  # (else the check above could not tell raw from scaled)
