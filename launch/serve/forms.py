@@ -1,55 +1,182 @@
-"""POST /v1/responses: the Responses API (what the newer OpenAI SDKs and agent tools call), on the same engine as
-/v1/chat/completions: the input becomes a conversation, goes through the same chat template, and is queued as
-one more request behind the same API key check and limits.
+"""The answer forms: what one request's events (its text as rounds commit, its logprobs, its end or its error)
+become on the wire, for each endpoint, side by side. Each form answers a whole request (`answer`) or streams it:
+`start`, then per event `text` / `logprobs` / `done` / `error`, then `end` (launch/serve/app.py drives them).
 
-Read: `input` (a string, or a list of items: messages {role, content} whose content is a string or input_text /
-output_text parts, function_call and function_call_output items), `instructions` (a system message before
-them), `max_output_tokens`, `temperature`, `top_p`, `stream`, and function `tools` with `tool_choice` and
-`parallel_tool_calls` (as on chat, launch/tools.py: auto and none parse the answer; required and a named function
-hold it to calls by a grammar). Everything else follows launch/api.py's field table: inert values are accepted, the
-rest is a 400 naming the field (previous_response_id, store=true, text formats other than plain text...).
+    CompletionForm   /v1/completions        a text_completion, or text_completion chunks then [DONE]
+    ChatForm         /v1/chat/completions   a chat.completion, or chat.completion.chunk deltas then [DONE]
+    ResponsesForm    /v1/responses          a Response, or its typed events (no [DONE])
 
-The output is a message item for the text and a function_call item per call. A streamed response is the typed
-events OpenAI sends (no [DONE]): response.created, response.in_progress, then per item
-response.output_item.added, for a message response.content_part.added, response.output_text.delta...,
-response.output_text.done, response.content_part.done, for a call response.function_call_arguments.delta and
-.done, then response.output_item.done; last response.completed (or response.incomplete when max_output_tokens
-cut it; an error event and response.failed when the server could not finish).
+The Responses API's stream: response.created, response.in_progress, then per item response.output_item.added,
+for a message response.content_part.added, response.output_text.delta..., response.output_text.done,
+response.content_part.done, for a call response.function_call_arguments.delta and .done, then
+response.output_item.done; last response.completed (or response.incomplete when max_output_tokens cut it; an error
+event and response.failed when the server could not finish).
 """
 from __future__ import annotations
 
 import json
 import time
 import uuid
+from typing import TYPE_CHECKING
 
-from launch.api import (ApiError, Prompt, check_fields, check_model, forced_call, read_settings, tandem_fields,
-                        template_ids, with_ids)
-from launch.tools import ToolError, template_message, tool_setup
+from launch.serve.errors import ApiError
+from launch.serve.fields import Prompt
+from launch.serve.structured import chat_logprobs, completion_logprobs
+from launch.serve.tools import finish_reason
 
-ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-PART_TYPES = ("input_text", "output_text", "text")
+if TYPE_CHECKING:
+    from launch.serve.engine import Job
 
 
-def parse_responses(body, tokenizer, cfg, model_name: str) -> Prompt:
-    check_model(body, model_name)
-    if tokenizer is None or not tokenizer.chat_template:
-        raise ApiError(400, f"{model_name} has no chat template: use /v1/completions", param="input")
-    try:
-        tools = tool_setup(_as_chat_tools(body), tokenizer.chat_template)
-        conversation = [template_message(m, m["role"], m["content"]) for m in _conversation(body.get("input"))]
-    except ToolError as e:
-        raise ApiError(400, str(e), param="input" if e.param == "messages" else e.param) from None
-    instructions = body.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise ApiError(400, "instructions must be a string", param="instructions")
-        conversation.insert(0, {"role": "system", "content": instructions})
-    settings = read_settings(body, cfg)
-    check_fields(body, "responses")
-    settings.request.grammar = forced_call(tools, tokenizer, settings.request.grammar)
-    prompt = with_ids(settings, template_ids(tokenizer, conversation, tools.specs if tools else None))
-    prompt.tools = tools
-    return prompt
+def usage(prompt: Prompt, done: dict) -> dict:
+    n_prompt, n_out = len(prompt.ids), len(done["token_ids"])
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+
+def tandem_fields(done: dict) -> dict:
+    """Beyond OpenAI's fields: what Tandem measured for this request."""
+    s = done["stats"]
+    return {"token_ids": done["token_ids"], "prompt_tokens_reused": s["prompt_tokens_reused"],
+            "prefilled_tokens": s["prefilled_tokens"], "ttft_ms": s["ttft_s"] * 1000, "queue_ms": s["queue_s"] * 1000,
+            "tokens_per_s": s["tokens_per_s"], "tokens_per_round": s["tokens_per_round"],
+            "acceptance_rate": s["acceptance_rate"]}
+
+
+def sse(body: dict, event: str | None = None) -> str:
+    return (f"event: {event}\n" if event else "") + f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+class CompletionForm:
+    """/v1/completions: a text_completion, or text_completion chunks then [DONE]."""
+    OPEN = {"text": ""}  # a streamed choice's empty form
+
+    def __init__(self, job: Job, model: str):
+        self.job, self.model, self.id, self.created = job, model, f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        self.offset = 0  # streamed logprobs: where the next token's text starts in the answer
+        self.scored: list[tuple] = []  # streamed logprobs that go out with the next text: (tokens, rows) per event
+
+    def body(self, choice: dict, **extra) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "logprobs": None, **choice}], **extra}
+
+    def chunk(self, choice: dict, **extra) -> str:
+        """One streamed chunk. With stream_options.include_usage each has `usage`, null until the last (OpenAI's)."""
+        if self.job.prompt.include_usage:
+            extra = {"usage": None, **extra}
+        return sse(self.body(choice, **extra))
+
+    def answer(self, done: dict) -> dict:
+        logprobs = done.get("logprobs") and completion_logprobs(self.job.tokenizer, *done["logprobs"])
+        return self.body({"text": done["text"], "finish_reason": done["finish_reason"], "logprobs": logprobs},
+                         usage=usage(self.job.prompt, done), tandem=tandem_fields(done))
+
+    def logprobs(self, value) -> list[str]:
+        """Streamed: the log-probabilities of the tokens whose text comes next (Running.relay); they go with it."""
+        self.scored.append(value)
+        return []
+
+    def take_logprobs(self) -> dict | None:
+        """The waiting logprobs, written for this endpoint (None when none wait)."""
+        if not self.scored:
+            return None
+        tokens = [t for ts, _ in self.scored for t in ts]
+        rows = [r for _, rs in self.scored for r in rs]
+        self.scored = []
+        return self.write_logprobs(tokens, rows)
+
+    def write_logprobs(self, tokens, rows) -> dict:
+        logprobs = completion_logprobs(self.job.tokenizer, tokens, rows, offset=self.offset)
+        self.offset += sum(map(len, logprobs["tokens"]))
+        return logprobs
+
+    def start(self) -> list[str]:
+        return []
+
+    def text(self, delta: str) -> list[str]:
+        return [self.chunk({"text": delta, "logprobs": self.take_logprobs(), "finish_reason": None})]
+
+    def last(self, done: dict) -> dict:
+        """Beside finish_reason: the usage (unless it comes in a chunk of its own) and Tandem's figures."""
+        return {"usage": None if self.job.prompt.include_usage else usage(self.job.prompt, done),
+                "tandem": tandem_fields(done)}
+
+    def usage_chunk(self, done: dict) -> list[str]:
+        """stream_options.include_usage: after the last choice, a chunk with `choices: []` and the usage."""
+        if not self.job.prompt.include_usage:
+            return []
+        return [sse({**self.body(self.OPEN, usage=usage(self.job.prompt, done)), "choices": []})]
+
+    def done(self, done: dict) -> list[str]:
+        # logprobs still waiting: tokens with no text of their own (a stop string's, one that ends the answer)
+        return [self.chunk({"text": "", "logprobs": self.take_logprobs(), "finish_reason": done["finish_reason"]},
+                           **self.last(done))] + self.usage_chunk(done)
+
+    def error(self, e: ApiError) -> list[str]:
+        return [sse(e.body())]
+
+    def end(self) -> list[str]:
+        return ["data: [DONE]\n\n"]
+
+
+class ChatForm(CompletionForm):
+    """/v1/chat/completions: a chat.completion, or chat.completion.chunk deltas then [DONE]. With tools (auto),
+    the calls are read out of the text as it streams and sent as tool_calls (finish_reason tool_calls)."""
+    OPEN = {"delta": {}}
+
+    def __init__(self, job: Job, model: str):
+        super().__init__(job, model)
+        self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        tools = job.prompt.tools
+        self.calls = tools.parser() if tools is not None and tools.parse else None
+
+    def body(self, choice: dict, **extra) -> dict:
+        streamed = "delta" in choice
+        return {"id": self.id, "object": "chat.completion.chunk" if streamed else "chat.completion",
+                "created": self.created, "model": self.model, "choices": [{"index": 0, "logprobs": None, **choice}],
+                **extra}
+
+    def finish_reason(self, done: dict) -> str:
+        return finish_reason(self.calls, done["finish_reason"])
+
+    def answer(self, done: dict) -> dict:
+        message = {"role": "assistant", "content": done["text"]}
+        if self.calls is not None:
+            items = self.calls.feed(done["text"]) + self.calls.finish()
+            calls = [item.openai() for kind, item in items if kind == "call"]
+            message["content"] = "".join(item for kind, item in items if kind == "content") or (None if calls else "")
+            if calls:
+                message["tool_calls"] = calls
+        logprobs = done.get("logprobs") and chat_logprobs(self.job.tokenizer, *done["logprobs"])
+        return self.body({"message": message, "finish_reason": self.finish_reason(done), "logprobs": logprobs},
+                         usage=usage(self.job.prompt, done), tandem=tandem_fields(done))
+
+    def write_logprobs(self, tokens, rows) -> dict:
+        return chat_logprobs(self.job.tokenizer, tokens, rows)
+
+    def start(self) -> list[str]:
+        return [self.chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})]
+
+    def text(self, delta: str) -> list[str]:
+        return self.deltas([("content", delta)] if self.calls is None else self.calls.feed(delta))
+
+    def deltas(self, items) -> list[str]:
+        """Content as it is (with the logprobs of its tokens); a call as OpenAI streams one: its id and name
+        (arguments ""), then its arguments."""
+        out = []
+        for kind, item in items:
+            if kind == "content":
+                out.append(self.chunk({"delta": {"content": item}, "logprobs": self.take_logprobs(), "finish_reason": None}))
+                continue
+            index = self.calls.calls.index(item)
+            head = {"index": index, "id": item.id, "type": "function", "function": {"name": item.name, "arguments": ""}}
+            for call in (head, {"index": index, "function": {"arguments": item.arguments}}):
+                out.append(self.chunk({"delta": {"tool_calls": [call]}, "finish_reason": None}))
+        return out
+
+    def done(self, done: dict) -> list[str]:
+        rest = self.deltas(self.calls.finish()) if self.calls is not None else []
+        return rest + [self.chunk({"delta": {}, "logprobs": self.take_logprobs(), "finish_reason": self.finish_reason(done)},
+                                  **self.last(done))] + self.usage_chunk(done)
 
 
 def _choice_echo(tools) -> str | dict:
@@ -59,62 +186,6 @@ def _choice_echo(tools) -> str | dict:
     if tools.forced is None:
         return "auto"
     return "required" if tools.forced == "*" else {"type": "function", "name": tools.forced}
-
-
-def _as_chat_tools(body: dict) -> dict:
-    """The Responses API's tool fields in chat's form ({type: function, name, ...} -> {type: function, function})."""
-    tools, choice = body.get("tools"), body.get("tool_choice")
-    if isinstance(tools, list):
-        if not all(isinstance(t, dict) and t.get("type") == "function" for t in tools):
-            raise ToolError("only function tools are supported (no web_search, file_search, computer or mcp tools)",
-                            "tools")
-        tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in tools]
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        choice = {"type": "function", "function": {"name": choice.get("name")}}
-    return {"tools": tools, "tool_choice": choice, "parallel_tool_calls": body.get("parallel_tool_calls")}
-
-
-def _conversation(given) -> list[dict]:
-    """The input as chat messages; consecutive function_call items make one assistant turn, as chat sends them."""
-    if isinstance(given, str) and given:
-        return [{"role": "user", "content": given}]
-    if not isinstance(given, list) or not given:
-        raise ApiError(400, "input must be a non-empty string or a list of messages {role, content}", param="input")
-    messages: list[dict] = []
-    for item in given:
-        kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
-        if kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
-            if messages and messages[-1].get("tool_calls") and messages[-1]["content"] is None:
-                messages[-1]["tool_calls"].append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output")
-            if not isinstance(output, str):
-                raise ApiError(400, "a function_call_output's output must be a string", param="input")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
-        elif kind == "message":
-            messages.append(_message(item))
-        else:
-            raise ApiError(400, f"input items of type {str(kind)[:40]!r} are not supported: send messages, "
-                                "function_call and function_call_output items", param="input")
-    return messages
-
-
-def _message(item: dict) -> dict:
-    role = ROLES.get(item.get("role")) if isinstance(item.get("role"), str) else None
-    if role is None:
-        raise ApiError(400, "each input message needs a role of user, assistant, system or developer", param="input")
-    content = item.get("content")
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") in PART_TYPES and isinstance(p.get("text"), str) for p in content):
-            raise ApiError(400, "only text content parts (input_text, output_text) are supported", param="input")
-        content = "".join(p["text"] for p in content)
-    if not isinstance(content, str):
-        raise ApiError(400, "each input message needs a string content or a list of text parts", param="input")
-    return {"role": role, "content": content}
 
 
 class ResponsesForm:
@@ -208,14 +279,14 @@ class ResponsesForm:
 
     # -- shapes ---------------------------------------------------------------------------------------------
     def response(self, status: str, output: list[dict] | None = None) -> dict:
-        request, tools = self.job.prompt.request, self.job.prompt.tools
+        params, tools = self.job.prompt.params, self.job.prompt.tools
         specs = tools.specs if tools is not None and tools.specs else []
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
                 "output": output or [], "error": None, "incomplete_details": None, "instructions": None, "metadata": {},
                 "parallel_tool_calls": tools.parallel if tools is not None else True,
                 "tool_choice": _choice_echo(tools),
                 "tools": [{"type": "function", "strict": False, "parameters": None, **s["function"]} for s in specs],
-                "temperature": request.temperature, "top_p": request.top_p,
+                "temperature": params.temperature, "top_p": params.top_p,
                 "max_output_tokens": self.job.prompt.max_tokens, "text": {"format": {"type": "text"}}, "usage": None}
 
     def final(self, done: dict) -> dict:
