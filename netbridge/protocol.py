@@ -114,7 +114,7 @@ class Restore:
 
 @dataclass
 class Prefill:
-    """A chunk of a long prompt ahead of its first Round: rank 1 only extends its cache (no reply), so it
+    """A chunk of a long prompt ahead of its first Round: each later rank only extends its cache (no reply), so it
     runs its layers over one chunk while rank 0 runs its own over the next."""
     start: int
     hidden: torch.Tensor  # [1, T, H]
@@ -123,7 +123,7 @@ class Prefill:
 
 @dataclass
 class Round:
-    start: int  # the committed length before this block: rank 1 rewinds its cache here
+    start: int  # the committed length before this block: every later rank rewinds its cache here
     hidden: torch.Tensor  # [1, T, H]: rank 0's slice over [pending..., d1..dK]
     drafts: torch.Tensor  # [K]
     q_ids: torch.Tensor | None = None  # [K, m] when sampling: the support of each draft's distribution
@@ -140,7 +140,7 @@ class Round:
 class Reply:
     accepted: int
     token: int  # the target's next token after the accepted drafts
-    stage1_ms: float  # the last rank's forward and verification
+    last_ms: float  # the last rank's forward and verification
     marks: list[float] = field(default_factory=list)  # the last rank's clock: wait, start, forward done, send
     middle_marks: list[list[float]] | None = None  # N > 2: Round.marks as the last rank received them
     logprobs: torch.Tensor | None = None  # Request.logprobs: [accepted + 1] the committed tokens' (verify.token_logprobs)

@@ -1,12 +1,12 @@
 """The round, one function per rank, side by side.
 
-    rank 0                                         rank 1
+    rank 0                                         the last rank (rank 1 of two: run_last)
     drafts = drafter.propose(committed, k)
     h = stage0([pending..., d1..dK])
-    send("round", hidden=h, drafts, [q])  ------>  logits = stage1(h)[-(K+1):]
+    send("round", hidden=h, drafts, [q])  ------>  logits = last_stage(h)[-(K+1):]
                                                    accepted, next = verify(logits, drafts)
     a, next <------------------------------------  send("reply", accepted, next)
-    rewind stage0, commit d1..da + next            rewind stage1 to the committed length
+    rewind stage0, commit d1..da + next            rewind its stage to the committed length
 
 With N > 2 ranks the same round goes around a ring; a middle rank only runs its layers (run_middle):
 
@@ -46,8 +46,8 @@ class RoundRecord:
     committed: int  # tokens kept after stop criteria
     draft_ms: float
     stage0_ms: float
-    round_ms: float  # send -> reply received: network + rank 1's compute (N > 2: every later rank's)
-    stage1_ms: float  # rank 1's forward + verification, as it measured (N > 2: the last rank's)
+    round_ms: float  # send -> reply received: network + every later rank's compute
+    last_ms: float  # the last rank's forward + verification, as it measured (stats' mean_ms.last)
     start_s: float = 0.0  # when the round started, seconds since generation started
     send_ms: float = 0.0  # the part of round_ms spent in channel.send (handing the frame over: the wire is in the wait)
     sent_s: float = 0.0  # when the send began, seconds since generation started (round_ms starts here)
@@ -68,7 +68,7 @@ class RoundRecord:
     @property
     def later_ms(self) -> float:
         """Every rank after rank 0: its layers (and the last one's head and verification)."""
-        return self.stage1_ms + sum(self.middle_ms)
+        return self.last_ms + sum(self.middle_ms)
 
     @property
     def network_ms(self) -> float:
@@ -280,7 +280,7 @@ def verify_or_fail(msg: Round, logits: torch.Tensor, v: SlotVerifier):
 
 
 def verify_round(msg: Round, logits: torch.Tensor, v: SlotVerifier):
-    """Rank 1's half of a round over the target's `logits` [K+1, V] at its positions: (accepted drafts, the next
+    """The last rank's half of a round over the target's `logits` [K+1, V] at its positions: (accepted drafts, the next
     token, and the committed tokens' log-probabilities as Reply's (logprobs, top_ids, top_logprobs), Nones unless
     the Request asks)."""
     k, params = msg.drafts.numel(), v.params

@@ -133,7 +133,7 @@ class Session:
     def prefill_chunks(self, prompt_ids: list[int], reuse: int, slot: int = 0) -> list[int]:
         """Send all but the last `prefill_chunk` tokens of the prompt's new part as Prefill messages; returns
         the rest, which the first round carries. Each message's compute stays bounded (the later ranks'
-        receives have a timeout), rank 1 runs its layers over one chunk while rank 0 runs its own over the
+        receives have a timeout), each later rank runs its layers over one chunk while rank 0 runs its own over the
         next, and the drafter takes in each chunk meanwhile."""
         start, pending, chunk = reuse, prompt_ids[reuse:], self.spec.prefill_chunk
         while len(pending) > chunk:
@@ -231,7 +231,7 @@ class Session:
             self.drafter.commit(len(s.committed), slot=s.slot)
         (ahead_ms, prepared), s.ahead = s.ahead, (0.0, 0)
         record = RoundRecord(len(block.drafts), reply.accepted, kept, block.draft_ms, block.stage0_ms, round_ms,
-                             reply.stage1_ms, s.t_round - s.t_start, block.send_ms, block.sent_at - s.t_start,
+                             reply.last_ms, s.t_round - s.t_start, block.send_ms, block.sent_at - s.t_start,
                              block.guess is not None, ahead_ms, middle_ms(reply),
                              in_flight, lost, bet, wasted_ms, prepared, s.slot, block.batch, len(self.scheduler.live),
                              on_the_way, block.drafts.looked_up)

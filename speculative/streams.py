@@ -128,7 +128,7 @@ class Replies:
         for block in self.waiting.popleft():
             reply = protocol.recv(self.channel, Reply)
             if block.dropped:
-                wasted_ms += reply.stage1_ms + sum(middle_ms(reply))
+                wasted_ms += reply.last_ms + sum(middle_ms(reply))
             else:
                 kept.append((block, reply))
         return kept, wasted_ms
@@ -139,5 +139,5 @@ class Replies:
         while self.waiting and all(block.dropped for block in self.waiting[0]):
             for _ in self.waiting.popleft():
                 reply = protocol.recv(self.channel, Reply)
-                wasted_ms += reply.stage1_ms + sum(middle_ms(reply))
+                wasted_ms += reply.last_ms + sum(middle_ms(reply))
         return wasted_ms

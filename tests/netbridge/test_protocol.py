@@ -52,8 +52,8 @@ MESSAGES_OF_EVERY_KIND = [
     Round(17, torch.randn(1, 5, 16, dtype=torch.bfloat16), torch.tensor([3, 1, 4, 1])),  # greedy: q fields None
     Round(23, torch.randn(1, 4, 8), torch.tensor([5, 9, 2]), torch.randint(0, 300, (3, 32)),
           torch.softmax(torch.randn(3, 32), -1)),
-    Reply(accepted=3, token=255, stage1_ms=1.25, marks=[1.5, 2.25, 3.0, 4.125]),
-    Reply(accepted=0, token=0, stage1_ms=0.0),
+    Reply(accepted=3, token=255, last_ms=1.25, marks=[1.5, 2.25, 3.0, 4.125]),
+    Reply(accepted=0, token=0, last_ms=0.0),
     Idle(),
     Bye(),
 ]
@@ -132,7 +132,7 @@ def test_a_missing_field_is_a_peer_error():
 
 def test_an_unknown_field_is_a_peer_error():
     a, b = local_pair(timeout_s=5)
-    a.send("reply", {"accepted": 1, "token": 2, "stage1_ms": 0.5, "marks": [], "tokens_per_joule": 3})
+    a.send("reply", {"accepted": 1, "token": 2, "last_ms": 0.5, "marks": [], "tokens_per_joule": 3})
     with pytest.raises(PeerError) as info:
         protocol.recv(b, Reply)
     assert_one_line_peer_error(info, "'reply'", "tokens_per_joule")
@@ -147,7 +147,7 @@ def test_messages_cross_between_threads_in_order():
             msg = protocol.recv(b, Round, Bye)
             if isinstance(msg, Bye):
                 return
-            protocol.send(b, Reply(accepted=msg.drafts.numel(), token=msg.start, stage1_ms=0.0))
+            protocol.send(b, Reply(accepted=msg.drafts.numel(), token=msg.start, last_ms=0.0))
     thread = threading.Thread(target=rank1, daemon=True)
     thread.start()
     for start in range(20):

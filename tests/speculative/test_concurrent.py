@@ -120,7 +120,7 @@ def test_streams_take_turns(tiny_qwen, tiny_qwen_draft):
 def record(rank0_ms: float, later_ms: float, trip_ms: float, middle=()) -> RoundRecord:
     """A fresh block's round as rank 0 records it: its drafting + stage 0, the later ranks' work, and round_ms."""
     return RoundRecord(4, 3, 4, draft_ms=rank0_ms * 0.9, stage0_ms=rank0_ms * 0.1,
-                       round_ms=later_ms + sum(middle) + trip_ms, stage1_ms=later_ms, middle_ms=list(middle))
+                       round_ms=later_ms + sum(middle) + trip_ms, last_ms=later_ms, middle_ms=list(middle))
 
 
 @pytest.mark.parametrize("rank0,later,trip,middle,expected", [

@@ -99,7 +99,7 @@ def test_a_served_session_after_a_generation_that_failed_with_rounds_on_the_way(
 
 
 def record(**kw) -> RoundRecord:
-    base = dict(drafted=3, accepted=3, committed=4, draft_ms=5.0, stage0_ms=1.0, round_ms=100.0, stage1_ms=2.0)
+    base = dict(drafted=3, accepted=3, committed=4, draft_ms=5.0, stage0_ms=1.0, round_ms=100.0, last_ms=2.0)
     return RoundRecord(**{**base, **kw})
 
 
