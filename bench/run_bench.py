@@ -45,7 +45,6 @@ import gc
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -54,6 +53,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.ports import free_port  # noqa: E402 - the repository root first
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation.",
@@ -137,12 +137,6 @@ def machine(threads: int, hf_threads: int) -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(mem_gb, 1), "threads_per_rank": threads, "hf_threads": hf_threads,
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(), "host": platform.node()}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- Tandem under torchrun
