@@ -1,4 +1,6 @@
-"""The round, one function per rank, side by side.
+"""The later ranks' side of the round (run_middle, run_last) and the records both sides share; rank 0's side is
+speculative.session.Session. The two, side by side (docs/design.md, "One round on one page", walks it through
+the code):
 
     rank 0                                         the last rank (rank 1 of two: run_last)
     drafts = drafter.propose(committed, k)
@@ -14,8 +16,6 @@ With N > 2 ranks the same round goes around a ring; a middle rank only runs its 
 
 Every stage rewinds to the block's `start` (Stage.run: rank 0 is the authority on the committed length),
 so the middle ranks need no reply; rank 0 drafts ahead (spec.overlap) while the block is anywhere in the pipe.
-Rank 0's side is the round-loop object speculative.session.Session; this module holds the later ranks'
-loops and the records both sides share.
 
 `pending` is the prompt in the first round (the prefill) and the last committed token after that;
 both caches then hold exactly the committed tokens but the newest, which the next round feeds.
