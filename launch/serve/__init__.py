@@ -12,5 +12,6 @@
     chat.py        tandem-chat, the terminal client (standard library only)
 
 It depends one way: errors <- tools, structured <- fields <- prompts; forms and engine on those; app on all of
-them; server on app and engine. Nothing below launch/ imports it.
+them; server on app and engine. It builds on launch/ (config, build, telemetry); nothing else in launch/ imports
+it: the entry (train_free_infer.py) decides to serve (tests/launch/test_imports.py).
 """

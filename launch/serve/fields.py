@@ -26,6 +26,7 @@ from netbridge.protocol import SamplingParams
 
 @dataclass
 class Prompt:
+    """One request as the engine takes it: the prompt's ids and everything its answer depends on."""
     ids: list[int]
     max_tokens: int | None  # None: as many as fit, up to gen.max_new_tokens
     params: SamplingParams
@@ -110,6 +111,7 @@ MAX_TOKENS_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 @dataclass
 class Settings:
+    """Every field but the prompt, read before the prompt is tokenized (read_settings)."""
     max_tokens: int | None
     params: SamplingParams
     stop: list[str]

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from launch.serve.fields import Prompt
 from launch.config import load_config
 from launch.serve.engine import Engine, Job
+from launch.serve.fields import Prompt
 from netbridge.protocol import SamplingParams
 from speculative.rounds import Generation, RoundRecord
 
