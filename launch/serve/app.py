@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 from launch.build import CapacityError, check_capacity, check_ids, output_room
 from launch.config import TandemConfig
 from launch.serve.engine import Engine, Job
-from launch.serve.errors import ApiError
+from launch.serve.errors import ApiError, FieldError
 from launch.serve.fields import Prompt
 from launch.serve.forms import ChatForm, CompletionForm, ResponsesForm
 from launch.serve.prompts import parse_chat, parse_completion, parse_responses
@@ -119,9 +119,9 @@ def check_prompt(cfg: TandemConfig, prompt: Prompt, vocab_size: int, field: str 
             prompt.max_tokens = max(1, min(cfg.gen.max_new_tokens, output_room(cfg, len(prompt.ids))[0]))
         check_capacity(cfg, len(prompt.ids), prompt.max_tokens)
     except CapacityError as e:
-        raise ApiError(400, f"{e} (prompt + max_tokens must fit)", param=field, code="context_length_exceeded") from None
+        raise FieldError(f"{e} (prompt + max_tokens must fit)", field, code="context_length_exceeded") from None
     except ValueError as e:
-        raise ApiError(400, str(e), param=field) from None
+        raise FieldError(str(e), field) from None
 
 
 def route_error(method: str, path: str, e: HTTPException) -> ApiError:

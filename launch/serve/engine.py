@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from launch.config import TandemConfig
-from launch.serve.errors import ApiError
+from launch.serve.errors import ApiError, FieldError
 from launch.serve.fields import Prompt
 from launch.serve.structured import grammar_failed
 from speculative.output import Output
@@ -194,7 +194,7 @@ class Engine:
                 self.live.remove(running)
             if stream.gen.error is not None:  # its grammar failed on the last rank: this request alone ends, in error
                 message, param = grammar_failed(running.job.prompt.tools, stream.gen.error)
-                running.job.emit("error", ApiError(400, message, param=param))
+                running.job.emit("error", FieldError(message, param))
                 continue
             self._done(running)
 
