@@ -185,7 +185,7 @@ def _conversation(given) -> list[dict]:
             messages.append(_message(item))
         else:
             raise FieldError(f"input items of type {str(kind)[:40]!r} are not supported: send messages, "
-                                "function_call and function_call_output items", param="input")
+                             "function_call and function_call_output items", param="input")
     return messages
 
 
