@@ -89,7 +89,7 @@ def check_fields(body, endpoint: str) -> None:
         if inert is None:
             path = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}.get(endpoint, "/v1/responses")
             raise FieldError(UNRECOGNIZED.format(field=str(key)[:64], path=path), param=str(key)[:64],
-                           code="unknown_parameter")
+                             code="unknown_parameter")
         if not inert(value):
             raise FieldError(UNHONOURED.format(field=key, value=_short(value)), param=key, code="unsupported_parameter")
 

@@ -46,7 +46,7 @@ def forced_call(tools: ToolSetup | None, tokenizer, grammar: str | None) -> str 
         return grammar
     if grammar is not None:
         raise FieldError("tool_choice required or a named function already constrains the answer to a call: "
-                       "drop response_format", param="response_format")
+                         "drop response_format", param="response_format")
     try:
         return tools.grammar(tokenizer)
     except ValueError as e:  # speculative.grammar.GrammarError: a tool's parameters no grammar can hold
@@ -78,7 +78,7 @@ def parse_completion(body, tokenizer, cfg, model_name: str) -> Prompt:
         ids = list(prompt)
     else:
         raise FieldError("prompt must be a non-empty string or a list of token ids (one prompt per request)",
-                       param="prompt")
+                         param="prompt")
     return with_ids(settings, ids)
 
 
@@ -101,7 +101,7 @@ def _role(message) -> str:
     role = message.get("role") if isinstance(message, dict) else None
     if role not in ("system", "developer", "user", "assistant", "tool"):
         raise FieldError(f"each message needs a role of system, user, assistant or tool (got {str(role)[:40]!r})",
-                       param="messages")
+                         param="messages")
     return "system" if role == "developer" else role
 
 
@@ -153,7 +153,7 @@ def _as_chat_tools(body: dict) -> dict:
     if isinstance(tools, list):
         if not all(isinstance(t, dict) and t.get("type") == "function" for t in tools):
             raise FieldError("only function tools are supported (no web_search, file_search, computer or mcp tools)",
-                            "tools")
+                             "tools")
         tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in tools]
     if isinstance(choice, dict) and choice.get("type") == "function":
         choice = {"type": "function", "function": {"name": choice.get("name")}}

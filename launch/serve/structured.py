@@ -84,7 +84,7 @@ def read_completion_logprobs(body: dict) -> int | None:
         return None
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_COMPLETION_LOGPROBS:
         raise FieldError(f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}] on /v1/completions",
-                       param="logprobs")
+                         param="logprobs")
     return n
 
 

@@ -81,29 +81,29 @@ def tool_setup(body: dict, chat_template: str | None) -> ToolSetup | None:
         forced = "*" if choice == "required" else choice["function"]["name"]
     else:
         raise FieldError('tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}',
-                        "tool_choice")
+                         "tool_choice")
     if not chat_template or "tools" not in chat_template:
         raise FieldError("this model's chat template does not render tools", "tools")
     if OPEN not in chat_template:
         raise FieldError(f"this model's tool-call format is not one this server reads (it reads {OPEN} JSON, as "
-                        "Qwen2.5 and Qwen3 write it)", "tools")
+                         "Qwen2.5 and Qwen3 write it)", "tools")
     return ToolSetup(specs, True, parallel is not False, forced)
 
 
 def _specs(tools) -> list[dict]:
     if not isinstance(tools, list) or len(tools) > 128:
         raise FieldError("tools must be a list of up to 128 {type: function, function: {name, description, parameters}}",
-                        "tools")
+                         "tools")
     specs, seen = [], set()
     for tool in tools:
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
                 or not NAME.match(function["name"]):
             raise FieldError("each tool must be {type: function, function: {name, ...}} with a name of letters, digits, "
-                            "_ or - (at most 64)", "tools")
+                             "_ or - (at most 64)", "tools")
         if not isinstance(function.get("description", ""), str) or not isinstance(function.get("parameters", {}), dict):
             raise FieldError(f"tool {function['name']}: description must be a string and parameters a JSON schema object",
-                            "tools")
+                             "tools")
         if function["name"] in seen:
             raise FieldError(f"two tools are named {function['name']}", "tools")
         seen.add(function["name"])
