@@ -143,7 +143,7 @@ class Reply:
     last_ms: float  # the last rank's forward and verification
     marks: list[float] = field(default_factory=list)  # the last rank's clock: wait, start, forward done, send
     middle_marks: list[list[float]] | None = None  # N > 2: Round.marks as the last rank received them
-    logprobs: torch.Tensor | None = None  # params.logprobs asked: [accepted + 1] the committed tokens' (verify.token_logprobs)
+    logprobs: torch.Tensor | None = None  # params.logprobs: [accepted + 1] the committed tokens' (verify.token_logprobs)
     top_ids: torch.Tensor | None = None  # [accepted + 1, n] the most likely tokens at each, and theirs:
     top_logprobs: torch.Tensor | None = None  # [accepted + 1, n]
     error: str | None = None  # the request's grammar failed (speculative.grammar.GrammarFailure): it ends with this
