@@ -23,7 +23,7 @@ apart over a long run), the fastest round's NTP estimate is used and `consistent
 A known least one-way time tightens both bounds by it: under the emulated delay (transport.emulate_delay_ms)
 a message is delivered that long after its send began (netbridge/delay.py), never sooner.
 
-On one host both ranks read the same monotonic clock, so the true offset is 0: a check of the method.
+On one host every rank reads the same monotonic clock, so the true offset is 0: a check of the method.
 
 With N > 2 ranks each middle rank r puts the same four readings
 in the Round it passes on (its verify span is empty: it only forwards); the last rank's Reply carries

@@ -191,4 +191,4 @@ def recv(channel: Channel, *expect: type):
         return MESSAGES[raw.kind](**raw.meta, **raw.tensors)
     except TypeError:
         raise PeerError(f"protocol error: a {raw.kind!r} message with fields {sorted({**raw.meta, **raw.tensors})}; "
-                        "are both ranks the same Tandem version?") from None
+                        "are all ranks the same Tandem version?") from None

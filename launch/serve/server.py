@@ -100,7 +100,7 @@ def serve(cfg: TandemConfig, session, tokenizer, eos_ids: set[int], vocab_size: 
             signal.signal(sig, lambda *_: None)
     engine.thread.start()
     print(f"[serving {model_name} on http://{host}:{port}/v1 (OpenAI-compatible); "
-          f"Ctrl-C stops both ranks]", file=sys.stderr, flush=True)
+          f"Ctrl-C stops every rank]", file=sys.stderr, flush=True)
     server.run(sockets=[listener])
     if engine.fatal is None:
         engine.stop()  # ends the live requests at their next round, then says Bye to the later ranks
