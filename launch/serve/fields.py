@@ -158,7 +158,7 @@ def integer_field(body: dict, key: str, default, low: int, high: int | None):
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, float) and math.isfinite(value) and value.isinteger_field():
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise FieldError(f"{key} must be an integer", param=key)
