@@ -6,7 +6,8 @@
 
 Parse the config, open the links of the ring, run this rank (launch.ranks: meet the others, which settles the
 Plan, build what it gives, run). Rank 0 holds the embeddings, its layers, the drafter, the tokenizer and the
-output (or the HTTP API); the middle ranks their layers; the last rank its layers, the head and verification.
+Session, and then answers the prompt once or, with serve.port, serves the HTTP API (launch/serve/): `rank_zero`
+decides; the middle ranks run their layers; the last rank its layers, the head and verification.
 Every failure is one line on every rank, and the exit status says which kind.
 """
 from __future__ import annotations
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         listener = serving_port(cfg, rank, ranks)
         links = prev, next = open_links(cfg, rank, ranks)  # one channel both ways with two ranks
         if rank == 0:
-            lives.first_rank(cfg, next, replies=prev, listener=listener, ranks=ranks)
+            rank_zero(cfg, next, replies=prev, listener=listener, ranks=ranks)
         elif rank == ranks - 1:
             lives.last_rank(cfg, prev, reply_to=next, ranks=ranks)
         else:
@@ -72,6 +73,17 @@ def main(argv: list[str] | None = None) -> None:
             close_channel(*links)
 
 
+def rank_zero(cfg: TandemConfig, next, replies=None, listener=None, ranks: int = 2) -> dict | None:
+    """Rank 0: its Session (launch.ranks.first_rank), then one answer to the prompt (returned as the output JSON),
+    or, with serve.port, the HTTP API on `listener` (the port bound at start) until a signal."""
+    first = lives.first_rank(cfg, next, replies=replies, ranks=ranks)
+    if cfg.serve.port is None:
+        return lives.answer_once(first)
+    from launch.serve.server import serve
+    serve(cfg, first.session, first.tokenizer, first.eos_ids, first.vocab_size, listener, first.plan.models.name)
+    return None
+
+
 def parse(argv: list[str] | None) -> tuple[TandemConfig, StdinError | None]:
     """The config (exits 0 after printing the keys for --help / -h); a mistake is one line and exit 1. Stdin is
     rank 0's alone: when what came there is refused, the other ranks, which parsed the command line without it,
@@ -92,7 +104,7 @@ def serving_port(cfg: TandemConfig, rank: int, ranks: int):
     and before any weight loads; a failure there is refused (`_refuse`). None when not serving."""
     if rank != 0 or cfg.serve.port is None:
         return None
-    from launch.server import load_api_key, reserve_port
+    from launch.serve.server import load_api_key, reserve_port
     try:
         load_api_key(cfg)
         return reserve_port(cfg)

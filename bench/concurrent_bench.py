@@ -37,7 +37,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.serve_bench import chat_chunks, free_port  # noqa: E402 - the repository root first
+from bench.ports import free_port  # noqa: E402 - the repository root first
+from bench.serve_bench import chat_chunks  # noqa: E402
 PROMPTS = [  # 23 different short coding questions: 8 for one at a time, then 1 + 2 + 4 + 8 for the clients
     "Write a Python function that reverses a string.",
     "Write a Python function that checks whether a number is prime.",

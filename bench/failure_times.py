@@ -88,7 +88,7 @@ def health_10mb(work: Path) -> None:
 
 def sigterm_stream(work: Path, sig: signal.Signals) -> None:
     from tests.support.serve_harness import serve_args, wait_healthy
-    from tests.support.tiny_models import free_port
+    from bench.ports import free_port
     target, draft = tiny_chat_models(work)
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.ports import free_port  # noqa: E402 - the repository root first
 CODE_EDIT = ("Rename the variable `total` to `running_sum` in this function and return the whole function:\n\n"
              "def average(values):\n    total = 0\n    count = 0\n    for v in values:\n        total += v\n"
              "        count += 1\n    if count == 0:\n        return 0.0\n    return total / count\n")
@@ -43,14 +44,7 @@ ROWS = {  # name: (delays ms, overrides)
 DEPTHS = ["1", "2", "3", "auto"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def tiny_self_model(root: Path) -> list[str]:
-    sys.path.insert(0, str(ROOT))
     from tests.support.tiny_models import save_tiny
     folder = save_tiny(root / "tiny", "qwen2", seed=3, layers=8)
     return [f"model.target={folder}", f"draft.model={folder}", "prompt_ids=[5,17,250,3,99,42,7,8]"]

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from bench.ports import free_port  # noqa: E402 - the repository root first
 DEFAULT_TARGET = Path(os.environ.get("TANDEM_CACHE", "~/.cache/tandem")).expanduser() / "models" / "qwen2.5-coder-1.5b-instruct"
 PROMPT = "Write a Python function that reverses a string."
 MB = 2 ** 20
@@ -71,12 +72,6 @@ def measure_load(folder: Path, first: int, last: int, quant: str, dtype: str, co
     if proc.returncode:
         sys.exit(f"loading layers {first}-{last - 1} with quant={quant} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def generate(folder: Path, quant: str, dtype: str, compute: str, tokens: int) -> dict:

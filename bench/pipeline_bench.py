@@ -22,21 +22,16 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.ports import free_port  # noqa: E402 - the repository root first
 PROMPT = "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation."
 SETTINGS = {"K=0": ["spec.k=0", "draft.kind=none"], "defaults": []}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(ranks: int, delay_ms: float, setting: str, args, out: Path) -> dict:

@@ -45,7 +45,6 @@ import gc
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -54,6 +53,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.ports import free_port  # noqa: E402 - the repository root first
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation.",
@@ -139,12 +139,6 @@ def machine(threads: int, hf_threads: int) -> dict:
             "transformers": transformers.__version__, "python": platform.python_version(), "host": platform.node()}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ---------------------------------------------------------------- Tandem under torchrun
 
 def run_tandem(row: Row, prompt_index: int, ids: list[int], args, out: Path) -> dict:
@@ -196,11 +190,11 @@ def pool(runs: list[dict], delay_ms: float) -> dict:
                   for r, nxt in zip(rs[1:-1], rs[2:])]
     drafted = sum(r["drafted"] for r in decode)
     ms = {"draft": mean(lambda r: r["draft_ms"]), "stage0": mean(lambda r: r["stage0_ms"]),
-          "network": mean(lambda r: max(0.0, r["round_ms"] - r.get("ahead_ms", 0.0) - r["stage1_ms"])),
-          "stage1": mean(lambda r: r["stage1_ms"]), "other": sum(other) / len(other) if other else 0.0}
+          "network": mean(lambda r: max(0.0, r["round_ms"] - r.get("ahead_ms", 0.0) - r["last_ms"])),
+          "stage1": mean(lambda r: r["last_ms"]), "other": sum(other) / len(other) if other else 0.0}
     # each rank's busy fraction of the decode wall time (rank 0: drafting, its slice, drafting ahead)
     busy0 = sum(r["draft_ms"] + r["stage0_ms"] + r.get("ahead_ms", 0.0) for r in decode) / 1000 / decode_s if decode_s else 0.0
-    busy1 = sum(r["stage1_ms"] for r in decode) / 1000 / decode_s if decode_s else 0.0
+    busy1 = sum(r["last_ms"] for r in decode) / 1000 / decode_s if decode_s else 0.0
     # rank 0's work per prepared round, as its estimate counts it (a round of the full K): drafting ahead
     # (its guess + K steps, its slice) with overlap, else drafting in line (taking in the last draft of a
     # fully accepted round + K steps, its slice) in the rounds of the full K
@@ -357,7 +351,7 @@ def overlap_table(rows: list[dict]) -> str:
         ahead = [x["ahead_ms"] for x in decode if x.get("ahead_ms")]
         inline = [x["draft_ms"] + x["stage0_ms"] for x in decode if not x.get("from_ahead")]
         h = sum(1 for x in decode if x.get("from_ahead")) / n if n else 0.0
-        a, i, v = mean(ahead), mean(inline), mean([x["stage1_ms"] for x in decode])
+        a, i, v = mean(ahead), mean(inline), mean([x["last_ms"] for x in decode])
         formula = d + max(a, d + v) + (1 - h) * i if ahead else i + 2 * d + v
         measured = 1000 * sum(run["stats"]["total_s"] - run["stats"]["ttft_s"] for run in r["runs"]) / n if n else 0.0
         lines.append(f"| {r['label']} | {d:g} | {h:.0%} | {a:.0f} | {i:.0f} | {v:.0f} | {measured:.0f} | {formula:.0f} |")

@@ -30,17 +30,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from bench.ports import free_port  # noqa: E402 - the repository root first
 
 QUESTION_1 = "What does the scanner in this file do with a backslash escape? Answer briefly."
 QUESTION_2 = "And what error does it raise for an unterminated string?"
 SERVED_PROMPT = "Write a Python function that reverses a string."
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(*args: str) -> list[str]:

@@ -34,7 +34,7 @@ def main() -> None:
     from launch.config import load_config
     from launch.ranks import last_rank, meet
     from netbridge.channel import local_pair
-    from netbridge.protocol import Request
+    from netbridge.protocol import SamplingParams
     from speculative.grammar import grammar_source
     from speculative.output import Output
     from speculative.session import Session
@@ -60,7 +60,7 @@ def main() -> None:
         for kind, grammar in kinds.items():
             output = Output(tokenizer, eos_ids(plan.models.target), args.max_new, [])
             session.scheduler.forget()  # every request prefills its whole prompt, as the first one does
-            gen = session.generate(list(prompt), output, Request(grammar=grammar))
+            gen = session.generate(list(prompt), output, SamplingParams(grammar=grammar))
             stats = summarize(gen, cfg.spec.k, cfg.draft.kind)
             print(json.dumps({"repeat": repeat, "response_format": kind, "tokens": stats["tokens"],
                               "tokens_per_s": round(stats["tokens_per_s"], 2),

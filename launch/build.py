@@ -96,15 +96,28 @@ def prompt_ids(cfg: TandemConfig, tokenizer, vocab_size: int) -> list[int]:
 
 def chat_ids(cfg: TandemConfig, tokenizer) -> list[int]:
     """system (if given) and prompt through the model's chat template, ready for the assistant's answer, as the
-    server sends a conversation (launch.api.template_ids); a template that refuses them (some refuse a system
-    role) is one line."""
-    from launch.api import ApiError, template_ids
+    server sends a conversation (chat_template_ids, which launch.serve.prompts.template_ids calls); a template that
+    refuses them (some refuse a system role) is one line."""
     system = [{"role": "system", "content": cfg.system}] if cfg.system is not None else []
     try:
-        return template_ids(tokenizer, [*system, {"role": "user", "content": cfg.prompt}])
-    except ApiError as e:
+        return chat_template_ids(tokenizer, [*system, {"role": "user", "content": cfg.prompt}])
+    except TemplateRefused as e:
         fix = "leave system= out (or put it in the prompt)" if system else "give chat=false to send the prompt without it"
-        raise ConfigError(f"{cfg.model.target}: {e.message}; {fix}") from None
+        raise ConfigError(f"{cfg.model.target}: {e}; {fix}") from None
+
+
+class TemplateRefused(ValueError):
+    """The model's chat template raised on a conversation (the server's 400, the entry's one line)."""
+
+
+def chat_template_ids(tokenizer, conversation: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The conversation (and the tools) through the model's chat template, ready for the assistant's answer."""
+    try:
+        out = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)
+    except Exception as e:  # noqa: BLE001 - a template may raise anything on a conversation it does not expect
+        raise TemplateRefused(f"the chat template refused these messages ({type(e).__name__}: {str(e)[:200]})") from None
+    return list(out["input_ids"])
 
 
 def check_ids(ids: list[int], vocab_size: int) -> None:

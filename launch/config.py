@@ -428,7 +428,7 @@ def _check_conflicts(cfg: TandemConfig) -> None:
                           "(or put the system message in the prompt)")
 
 
-# The sampling fields of a generation, as gen.* at launch and as an API request's fields (launch.api): their ranges,
+# The sampling fields of a generation, as gen.* at launch and as an API request's fields (launch/serve/fields.py): their ranges,
 # once. top_p's lower end is open (0 keeps no token); every value finite (NaN fails every comparison).
 REQUEST_RANGES = {"temperature": (0.0, math.inf),
                   "top_p": (0.0, 1.0),

@@ -1,10 +1,10 @@
 """Each rank's life once its links are open: open its models, meet the other ranks (launch.handshake, which
 gives the Plan), build what the Plan gives it, run.
 
-    first_rank   rank 0: embeddings + its layers, the drafter, the tokenizer, the Session; one answer
-                 (returned as the output JSON) or the HTTP API
+    first_rank   rank 0: embeddings + its layers, the drafter, the tokenizer, the Session (a FirstRank); then
+                 answer_once (the output JSON) or the HTTP API (launch.serve.server.serve): the entry decides
     middle_rank  N > 2: its layers, between the rank before it and the one after it
-    last_rank    the last layers, the final norm and the head, and verification (rank 1 of two)
+    last_rank    the last layers, the final norm and the head, and verification
 
 The ring: every rank receives from the one before it (`prev`) and sends to the one after it (`next`);
 with two ranks both are one channel.
@@ -15,6 +15,7 @@ import json
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 from functools import partial
 
 from launch.build import (build_drafter, build_prefixes, build_stage, check_vocabularies, eos_ids, load_tokenizer,
@@ -23,10 +24,10 @@ from launch.config import TandemConfig
 from launch.distributed import Interrupted, error_line
 from launch.handshake import handshake
 from launch.plan import Models, Plan, open_models
-from netbridge.protocol import Request
+from netbridge.protocol import SamplingParams
 from speculative.output import Output
 from speculative.grammar import FolderGrammars
-from speculative.rounds import run_middle, run_rank1
+from speculative.rounds import run_last, run_middle
 from speculative.session import Session
 from speculative.stats import broken_drafter_warning, summarize
 
@@ -54,26 +55,38 @@ def meet(cfg: TandemConfig, prev, next, rank: int, ranks: int) -> Plan:
     return handshake(cfg, models, prev, next, rank, ranks)
 
 
-def first_rank(cfg: TandemConfig, next, replies=None, listener=None, ranks: int = 2) -> dict | None:
-    """Rank 0's whole life: one answer (returned as the output JSON), or serving until a signal (on
-    `listener`, the HTTP port bound at start). The last rank's replies come back on `replies` (with two
-    ranks, `next` itself)."""
+@dataclass
+class FirstRank:
+    """Rank 0 once the ranks have met: what answering once and serving both start from."""
+    plan: Plan
+    session: Session
+    tokenizer: object
+    ids: list[int] | None  # the prompt, checked (answering once); None when serving
+    eos_ids: set[int]
+    vocab_size: int
+
+
+def first_rank(cfg: TandemConfig, next, replies=None, ranks: int = 2) -> FirstRank:
+    """Rank 0 up to its Session: its models opened, the prompt read and checked, the ranks met, its stage and
+    drafter built. The last rank's replies come back on `replies` (with two ranks, `next` itself)."""
     replies = replies or next
     models = open_models(cfg, 0)
     announce(models.lines)
     tokenizer, ids = read_prompt(cfg, models)
     plan = handshake(cfg, models, replies, next, 0, ranks)
-    target = plan.models.target
     stage = build_stage(plan)
     drafter = build_drafter(plan)
     session = Session(stage, drafter, next, plan.spec, replies, build_prefixes(plan, stage, drafter), slots=plan.slots)
-    if cfg.serve.port is not None:
-        from launch.server import serve
-        serve(cfg, session, tokenizer, eos_ids(target), stage.config.vocab_size, listener, plan.models.name)
-        return None
-    output = Output(tokenizer, eos_ids(target), cfg.gen.max_new_tokens, cfg.gen.stop, cfg.output.stream)
+    return FirstRank(plan, session, tokenizer, ids, eos_ids(plan.models.target), stage.config.vocab_size)
+
+
+def answer_once(first: FirstRank) -> dict:
+    """One answer to the prompt, written as the output JSON (output.json) and returned; on a failure what was
+    generated so far is written, then the error raised."""
+    cfg, session, tokenizer, ids = first.plan.settings, first.session, first.tokenizer, first.ids
+    output = Output(tokenizer, first.eos_ids, cfg.gen.max_new_tokens, cfg.gen.stop, cfg.output.stream)
     try:
-        result = answer(plan, session, ids, output, tokenizer)
+        result = answer(first.plan, session, ids, output, tokenizer)
     except BaseException as e:
         # keep what was generated: the tokens committed so far, the text, and why it stopped
         write_output(cfg, {"token_ids": output.tokens, "text": output.text(), "error": error_line(e)})
@@ -101,8 +114,8 @@ def answer(plan: Plan, session: Session, ids: list[int], output: Output, tokeniz
     cfg = plan.settings
     status(f"[prefill: {len(ids)} prompt tokens; k={cfg.spec.k}, drafter {cfg.draft.kind}]")
     telemetry = Telemetry(cfg, ids, tokenizer.decode(ids) if tokenizer else None) if cfg.log.dir else None
-    request = Request(cfg.gen.temperature, cfg.gen.top_p, cfg.gen.seed)
-    gen = session.generate(ids, output, request, on_round=telemetry.on_round if telemetry else None)
+    params = SamplingParams(cfg.gen.temperature, cfg.gen.top_p, cfg.gen.seed)
+    gen = session.generate(ids, output, params, on_round=telemetry.on_round if telemetry else None)
     stats = summarize(gen, cfg.spec.k, cfg.draft.kind if cfg.spec.k else "none")
     warning = broken_drafter_warning(stats)
     if warning:
@@ -134,7 +147,7 @@ def last_rank(cfg: TandemConfig, prev, reply_to=None, ranks: int = 2) -> None:
     stage = build_stage(plan)
     target = plan.models.target  # structured outputs: the last rank masks by each request's grammar
     grammars = FolderGrammars(target.folder, target.config.vocab_size, eos_ids(target))
-    _serve_rounds(partial(run_rank1, grammars=grammars), stage, prev, reply_to, build_prefixes(plan, stage))
+    _serve_rounds(partial(run_last, grammars=grammars), stage, prev, reply_to, build_prefixes(plan, stage))
 
 
 def middle_rank(cfg: TandemConfig, prev, next, rank: int, ranks: int) -> None:

@@ -1,8 +1,8 @@
-"""TensorBoard figures of a run, written by rank 0 (rank 1's figures come back in its replies).
+"""TensorBoard figures of a run, written by rank 0 (the later ranks' figures come back in the replies).
 
     <log.dir>/<YYYYmmdd-HHMMSS>-<model>-k<K>-<drafter>/
         events.out.tfevents.*   scalars, histogram, text, hparams (tensorboard --logdir <log.dir>)
-        trace.json              both ranks on one time axis (log.trace; launch/timeline.py)
+        trace.json              every rank on one time axis (log.trace; launch/timeline.py)
         summary.json            the stats, the clock alignment and every round's record
         *.pt.trace.json         torch.profiler traces of a few rounds on rank 0 (log.profile)
 
@@ -12,9 +12,10 @@ is stats["rounds"]. The output JSON's means are over the decode rounds (steps >=
 
     round/draft_ms      drafting on rank 0
     round/stage0_ms     rank 0's layer slice
-    round/stage1_ms     rank 1's layer slice + head + verification, as rank 1 measured it
-                        (with N > 2 ranks: the last rank's; round/rank{r}_ms each middle rank's layers)
-    round/network_ms    send -> reply on rank 0 minus stage1_ms and ahead_ms: the wire,
+    round/last_ms       the last rank's layer slice + head + verification, as it measured it (with N > 2
+                        ranks round/rank{r}_ms is each middle rank's layers); round/stage1_ms is the same
+                        figure under its name from before N ranks, still written (docs/running.md)
+    round/network_ms    send -> reply on rank 0 minus every later rank's compute and ahead_ms: the wire,
                         (de)serialization and any emulated delay; no compute of either rank
     round/ahead_ms      spec.overlap: rank 0 preparing the next round while this one was in flight
     round/round_ms      the whole round on rank 0 (draft + stage0 + send -> reply)
@@ -79,7 +80,7 @@ class Telemetry:
         self.writer = SummaryWriter(str(self.dir))
         private_files(self.dir)  # the event file exists now; TensorBoard creates it with the umask's mode
         self.prompt_ids, self.prompt_text = prompt_ids, prompt_text
-        self.rank1_marks: list[list[float]] = []  # the last rank's, with N > 2
+        self.last_marks: list[list[float]] = []  # the last rank's clock marks, per round
         self.middle_marks: list[list[list[float]]] = []  # N > 2: per round, each middle rank's
         self.last_rank = 1
         self.step = 0
@@ -91,9 +92,9 @@ class Telemetry:
             self.profiler.start()
 
     def on_round(self, r, reply) -> None:
-        """r: the round's RoundRecord; reply: rank 1's protocol.Reply (its clock marks feed the trace)."""
+        """r: the round's RoundRecord; reply: the last rank's protocol.Reply (its clock marks feed the trace)."""
         self.round_scalars(r)
-        self.rank1_marks.append(list(reply.marks))
+        self.last_marks.append(list(reply.marks))
         self.middle_marks.append(list(reply.middle_marks or []))
         self.last_rank = max(self.last_rank, len(self.middle_marks[-1]) + 1)
         self.next_step()
@@ -106,7 +107,8 @@ class Telemetry:
     def round_scalars(self, r) -> None:
         """The round/* scalars of one round at the current step."""
         w, step = self.writer, self.step
-        for tag, value in (("draft_ms", r.draft_ms), ("stage0_ms", r.stage0_ms), ("stage1_ms", r.stage1_ms),
+        for tag, value in (("draft_ms", r.draft_ms), ("stage0_ms", r.stage0_ms), ("last_ms", r.last_ms),
+                           ("stage1_ms", r.last_ms),  # last_ms's name before N ranks (docs/running.md)
                            ("network_ms", r.network_ms), ("ahead_ms", r.ahead_ms),
                            ("round_ms", r.draft_ms + r.stage0_ms + r.round_ms),
                            ("drafted", r.drafted), ("accepted", r.accepted), ("tokens", r.committed),
@@ -128,7 +130,7 @@ class Telemetry:
         if self.profiler is not None:
             self.profiler.stop()
         w = self.writer
-        trace, alignment = build_timeline(gen, self.rank1_marks, meta={"run": self.dir.name},
+        trace, alignment = build_timeline(gen, self.last_marks, meta={"run": self.dir.name},
                                           min_one_way_s=self.cfg.transport.emulate_delay_ms / 1000,
                                           middle_marks=self.middle_marks if self.last_rank > 1 else None)
         if self.cfg.log.trace:
@@ -152,7 +154,8 @@ class Telemetry:
         w.flush()
         w.close()
         summary = {"run": self.dir.name, "stats": stats, "clock": alignment_dict(alignment),
-                   "rounds": [asdict(r) for r in gen.rounds], "rank1_marks": self.rank1_marks,
+                   "rounds": [asdict(r) for r in gen.rounds], "last_marks": self.last_marks,
+                   "rank1_marks": self.last_marks,  # last_marks's name before N ranks (docs/running.md)
                    **({"middle_marks": self.middle_marks} if self.last_rank > 1 else {}),
                    "t0_s": gen.t0_s}
         write_private(self.dir / "summary.json", json.dumps(summary, indent=1))

@@ -1,16 +1,16 @@
-"""The two ranks on one time axis: per-round spans, rank 1's clock aligned to rank 0's, one Chrome trace.
+"""Every rank on one time axis: per-round spans, each later rank's clock aligned to rank 0's, one Chrome trace.
 
-Rank 0 knows its own spans from its round records (draft, stage0, send, wait, commit). Rank 1 puts
+Rank 0 knows its own spans from its round records (draft, stage0, send, wait, commit). The last rank puts
 four `time.perf_counter()` readings in each reply (`protocol.Reply.marks`):
 
-    [wait_start, recv_end, forward_end, send_start]     on rank 1's clock
+    [wait_start, recv_end, forward_end, send_start]     on the last rank's clock
 
-so its spans are wait (for the round message), stage1 (the forward), verify, and send (until the next
-round's wait_start).
+so its spans are wait (for the round message), stage{r} (the forward of rank r), verify, and send (until the
+next round's wait_start).
 
-Clock alignment. Let theta = rank 1's clock minus rank 0's. Each round is a round trip, and causality
-bounds theta: rank 1 received the round after rank 0 began sending it, and rank 0 received the reply
-after rank 1 began sending it:
+Clock alignment. Let theta = a later rank's clock minus rank 0's. Each round is a round trip, and causality
+bounds theta: the later rank received the round after rank 0 began sending it, and rank 0 received the reply
+after that rank began sending it:
 
     recv_end - theta >= send_start_0   ->  theta <= recv_end - send_start_0
     send_start - theta <= reply_end_0  ->  theta >= send_start - reply_end_0
@@ -18,14 +18,14 @@ after rank 1 began sending it:
 Every reading sits on the safe side (a send time is read before the send, a receive time after the
 receive), so the true theta is always inside. Every round narrows the interval [lo, hi]; theta is
 its midpoint and the uncertainty its half-width (at most half of one round trip's time on the wire).
-After alignment every rank-1 span of a round lies inside that round's send..reply window on rank 0. If the bounds cross (clocks drifting
+After alignment every later rank's span of a round lies inside that round's send..reply window on rank 0. If the bounds cross (clocks drifting
 apart over a long run), the fastest round's NTP estimate is used and `consistent` is false.
 A known least one-way time tightens both bounds by it: under the emulated delay (transport.emulate_delay_ms)
 a message is delivered that long after its send began (netbridge/delay.py), never sooner.
 
-On one host both ranks read the same monotonic clock, so the true offset is 0: a check of the method.
+On one host every rank reads the same monotonic clock, so the true offset is 0: a check of the method.
 
-With N > 2 ranks the last rank plays rank 1's part and each middle rank r puts the same four readings
+With N > 2 ranks each middle rank r puts the same four readings
 in the Round it passes on (its verify span is empty: it only forwards); the last rank's Reply carries
 them back. Every later rank receives a round after rank 0 sent it and sends before rank 0 has the
 reply, so the same bounds align each one's clock; the trace has one row per rank.
@@ -47,7 +47,7 @@ from pathlib import Path
 class Span:
     rank: int
     name: str
-    start_s: float  # on rank 0's clock (rank 1's after alignment)
+    start_s: float  # on rank 0's clock (a later rank's after alignment)
     end_s: float
     round: int
     tid: int = 0  # a row of its own for a round's send and wait while several rounds are in flight (spec.in_flight)
@@ -76,7 +76,7 @@ class Part:
 
 @dataclass
 class ClockAlignment:
-    offset_ms: float  # rank 1's clock minus rank 0's
+    offset_ms: float  # the later rank's clock minus rank 0's
     uncertainty_ms: float  # half-width of the interval every round allows
     rounds: int
     consistent: bool  # false: the rounds' bounds contradict each other (drift); NTP fallback used
@@ -106,15 +106,15 @@ def round_windows(gen) -> list[tuple[float, float]]:
     return [(gen.t0_s + r.sent_s, gen.t0_s + r.sent_s + r.round_ms / 1000) for r in gen.rounds]
 
 
-def align_clocks(windows: list[tuple[float, float]], rank1_marks: list[list[float]],
+def align_clocks(windows: list[tuple[float, float]], marks: list[list[float]],
                  min_one_way_s: float = 0.0, hops: tuple[int, int] = (1, 1),
                  held: list[tuple[float, float]] | None = None) -> ClockAlignment:
-    """theta (rank 1 minus rank 0) from the round trips; see the module docstring. N > 2: `hops`, the
-    messages from rank 0 to this rank and from it back to rank 0 (rank r: r in, N - r back), each taking
+    """theta (a later rank's clock minus rank 0's) from the round trips (`marks`: that rank's, per round); see the
+    module docstring. N > 2: `hops`, the messages from rank 0 to this rank and from it back to rank 0 (rank r: r in, N - r back), each taking
     at least `min_one_way_s`; `held`, per round, how long the ranks on the way in and on the way back
     held the block (durations each measured on its own clock)."""
     held = held or [(0.0, 0.0)] * len(windows)
-    pairs = [(w, m, h) for w, m, h in zip(windows, rank1_marks, held) if m]
+    pairs = [(w, m, h) for w, m, h in zip(windows, marks, held) if m]
     if not pairs:
         return ClockAlignment(0.0, float("inf"), 0, False)
     lo = max(m[3] + hops[1] * min_one_way_s + h[1] - w[1] for w, m, h in pairs)
@@ -127,17 +127,17 @@ def align_clocks(windows: list[tuple[float, float]], rank1_marks: list[list[floa
     return ClockAlignment(theta * 1000, wire / 2 * 1000, len(pairs), False)
 
 
-def rank1_spans(rank1_marks: list[list[float]], offset_ms: float, rank: int = 1, verifies: bool = True,
-                parts: list[tuple[int | None, int | None]] | None = None) -> list[Span]:
-    """Rank 1's spans on rank 0's clock (or, with N > 2, `rank`'s: a middle one only forwards, no verify).
+def rank_spans(marks: list[list[float]], offset_ms: float, rank: int = 1, verifies: bool = True,
+               parts: list[tuple[int | None, int | None]] | None = None) -> list[Span]:
+    """A later rank's spans on rank 0's clock (`rank`'s: the last one verifies; a middle one only forwards).
     A send lasts until the rank waits for its next round (the next wait in time: serving interleaves the
     requests' rounds); the last one has no end reading, so it is left out. `parts`: per round, the
     (slot, request) it belongs to (serving)."""
     theta = offset_ms / 1000
-    order = sorted((m[0], i) for i, m in enumerate(rank1_marks) if m)  # the rank's own order of rounds
+    order = sorted((m[0], i) for i, m in enumerate(marks) if m)  # the rank's own order of rounds
     spans = []
     for n, (_, i) in enumerate(order):
-        wait_start, recv_end, forward_end, send_start = (x - theta for x in rank1_marks[i])
+        wait_start, recv_end, forward_end, send_start = (x - theta for x in marks[i])
         slot, request = parts[i] if parts else (None, None)
         tid = slot_row(slot)
         spans += [Span(rank, "wait", wait_start, recv_end, i, tid, slot, request),
@@ -151,8 +151,8 @@ def rank1_spans(rank1_marks: list[list[float]], offset_ms: float, rank: int = 1,
 
 def chrome_trace(spans: list[Span], t0_s: float, alignment: ClockAlignment, meta: dict | None = None) -> dict:
     """Chrome-trace JSON ("X" complete events in microseconds since generation start), one process per
-    rank, and a flow arrow per message (round: rank 0 send -> rank 1 stage1 (-> rank 2 stage2 ...);
-    reply: the last rank's verify -> rank 0)."""
+    rank, and a flow arrow per message (round: rank 0 send -> rank 1 stage1 (-> rank 2 stage2 ...); reply: the
+    last rank's verify -> rank 0)."""
     us = lambda t: round((t - t0_s) * 1e6, 3)  # noqa: E731
     ranks = sorted({s.rank for s in spans} | {0, 1})
     events = [{"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}} for r in ranks]
@@ -193,11 +193,11 @@ def _flow(name, flow_id, t_from, pid_from, t_to, pid_to, us):
             {**common, "ph": "f", "bp": "e", "ts": us(t_to), "pid": pid_to}]
 
 
-def build_timeline(gen, rank1_marks: list[list[float]], meta: dict | None = None,
+def build_timeline(gen, last_marks: list[list[float]], meta: dict | None = None,
                    min_one_way_s: float = 0.0, middle_marks: list[list[list[float]]] | None = None) -> tuple[dict, ClockAlignment]:
     """The merged trace of one generation, and the clock alignment it used (the last rank's).
     `middle_marks` (N > 2): per round, each middle rank's readings (Reply.middle_marks)."""
-    return merged_timeline([Part(gen, rank1_marks, middle_marks)], meta, min_one_way_s)
+    return merged_timeline([Part(gen, last_marks, middle_marks)], meta, min_one_way_s)
 
 
 def merged_timeline(parts: list[Part], meta: dict | None = None, min_one_way_s: float = 0.0) -> tuple[dict, ClockAlignment]:
@@ -205,18 +205,18 @@ def merged_timeline(parts: list[Part], meta: dict | None = None, min_one_way_s: 
     their rounds numbered one after another, and the clock alignment every round's bounds give."""
     parts = [_trimmed(p) for p in parts]
     middle_marks = [m for p in parts for m in p.middle_marks or [[]] * len(p.marks)]
-    rank1_marks = [m for p in parts for m in p.marks]
+    last_marks = [m for p in parts for m in p.marks]
     windows = [w for p in parts for w in round_windows(p.gen)]
     tags = [(p.slot, p.request) for p in parts for _ in p.marks] if any(p.slot is not None for p in parts) else None
     middles = max((len(m) for m in middle_marks), default=0)
     last = middles + 1
     marks = {r: [m[r - 1] if len(m) >= r else [] for m in middle_marks] for r in range(1, last)}
-    marks[last] = rank1_marks
+    marks[last] = last_marks
     held = {r: [m[3] - m[1] if m else 0.0 for m in marks[r]] for r in marks}  # a rank's own reading: no offset in it
 
     def held_around(r: int) -> list[tuple[float, float]]:
         return [(sum(held[q][i] for q in range(1, r)), sum(held[q][i] for q in range(r + 1, last + 1)))
-                for i in range(len(rank1_marks))]
+                for i in range(len(last_marks))]
     alignments = {r: align_clocks(windows, marks[r], min_one_way_s, hops=(r, last + 1 - r),
                                   held=held_around(r)) for r in marks}
     alignment = alignments[last]
@@ -225,7 +225,7 @@ def merged_timeline(parts: list[Part], meta: dict | None = None, min_one_way_s: 
         spans += rank0_spans(p.gen, first, p.slot, p.request)
         first += len(p.gen.rounds)
     for r in marks:
-        spans += rank1_spans(marks[r], alignments[r].offset_ms if alignments[r].rounds else 0.0, rank=r,
+        spans += rank_spans(marks[r], alignments[r].offset_ms if alignments[r].rounds else 0.0, rank=r,
                              verifies=r == last, parts=tags)
     if middles:
         meta = {**(meta or {}), "clock_offsets_ms": {str(r): alignments[r].offset_ms for r in sorted(alignments)},

@@ -1,7 +1,7 @@
 """transport.* of the config, read once into plain settings, and the links opened from them.
 
 netbridge never sees the config: it takes these values. Under torchrun's tandem-relay rendezvous the relay
-address and session default to the rendezvous endpoint and --rdzv_id (launch/relay_rendezvous.py sets
+address and session default to the rendezvous endpoint and --rdzv_id (launch/torchrun/relay_rendezvous.py sets
 TANDEM_RELAY; torchrun sets TORCHELASTIC_RUN_ID); the relay token file defaults to TANDEM_RELAY_TOKEN_FILE and
 the pairing secret's to TANDEM_SECRET_FILE.
 """

@@ -252,7 +252,7 @@ def stage_sources(config, first: int, last: int, embed: bool, head: bool, source
     if head:
         wanted["model.norm.weight"] = ["model.norm.weight"]
         tied = getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in sources
-        # With tied embeddings the head *is* the embedding matrix: rank 1 reads it for its head
+        # With tied embeddings the head *is* the embedding matrix: the last rank reads it for its head
         # (a stage holding both, a drafter, shares one copy: see load_stage).
         if not (tied and embed):
             wanted["lm_head.weight"] = ["model.embed_tokens.weight" if tied else "lm_head.weight"]

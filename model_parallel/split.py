@@ -6,7 +6,7 @@ other ms per round), measured on its own device. `place_layers` then picks, amon
 bytes fit every rank's budget, the one that makes the busiest rank least busy; on a tie, the most even.
 
 Per round of K drafts (overlap or not, a round takes about the busiest rank's time):
-    first rank:  the drafter's K+1 steps (launch.build.draft_steps) + its layers over a block of K+1
+    first rank:  the drafter's K+1 steps (launch.plan.draft_steps) + its layers over a block of K+1
     middle rank: its layers over the block
     last rank:   its layers + the final norm and LM head over the block
 The costs are timed (`time_rank`) on the modules a run calls, built from config.json with placeholder weights

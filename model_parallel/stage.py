@@ -1,7 +1,7 @@
 """A stage: a contiguous slice of a decoder's layers, optionally with the embeddings in front and the
 final norm + LM head behind, over its own static KV cache.
 
-Rank 0's stage is (embeddings, layers [0, split)); rank 1's is (layers [split, L), norm, head); a
+Rank 0's stage is (embeddings, layers [0, cut)); the last rank's is (layers [cut, L), norm, head); a
 drafter is one stage with everything. With N > 2 ranks a middle rank's stage is its layers alone.
 All of them run the same forward.
 """

@@ -1,17 +1,18 @@
 """Every message between the ranks, in one place.
 
-    rank 0                                   rank 1
+    rank 0                                   the later ranks (the last one answers)
     Hellos([Hello(layers, dtype, quant, -->  checks it against its own; both Hellos back, or Error;
         cuts, what it may hold, speed)])     both then settle the same cuts from the two Hellos
     Lookup(hashes, weights, held)       -->  cache.dir: a long prompt's saved blocks; each rank lowers `held`
                                         <--  to what it holds on disk; the last rank's comes back (speculative.prefixes)
     Restore(hashes, weights, start, n)  -->  cache.dir: load tokens [start, n) from disk; save the prompt's blocks
-    Request(temperature, top_p, seed,   -->  a new generation in `slot`: its verifier's settings; [a grammar it
-            slot, [grammar, logprobs])       masks by, how many top log-probabilities each Reply carries]
+    Request(params, slot)               -->  a new generation in `slot`: its SamplingParams (temperature, top_p,
+                                             seed, [a grammar it masks by, how many top log-probabilities each
+                                             Reply carries]), which its verifier uses
     Prefill(start, hidden)              -->  a long prompt's leading chunks: extend the cache, no reply
     Round(slot, start, hidden, drafts,  -->  forward its slice from `start` in `slot`, verify; `batch` Rounds of
           [q], batch)                        several slots sent back to back run as one forward
-                                        <--  Reply(accepted, token, stage1_ms, marks, [logprobs], [error]), one per
+                                        <--  Reply(accepted, token, last_ms, marks, [logprobs], [error]), one per
                                                  Round; `error`: its request's grammar failed, that request ends
     ... more Rounds, more Requests (serving: several generations live at once, each in its own slot) ...
     Idle                                -->  nothing to do yet (serving): the link is alive
@@ -37,7 +38,7 @@ import torch
 
 from netbridge.channel import Channel, PeerError
 
-VERSION = 10  # bumped when a message changes; Hello carries it
+VERSION = 11  # bumped when a message changes; Hello carries it
 
 
 @dataclass
@@ -67,14 +68,26 @@ class Hellos:
 
 
 @dataclass
-class Request:
-    """Sampling settings of one generation; rank 1 verifies with them until the next Request."""
+class SamplingParams:
+    """How one generation samples: the entry builds it from gen.*, the HTTP layer from a request's fields
+    (launch/serve/fields.py); Session.admit takes it and a Request carries it to the last rank, which verifies
+    with it."""
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
     grammar: str | None = None  # structured outputs: llguidance's grammar text (speculative.grammar); the last rank masks
     logprobs: int | None = None  # the committed tokens' log-probabilities wanted, with this many top alternatives (0..20)
-    slot: int = 0  # the KV slot this generation owns on every rank (serve.max_concurrent); until its next Request
+
+
+@dataclass
+class Request:
+    """A new generation in `slot`: the last rank verifies the slot's rounds with `params` until its next Request."""
+    params: SamplingParams = field(default_factory=SamplingParams)
+    slot: int = 0  # the KV slot this generation owns on every rank (serve.max_concurrent)
+
+    def __post_init__(self):  # as received: the params' fields (a missing or unknown one: recv's protocol error)
+        if isinstance(self.params, dict):
+            self.params = SamplingParams(**self.params)
 
 
 @dataclass
@@ -101,7 +114,7 @@ class Restore:
 
 @dataclass
 class Prefill:
-    """A chunk of a long prompt ahead of its first Round: rank 1 only extends its cache (no reply), so it
+    """A chunk of a long prompt ahead of its first Round: each later rank only extends its cache (no reply), so it
     runs its layers over one chunk while rank 0 runs its own over the next."""
     start: int
     hidden: torch.Tensor  # [1, T, H]
@@ -110,7 +123,7 @@ class Prefill:
 
 @dataclass
 class Round:
-    start: int  # the committed length before this block: rank 1 rewinds its cache here
+    start: int  # the committed length before this block: every later rank rewinds its cache here
     hidden: torch.Tensor  # [1, T, H]: rank 0's slice over [pending..., d1..dK]
     drafts: torch.Tensor  # [K]
     q_ids: torch.Tensor | None = None  # [K, m] when sampling: the support of each draft's distribution
@@ -127,10 +140,10 @@ class Round:
 class Reply:
     accepted: int
     token: int  # the target's next token after the accepted drafts
-    stage1_ms: float  # the last rank's forward and verification
+    last_ms: float  # the last rank's forward and verification
     marks: list[float] = field(default_factory=list)  # the last rank's clock: wait, start, forward done, send
     middle_marks: list[list[float]] | None = None  # N > 2: Round.marks as the last rank received them
-    logprobs: torch.Tensor | None = None  # Request.logprobs: [accepted + 1] the committed tokens' (verify.token_logprobs)
+    logprobs: torch.Tensor | None = None  # params.logprobs: [accepted + 1] the committed tokens' (verify.token_logprobs)
     top_ids: torch.Tensor | None = None  # [accepted + 1, n] the most likely tokens at each, and theirs:
     top_logprobs: torch.Tensor | None = None  # [accepted + 1, n]
     error: str | None = None  # the request's grammar failed (speculative.grammar.GrammarFailure): it ends with this
@@ -163,6 +176,8 @@ def send(channel: Channel, msg) -> None:
             tensors[f.name] = value
         elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):  # Hellos
             meta[f.name] = [dataclasses.asdict(v) for v in value]
+        elif dataclasses.is_dataclass(value):  # Request.params
+            meta[f.name] = dataclasses.asdict(value)
         elif value is not None:
             meta[f.name] = value
     channel.send(type(msg).__name__.lower(), meta, **tensors)
@@ -176,4 +191,4 @@ def recv(channel: Channel, *expect: type):
         return MESSAGES[raw.kind](**raw.meta, **raw.tensors)
     except TypeError:
         raise PeerError(f"protocol error: a {raw.kind!r} message with fields {sorted({**raw.meta, **raw.tensors})}; "
-                        "are both ranks the same Tandem version?") from None
+                        "are all ranks the same Tandem version?") from None

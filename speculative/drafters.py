@@ -4,12 +4,12 @@ after it.
 
 `context` is every committed token (prompt + output), its last one the token the target has yet to
 see. A drafter returns at most k tokens (fewer is fine) and, when the target samples, the sparse
-distribution each was drawn from (rank 1 needs q for rejection sampling). `slot` is the request's KV slot
+distribution each was drawn from (the last rank needs q for rejection sampling). `slot` is the request's KV slot
 (serve.max_concurrent): a drafter with a cache keeps each slot's tokens apart; the others ignore it.
 
 Four kinds (draft.kind): none, ngram (prompt lookup: free, one-hot q), model (a small LM: its own q), and hybrid
 (a lookup when the context is being copied, else the model). Each round's Drafts carry the q they were drawn
-from, so rank 1's rejection sampling is exact whichever kind proposed them, round by round.
+from, so the last rank's rejection sampling is exact whichever kind proposed them, round by round.
 """
 from __future__ import annotations
 

@@ -98,7 +98,7 @@ def grammar_source(schema: dict) -> str:
 
 
 def lark_source(lark: str) -> str:
-    """The llguidance grammar of a Lark grammar (a tool call's, launch.tools.call_grammar); checked as grammar_source."""
+    """The llguidance grammar of a Lark grammar (a tool call's, launch.serve.tools.call_grammar); checked as grammar_source."""
     import llguidance
     grammar = llguidance.LLMatcher.grammar_from_lark(lark)
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)

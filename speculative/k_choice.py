@@ -4,7 +4,7 @@ spec.k_from_costs picks each round's K from what rounds have cost and how often 
 
 A round with K drafts commits, on average, 1 + sum_{j=1..K} prod_{i<=j} a_i tokens, where a_i is the
 measured chance that draft i is accepted once drafts 1..i-1 were. Rank 0 works r0 = K x the drafter's
-cost per token + its slice over a block of K+1; rank 1 and the wire take r1 = its slice over that
+cost per token + its slice over a block of K+1; the later ranks and the wire take r1 = its slice over that
 block + the round trip. Sequential rounds take r0 + r1. With spec.overlap, rank 0 prepares the next
 round during the wait: a round whose bet holds (every draft and the guess accepted, chance h) costs
 max(r0, r1), another r0 + max(r0, r1); K=0 has nothing to bet on and stays r0 + r1.
@@ -104,7 +104,7 @@ class KFromCosts:
         self.draft_ms: float | None = None  # per draft token
         self.wire_ms: float | None = None
         self.stage0_ms: dict[int, float] = {}  # block size -> rank 0's slice, ms
-        self.stage1_ms: dict[int, float] = {}  # block size -> the later ranks' slices, head and verification, ms
+        self.later_ms: dict[int, float] = {}  # block size -> the later ranks' slices, head and verification, ms
         self.seen = 0
         self.chosen = 0  # rounds chosen from the rates since the warm-up
         self.after_undrafted = False  # the last round drafted nothing: the next one's drafting includes catch-up
@@ -115,7 +115,7 @@ class KFromCosts:
             self.tried[i] += 1
             self.kept[i] += r.accepted >= i
         n = r.drafted + 1
-        self.stage1_ms[n] = ema(self.stage1_ms.get(n), r.later_ms, self.smoothing)
+        self.later_ms[n] = ema(self.later_ms.get(n), r.later_ms, self.smoothing)
         self.wire_ms = ema(self.wire_ms, r.network_ms, self.smoothing)
         self.seen += 1
         if not r.from_ahead:  # else its drafting and stage 0 ran in the last round's wait, unmeasured here
@@ -134,7 +134,7 @@ class KFromCosts:
         """Expected ms of a round of K drafts; `bet_holds`: the chance that every draft and the
         drafter's guess of the next token are accepted (what overlap bets on)."""
         r0 = k * self.draft_ms + _at(self.stage0_ms, k + 1)
-        r1 = _at(self.stage1_ms, k + 1) + self.wire_ms
+        r1 = _at(self.later_ms, k + 1) + self.wire_ms
         if not self.overlap or k == 0:
             return r0 + r1
         return (1 - bet_holds) * r0 + max(r0, r1)

@@ -1,21 +1,21 @@
-"""The round, one function per rank, side by side.
+"""The later ranks' side of the round (run_middle, run_last) and the records both sides share; rank 0's side is
+speculative.session.Session. The two, side by side (docs/design.md, "One round on one page", walks it through
+the code):
 
-    rank 0                                         rank 1
+    rank 0                                         the last rank (rank 1 of two: run_last)
     drafts = drafter.propose(committed, k)
     h = stage0([pending..., d1..dK])
-    send("round", hidden=h, drafts, [q])  ------>  logits = stage1(h)[-(K+1):]
+    send("round", hidden=h, drafts, [q])  ------>  logits = last_stage(h)[-(K+1):]
                                                    accepted, next = verify(logits, drafts)
     a, next <------------------------------------  send("reply", accepted, next)
-    rewind stage0, commit d1..da + next            rewind stage1 to the committed length
+    rewind stage0, commit d1..da + next            rewind its stage to the committed length
 
 With N > 2 ranks the same round goes around a ring; a middle rank only runs its layers (run_middle):
 
-    rank 0 --Round(h0)--> rank 1 --Round(h1)--> ... --> rank N-1 (run_rank1): verify --Reply--> rank 0
+    rank 0 --Round(h0)--> rank 1 --Round(h1)--> ... --> rank N-1 (run_last): verify --Reply--> rank 0
 
 Every stage rewinds to the block's `start` (Stage.run: rank 0 is the authority on the committed length),
 so the middle ranks need no reply; rank 0 drafts ahead (spec.overlap) while the block is anywhere in the pipe.
-Rank 0's side is the round-loop object speculative.session.Session; this module holds the later ranks'
-loops and the records both sides share.
 
 `pending` is the prompt in the first round (the prefill) and the last committed token after that;
 both caches then hold exactly the committed tokens but the newest, which the next round feeds.
@@ -33,7 +33,7 @@ from model_parallel.stage import Stage
 from netbridge import protocol
 from netbridge.channel import Channel
 from speculative.prefixes import pass_on
-from netbridge.protocol import Lookup, Prefill, Reply, Request, Restore, Round
+from netbridge.protocol import Lookup, Prefill, Reply, Request, Restore, Round, SamplingParams
 from speculative.grammar import GrammarFailure, first_line
 from speculative.output import Output
 from speculative.verify import token_logprobs, verify
@@ -46,8 +46,8 @@ class RoundRecord:
     committed: int  # tokens kept after stop criteria
     draft_ms: float
     stage0_ms: float
-    round_ms: float  # send -> reply received: network + rank 1's compute (N > 2: every later rank's)
-    stage1_ms: float  # rank 1's forward + verification, as it measured (N > 2: the last rank's)
+    round_ms: float  # send -> reply received: network + every later rank's compute
+    last_ms: float  # the last rank's forward + verification, as it measured (stats' mean_ms.last)
     start_s: float = 0.0  # when the round started, seconds since generation started
     send_ms: float = 0.0  # the part of round_ms spent in channel.send (handing the frame over: the wire is in the wait)
     sent_s: float = 0.0  # when the send began, seconds since generation started (round_ms starts here)
@@ -68,7 +68,7 @@ class RoundRecord:
     @property
     def later_ms(self) -> float:
         """Every rank after rank 0: its layers (and the last one's head and verification)."""
-        return self.stage1_ms + sum(self.middle_ms)
+        return self.last_ms + sum(self.middle_ms)
 
     @property
     def network_ms(self) -> float:
@@ -100,13 +100,13 @@ def middle_ms(reply: Reply) -> list[float]:
 
 
 class SlotVerifier:
-    """The last rank's state for the generation in one slot: its Request, its generator, its grammar, and
+    """The last rank's state for the generation in one slot: its SamplingParams, its generator, its grammar, and
     which bet a block sent on its last round's full acceptance must carry (spec.in_flight). `failed`: why its
     grammar failed (speculative.grammar.GrammarFailure), once it has; every Round of the slot is then answered
     with it until the slot's next Request."""
 
-    def __init__(self, request: Request = Request(), grammar=None, failed: str | None = None):
-        self.request, self.grammar, self.failed = request, grammar, failed
+    def __init__(self, params: SamplingParams = SamplingParams(), grammar=None, failed: str | None = None):
+        self.params, self.grammar, self.failed = params, grammar, failed
         self.generator = torch.Generator()
         self.bet_holds_for: tuple[int, int] | None = None
 
@@ -115,7 +115,7 @@ class SlotVerifier:
         return msg.guess is not None and (msg.start, msg.guess) != self.bet_holds_for
 
 
-def run_rank1(stage: Stage, channel: Channel, reply_to: Channel | None = None, prefixes=None, grammars=None) -> int:
+def run_last(stage: Stage, channel: Channel, reply_to: Channel | None = None, prefixes=None, grammars=None) -> int:
     """Serve rounds until rank 0 says Bye; returns the number of rounds served. With more than two
     ranks this is the last one: `channel` comes from the rank before it, replies go to `reply_to` (rank 0).
     `prefixes`: this rank's cache.dir (speculative.prefixes.RankPrefixes), or None. `grammars`: what makes a
@@ -251,22 +251,22 @@ def round_seed(seed: int, decides: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + decides) % 2**63
 
 
-def request_grammar(grammars, request: Request):
-    """The Grammar a Request asks the last rank to mask by (structured outputs), or None."""
-    if request.grammar is None:
+def request_grammar(grammars, params: SamplingParams):
+    """The Grammar a Request's params ask the last rank to mask by (structured outputs), or None."""
+    if params.grammar is None:
         return None
     if grammars is None:
         raise ValueError("a request carries a grammar but this rank has no tokenizer to enforce it with")
-    return grammars.from_source(request.grammar)
+    return grammars.from_source(params.grammar)
 
 
 def slot_verifier(grammars, request: Request) -> SlotVerifier:
     """The verifier of a new generation; one whose grammar cannot be made is failed from the start (its Rounds are
     answered with the cause: that request ends, the others go on)."""
     try:
-        return SlotVerifier(request, request_grammar(grammars, request))
+        return SlotVerifier(request.params, request_grammar(grammars, request.params))
     except ValueError as e:  # speculative.grammar.GrammarError, or no tokenizer on this rank
-        return SlotVerifier(request, failed=str(e))
+        return SlotVerifier(request.params, failed=str(e))
 
 
 def verify_or_fail(msg: Round, logits: torch.Tensor, v: SlotVerifier):
@@ -280,18 +280,18 @@ def verify_or_fail(msg: Round, logits: torch.Tensor, v: SlotVerifier):
 
 
 def verify_round(msg: Round, logits: torch.Tensor, v: SlotVerifier):
-    """Rank 1's half of a round over the target's `logits` [K+1, V] at its positions: (accepted drafts, the next
+    """The last rank's half of a round over the target's `logits` [K+1, V] at its positions: (accepted drafts, the next
     token, and the committed tokens' log-probabilities as Reply's (logprobs, top_ids, top_logprobs), Nones unless
     the Request asks)."""
-    k, request = msg.drafts.numel(), v.request
+    k, params = msg.drafts.numel(), v.params
     if not logits.sum().isfinite():  # argmax of NaNs is a valid-looking token; a sum is 30x cheaper than isfinite().all()
         raise NonFiniteLogits(f"the target's logits at positions {msg.start}..{msg.start + k} are not finite (NaN/Inf): "
                               "the weights are corrupt or model.dtype overflows (float16?); try model.dtype=bfloat16 or float32")
     position = decided(msg)
-    v.generator.manual_seed(round_seed(request.seed, position))
+    v.generator.manual_seed(round_seed(params.seed, position))
     try:
         grammar = v.grammar if v.grammar is not None and v.grammar.at(position) else None  # else a dropped round's
-        accepted, token = verify(logits, msg.drafts, request.temperature, request.top_p, v.generator, msg.q_ids,
+        accepted, token = verify(logits, msg.drafts, params.temperature, params.top_p, v.generator, msg.q_ids,
                                  msg.q_probs, grammar)
     except GrammarFailure:
         raise
@@ -299,7 +299,7 @@ def verify_round(msg: Round, logits: torch.Tensor, v: SlotVerifier):
         if v.grammar is None:
             raise
         raise GrammarFailure(f"{type(e).__name__}: {first_line(e)}") from e
-    if request.logprobs is None:
+    if params.logprobs is None:
         return accepted, token, (None, None, None)
-    lp = token_logprobs(logits, msg.drafts[:accepted].tolist() + [token], request.logprobs)
+    lp = token_logprobs(logits, msg.drafts[:accepted].tolist() + [token], params.logprobs)
     return accepted, token, (lp.chosen, lp.top_ids, lp.top)

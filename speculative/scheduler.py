@@ -58,7 +58,7 @@ class BatchCount:
         s = self.smoothing
         self.rank0 = ema(self.rank0, record.draft_ms + record.stage0_ms, s)
         self.later = ema(self.later, record.later_ms, s)
-        self.slowest = ema(self.slowest, max([record.stage1_ms, *record.middle_ms]), s)
+        self.slowest = ema(self.slowest, max([record.last_ms, *record.middle_ms]), s)
         if waited_ms > 1.0:
             self.trip = ema(self.trip, record.network_ms, s)
 

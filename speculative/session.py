@@ -1,7 +1,7 @@
 """Rank 0's round loop as an object: a Session owns the stage, the drafter, the links and the K policy,
 and steps the streams being served (one request's generation each, in a KV slot of its own) round by round.
 
-    stream = session.admit(prompt_ids, output, request)     # a free slot, the Request, the prompt's prefill
+    stream = session.admit(prompt_ids, output, params)      # a free slot, a Request with the params, the prefill
     while stream in session.live:
         ended = session.tick()       # blocks for the streams with nothing on the way, sent; one batch's replies
 
@@ -25,14 +25,13 @@ prefix was computed in other blocks than a fresh prefill would use, so a near-ti
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 import time
 
 import torch
 
 from netbridge import protocol
-from netbridge.protocol import Prefill, Reply, Request, Round
+from netbridge.protocol import Prefill, Reply, Request, Round, SamplingParams
 from speculative.blocks import BlockMaker
 from speculative.grammar import GrammarFailure
 from speculative.in_flight import in_flight_policy
@@ -80,11 +79,11 @@ class Session:
         return self.scheduler.free()
 
     # --- a whole generation -------------------------------------------------------------------
-    def generate(self, prompt_ids: list[int], output: Output, request: Request = Request(), on_round=None,
-                 cancelled=lambda: False) -> Generation:
+    def generate(self, prompt_ids: list[int], output: Output, params: SamplingParams = SamplingParams(),
+                 on_round=None, cancelled=lambda: False) -> Generation:
         """One generation, alone. `cancelled()` is asked between rounds (a client that went away); the caches
         stay consistent whenever it stops. `on_round(record, reply)` after every round (telemetry)."""
-        stream = self.admit(prompt_ids, output, request, on_round, cancelled)
+        stream = self.admit(prompt_ids, output, params, on_round, cancelled)
         try:
             while not stream.ended:
                 self.tick()
@@ -96,19 +95,19 @@ class Session:
             raise GrammarFailure(stream.gen.error)
         return stream.gen
 
-    def admit(self, prompt_ids: list[int], output: Output, request: Request = Request(), on_round=None,
+    def admit(self, prompt_ids: list[int], output: Output, params: SamplingParams = SamplingParams(), on_round=None,
               cancelled=lambda: False) -> Stream:
         """A new stream in a free slot (speculative.scheduler: the one holding the longest prefix of the prompt): the
         Request to the later ranks, the drafter's slot reset past what every cache holds of the prompt, the
         prompt's new part prefilled but for the tail the first round carries."""
         slot, reuse = self.scheduler.take(prompt_ids)
         self.replies.drain()  # a generation that stopped on an error may have left replies on the way
-        s = Stream(output, request, Generation(prompt_ids, output, reused=reuse), list(prompt_ids), [], 0, slot,
+        s = Stream(output, params, Generation(prompt_ids, output, reused=reuse), list(prompt_ids), [], 0, slot,
                    on_round, cancelled)
         s.gen.t0_s = s.t_start
         held = self.restore(s.gen, reuse, slot)
-        protocol.send(self.channel, dataclasses.replace(request, slot=slot))
-        self.drafter.reset(reuse, request.temperature, request.seed + 1, slot=slot)  # a drafter may hold less
+        protocol.send(self.channel, Request(params, slot))
+        self.drafter.reset(reuse, params.temperature, params.seed + 1, slot=slot)  # a drafter may hold less
         if self.prefixes is not None and self.prefixes.drafter is not None:
             self.prefixes.restore_drafter(held, slot)
         s.pending, s.k_now = self.prefill_chunks(prompt_ids, held, slot), self.k_policy.first()
@@ -134,7 +133,7 @@ class Session:
     def prefill_chunks(self, prompt_ids: list[int], reuse: int, slot: int = 0) -> list[int]:
         """Send all but the last `prefill_chunk` tokens of the prompt's new part as Prefill messages; returns
         the rest, which the first round carries. Each message's compute stays bounded (the later ranks'
-        receives have a timeout), rank 1 runs its layers over one chunk while rank 0 runs its own over the
+        receives have a timeout), each later rank runs its layers over one chunk while rank 0 runs its own over the
         next, and the drafter takes in each chunk meanwhile."""
         start, pending, chunk = reuse, prompt_ids[reuse:], self.spec.prefill_chunk
         while len(pending) > chunk:
@@ -232,7 +231,7 @@ class Session:
             self.drafter.commit(len(s.committed), slot=s.slot)
         (ahead_ms, prepared), s.ahead = s.ahead, (0.0, 0)
         record = RoundRecord(len(block.drafts), reply.accepted, kept, block.draft_ms, block.stage0_ms, round_ms,
-                             reply.stage1_ms, s.t_round - s.t_start, block.send_ms, block.sent_at - s.t_start,
+                             reply.last_ms, s.t_round - s.t_start, block.send_ms, block.sent_at - s.t_start,
                              block.guess is not None, ahead_ms, middle_ms(reply),
                              in_flight, lost, bet, wasted_ms, prepared, s.slot, block.batch, len(self.scheduler.live),
                              on_the_way, block.drafts.looked_up)

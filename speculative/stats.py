@@ -50,7 +50,8 @@ def summarize(gen: Generation, k: int, drafter: str) -> dict:
         "mean_ms": {
             "draft": mean(r.draft_ms for r in rounds),
             "stage0": mean(r.stage0_ms for r in rounds),
-            "stage1": mean(r.stage1_ms for r in rounds),
+            "last": mean(r.last_ms for r in rounds),  # the last rank: its layers, head and verification
+            "stage1": mean(r.last_ms for r in rounds),  # the same: its name before N ranks (docs/running.md)
             "network": mean(r.network_ms for r in rounds),
             "ahead": mean(r.ahead_ms for r in rounds),
             "round": mean(r.draft_ms + r.stage0_ms + r.round_ms for r in rounds),
@@ -74,7 +75,7 @@ def busy_fraction(rounds, decode_s: float, middles: int = 0) -> list[float]:
         return [0.0] * (middles + 2)
     busy = [sum(r.draft_ms + r.stage0_ms + r.ahead_ms for r in rounds)]
     busy += [sum(r.middle_ms[i] for r in rounds) for i in range(middles)]
-    busy.append(sum(r.stage1_ms for r in rounds))
+    busy.append(sum(r.last_ms for r in rounds))
     return [ms / 1000 / decode_s for ms in busy]
 
 

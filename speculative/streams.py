@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from netbridge import protocol
-from netbridge.protocol import Reply, Request
+from netbridge.protocol import Reply, SamplingParams
 from speculative.drafters import Drafts
 from speculative.output import Output
 from speculative.rounds import Generation, middle_ms
@@ -45,7 +45,7 @@ class Block:
 class Stream:
     """One request between rounds: what it has committed and what the target has yet to see."""
     output: Output
-    request: Request
+    params: SamplingParams
     gen: Generation
     committed: list[int]  # prompt + every token kept so far
     pending: list[int]  # the tail of `committed` the target has not seen: the prompt's rest, then the newest token
@@ -128,7 +128,7 @@ class Replies:
         for block in self.waiting.popleft():
             reply = protocol.recv(self.channel, Reply)
             if block.dropped:
-                wasted_ms += reply.stage1_ms + sum(middle_ms(reply))
+                wasted_ms += reply.last_ms + sum(middle_ms(reply))
             else:
                 kept.append((block, reply))
         return kept, wasted_ms
@@ -139,5 +139,5 @@ class Replies:
         while self.waiting and all(block.dropped for block in self.waiting[0]):
             for _ in self.waiting.popleft():
                 reply = protocol.recv(self.channel, Reply)
-                wasted_ms += reply.stage1_ms + sum(middle_ms(reply))
+                wasted_ms += reply.last_ms + sum(middle_ms(reply))
         return wasted_ms

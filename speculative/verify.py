@@ -1,4 +1,4 @@
-"""Verification on rank 1: given the target's logits at the K+1 positions [last, d1..dK] and the
+"""Verification on the last rank: given the target's logits at the K+1 positions [last, d1..dK] and the
 K drafts, decide how many drafts to keep and which token comes next.
 
 Greedy: the longest prefix of drafts equal to the target's argmax, then the target's own token.

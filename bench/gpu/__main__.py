@@ -101,7 +101,7 @@ def project(report: dict, device_name: str) -> dict:
     if None in (draft_ms, layer_ms, head_ms) or zero is None:
         return {"missing": "a timing it needs was skipped or failed"}
     parts = zero["mean_ms"]
-    overhead = max(0.0, parts["round"] - parts["draft"] - parts["stage0"] - parts["stage1"])
+    overhead = max(0.0, parts["round"] - parts["draft"] - parts["stage0"] - parts.get("last", parts.get("stage1", 0.0)))
     return formula(draft_ms, layer_ms, head_ms, overhead, device_name)
 
 

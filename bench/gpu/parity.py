@@ -108,7 +108,7 @@ def concurrent_parity(device: str, tmp: Path, requests: int = 4) -> dict:
     from launch.config import load_config
     from launch.ranks import last_rank, meet
     from netbridge.channel import local_ring
-    from netbridge.protocol import Request
+    from netbridge.protocol import SamplingParams
     from speculative.output import Output
     from speculative.session import Session
     target, drafter = tiny_folders(tmp / "concurrent")
@@ -123,7 +123,7 @@ def concurrent_parity(device: str, tmp: Path, requests: int = 4) -> dict:
     plan = meet(cfg, prev0, next0, 0, 2)
     session = Session(build_stage(plan), build_drafter(plan), next0, plan.spec, prev0, slots=plan.slots)
     prompts = [PROMPT[:4 + 2 * i] for i in range(requests)]
-    streams = [session.admit(p, Output(None, eos_ids(plan.models.target), NEW_TOKENS, [], stream=False), Request())
+    streams = [session.admit(p, Output(None, eos_ids(plan.models.target), NEW_TOKENS, [], stream=False), SamplingParams())
                for p in prompts]
     while session.live:
         session.tick()

@@ -8,7 +8,7 @@ their end-to-end encryption, never comes here (netbridge.secure), so the relay f
 Every connection starts with the HMAC handshake of netbridge.auth and then is one of:
   data   the two ranks of a session; the relay forwards their link frames verbatim, cut-through
          (a frame's bytes move on as they arrive, the relay never holds a whole frame)
-  rdzv   torchrun agents of one run meeting (launch/relay_rendezvous.py); when all have come the
+  rdzv   torchrun agents of one run meeting (launch/torchrun/relay_rendezvous.py); when all have come the
          relay gives each its node rank and the token of a fresh store
   store  a byte pipe to that run's c10d TCPStore, which listens on the relay's loopback only
 

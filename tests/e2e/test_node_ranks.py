@@ -1,4 +1,4 @@
-"""Each host is the node rank its user names (--rdzv_backend=tandem, launch/rendezvous.py): started in the
+"""Each host is the node rank its user names (--rdzv_backend=tandem, launch/torchrun/rendezvous.py): started in the
 "wrong" order, node rank 0 still runs rank 0 and prints the answer; a rank claimed twice, a rank out of range
 or a node that never comes stops every host at the rendezvous with one line.
 
@@ -15,7 +15,7 @@ import time
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from launch.rendezvous import create_rdzv_handler
+from launch.torchrun.rendezvous import create_rdzv_handler
 from tests.support.tiny_models import REPO, free_port, reference_greedy, save_tiny_tokenizer
 
 

@@ -14,7 +14,7 @@ import pytest
 
 import train_free_infer
 from launch.config import ConfigError, config_from_argv
-from launch.relay_rendezvous import launcher_exit_status
+from launch.torchrun.relay_rendezvous import launcher_exit_status
 from tests.support.tiny_models import REPO, free_port, kill_launch, reference_greedy, run_entry_pair, save_tiny, save_tiny_tokenizer
 
 # each of these, from the command line, came to the model as something else (or failed) through omegaconf

@@ -86,11 +86,11 @@ def test_a_damaged_file_is_refused_and_recomputed(tiny_qwen, tiny_qwen_draft, tm
 
 def test_requests_in_a_row_take_a_prefix_from_disk_when_memory_lost_it(tiny_qwen, tiny_qwen_draft, tmp_path):
     """A server's session: request 3 shares the system prompt with request 1, but request 2 took the caches."""
-    from netbridge.protocol import Request
+    from netbridge.protocol import SamplingParams
     from tests.support.session_harness import serve
     other = [(i * 53 + 7) % 300 for i in range(30)]
     prompts = [SYSTEM + Q1, other, SYSTEM + Q2, SYSTEM + Q2]
-    gens = serve(args(tiny_qwen, tiny_qwen_draft, tmp_path, [1]), [(p, Request()) for p in prompts])
+    gens = serve(args(tiny_qwen, tiny_qwen_draft, tmp_path, [1]), [(p, SamplingParams()) for p in prompts])
     for prompt, gen in zip(prompts, gens):
         assert gen.output.tokens == reference_greedy(tiny_qwen, prompt, MAX_NEW)
     assert [(g.reused, g.reused_disk) for g in gens] == [(0, 0), (0, 0), (5 * B, 5 * B), (len(prompts[3]) - 1, 0)]
@@ -100,14 +100,14 @@ def test_a_prefix_from_disk_goes_into_its_own_slot_on_every_rank(tiny_qwen, tiny
     """Two requests at once (serve.max_concurrent=2), three ranks (a middle and a last one): the second is given
     slot 1 and restores the system prompt from disk while the first is served from slot 0. The later ranks must
     load it into slot 1: into slot 0 they would leave slot 1 without its prefix and overwrite the first's KV."""
-    from netbridge.protocol import Request
+    from netbridge.protocol import SamplingParams
     from tests.support.session_harness import serve, serve_together
     ranks, split = 3, "model.split=[1,3]"
-    serve(args(tiny_qwen, tiny_qwen_draft, tmp_path, [1], split), [(SYSTEM + Q1, Request())], ranks=ranks)
+    serve(args(tiny_qwen, tiny_qwen_draft, tmp_path, [1], split), [(SYSTEM + Q1, SamplingParams())], ranks=ranks)
     other = [(i * 53 + 7) % 300 for i in range(30)]  # shares nothing with SYSTEM
     prompts = [other, SYSTEM + Q2]
     served = [a for a in args(tiny_qwen, tiny_qwen_draft, tmp_path, [1], split) if not a.startswith("prompt_ids=")]
-    gens, session = serve_together(served, [(p, Request()) for p in prompts], ranks=ranks, slots=2)
+    gens, session = serve_together(served, [(p, SamplingParams()) for p in prompts], ranks=ranks, slots=2)
     held = session.scheduler.held  # per slot, what its caches hold after the two requests
     assert held[0][:len(other)] == other and held[1][:len(SYSTEM)] == SYSTEM
     assert [g.reused_disk for g in gens] == [0, 5 * B]

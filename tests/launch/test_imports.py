@@ -1,7 +1,8 @@
 """The layering, read from the source with `ast` (every import statement, module level or inside a
 function): the libraries (speculative/, kvcache/, model_parallel/, netbridge/) never import launch/ or
 the entry; kvcache/ needs nothing but torch and the standard library; netbridge/ carries bytes and
-knows no model code."""
+knows no model code. Within launch/, the serving layer (launch/serve/) and torchrun's plugins
+(launch/torchrun/) sit on top: the rest of launch/ never imports them, and neither imports the other."""
 from __future__ import annotations
 
 import ast
@@ -30,6 +31,29 @@ def imports_of(path: Path) -> set[str]:
     return found
 
 
+def modules_of(path: Path) -> set[str]:
+    return modules_of_at(path, REPO)
+
+
+def modules_of_at(path: Path, root: Path) -> set[str]:
+    """The full dotted names of every module `path` (under `root`) imports (a relative import resolved against
+    its package; `from a import b` gives a.b as well, since b may be a module)."""
+    package = ".".join(path.relative_to(root).parent.parts)
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package if node.level else ""
+            module = ".".join(p for p in (base, node.module) if p)
+            found |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
 def package_imports(package: str) -> dict[str, set[str]]:
     files = sorted((REPO / package).rglob("*.py"))
     assert files, package
@@ -55,6 +79,12 @@ def test_the_reader_sees_imports_at_every_level(tmp_path):
     assert imports_of(pkg / "m.py") == {"os", "launch", "transformers", "pkg"}
     assert {"model_parallel", "netbridge"} <= package_imports("speculative")["speculative/rounds.py"]
     assert {"launch", "speculative"} <= project_packages()
+    nested = tmp_path / "launch" / "serve"
+    nested.mkdir(parents=True)
+    (nested / "m.py").write_text("from launch.torchrun import rendezvous\n\ndef f():\n    from . import tools\n"
+                                 "    from ..build import x\n")
+    found = {n for n in modules_of_at(nested / "m.py", tmp_path)}
+    assert {"launch.torchrun.rendezvous", "launch.serve.tools", "launch.build"} <= found
 
 
 @pytest.mark.parametrize("package", LIBRARIES)
@@ -76,3 +106,29 @@ def test_kvcache_needs_only_torch():
 def test_netbridge_knows_no_model_code():
     model_code = {"model_parallel", "speculative", "kvcache", "transformers", "launch"}
     assert offenders("netbridge", lambda n: n in model_code) == {}
+
+
+def test_the_rest_of_launch_never_imports_the_serving_layer_or_the_torchrun_plugins():
+    """launch/serve/ and launch/torchrun/ build on launch/ (the config, the build, telemetry), never the other way:
+    the entry (train_free_infer.py), not launch/ranks.py, decides to serve."""
+    bad = {}
+    for path in sorted((REPO / "launch").glob("*.py")):
+        hits = sorted(n for n in modules_of(path) if under(n, "launch.serve") or under(n, "launch.torchrun"))
+        if hits:
+            bad[path.name] = hits
+    assert bad == {}
+    assert any(under(n, "launch.serve") for n in modules_of(REPO / "train_free_infer.py"))
+
+
+@pytest.mark.parametrize("package, other", [("launch/serve", "launch.torchrun"), ("launch/torchrun", "launch.serve")])
+def test_the_serving_layer_and_the_torchrun_plugins_do_not_import_each_other(package, other):
+    files = sorted((REPO / package).rglob("*.py"))
+    assert len(files) > 1, package
+    bad = {str(f.relative_to(REPO)): sorted(n for n in modules_of(f) if under(n, other)) for f in files}
+    assert {f: hits for f, hits in bad.items() if hits} == {}
+
+
+def test_the_terminal_client_needs_only_the_standard_library():
+    """tandem-chat (launch/serve/chat.py) runs where Tandem is not installed with its dependencies."""
+    names = {n.split(".")[0] for n in modules_of(REPO / "launch" / "serve" / "chat.py")}
+    assert {n for n in names if n not in sys.stdlib_module_names and n != "__future__"} == set()

@@ -290,7 +290,8 @@ def test_event_files_agree_with_output_json(logged_run):
     ea = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
     ea.Reload()
     tags = ea.Tags()
-    per_round = ["draft_ms", "stage0_ms", "stage1_ms", "network_ms", "round_ms", "drafted", "accepted", "tokens"]
+    per_round = ["draft_ms", "stage0_ms", "last_ms", "stage1_ms", "network_ms", "round_ms", "drafted", "accepted",
+                 "tokens"]  # stage1_ms: last_ms's name before N ranks, still written
     per_run = ["ttft_ms", "tokens_per_s", "tokens_per_round", "acceptance_rate", "full_hit_rate", "tokens",
                "clock_offset_ms", "clock_uncertainty_ms"]
     for tag in [f"round/{t}" for t in per_round] + [f"run/{t}" for t in per_run] + ["position/acceptance"]:
@@ -307,7 +308,7 @@ def test_event_files_agree_with_output_json(logged_run):
     assert sum(accepted[s] for s in decode) / sum(drafted[s] for s in decode) == pytest.approx(stats["acceptance_rate"])
     assert 0 < stats["acceptance_rate"] < 1, "the run should exercise both accepted and rejected drafts"
     assert sum(tokens[s] for s in decode) / len(decode) == pytest.approx(stats["tokens_per_round"])
-    for tag, key in (("draft_ms", "draft"), ("stage0_ms", "stage0"), ("stage1_ms", "stage1"),
+    for tag, key in (("draft_ms", "draft"), ("stage0_ms", "stage0"), ("last_ms", "last"), ("stage1_ms", "stage1"),
                      ("network_ms", "network"), ("round_ms", "round")):
         values = scalars(ea, f"round/{tag}")
         assert sum(values[s] for s in decode) / len(decode) == pytest.approx(stats["mean_ms"][key], rel=1e-4, abs=1e-3)
@@ -320,6 +321,7 @@ def test_event_files_agree_with_output_json(logged_run):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stats"] == stats
     assert len(summary["rounds"]) == len(summary["rank1_marks"]) == stats["rounds"]
+    assert summary["last_marks"] == summary["rank1_marks"]
 
 
 def test_merged_trace_orders_both_ranks(logged_run):

@@ -8,10 +8,11 @@ import pytest
 from launch.config import ConfigError, load_config
 from launch.handshake import gather
 from launch.plan import open_models
-from launch.ranks import first_rank, last_rank, middle_rank
+from launch.ranks import last_rank, middle_rank
 from netbridge.protocol import Hello
 from tests.support.ring_threads import in_threads
 from tests.support.tiny_models import ids_arg, reference_greedy
+from train_free_infer import rank_zero
 
 PROMPT = [5, 6, 7, 8]
 
@@ -33,7 +34,7 @@ def test_every_rank_gathers_every_hello_in_order(ranks):
 def run_ring(cfgs: list, ranks: int) -> dict:
     def body(r, prev, next):
         if r == 0:
-            return first_rank(cfgs[r], next, replies=prev, ranks=ranks)
+            return rank_zero(cfgs[r], next, replies=prev, ranks=ranks)
         if r == ranks - 1:
             return last_rank(cfgs[r], prev, reply_to=next, ranks=ranks)
         return middle_rank(cfgs[r], prev, next, r, ranks)
@@ -78,7 +79,8 @@ def test_an_int_split_is_one_cut_and_models_are_resolved_into_the_plan_not_the_c
 @pytest.mark.parametrize("seed, ok", [(2**63 - 1, True), (-2**63, True), (2**63, False), (-2**63 - 1, False)])
 def test_the_config_and_the_api_take_the_same_seeds(seed, ok):
     """One range table (launch.config.REQUEST_RANGES): gen.seed and an API request's seed agree at both ends."""
-    from launch.api import ApiError, read_settings
+    from launch.serve.errors import ApiError
+    from launch.serve.fields import read_settings
     cfg = load_config(["prompt=x", "draft.kind=none"])
     try:
         load_config(["prompt=x", "draft.kind=none", f"gen.seed={seed}"])

@@ -189,9 +189,10 @@ def test_allow_empty_prompt_sends_the_empty_messages_as_given(templated, monkeyp
 
 
 def test_the_server_and_the_entry_read_a_refusing_template_alike(templated):
-    """One logic (launch.api.template_ids) for both: the server's 400 and the entry's line name the same cause."""
+    """One logic (launch.serve.prompts.template_ids) for both: the server's 400 and the entry's line name the same cause."""
     from transformers import AutoTokenizer
-    from launch.api import ApiError, template_ids
+    from launch.serve.errors import ApiError
+    from launch.serve.prompts import template_ids
     from launch.build import chat_ids
     tok = AutoTokenizer.from_pretrained(templated["no-system"])
     with pytest.raises(ApiError) as api:

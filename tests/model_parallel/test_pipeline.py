@@ -243,6 +243,7 @@ def test_serving_over_three_ranks_equals_generate_and_stops_when_a_rank_is_lost(
 
     import openai
 
+    import train_free_infer as entry
     from launch import ranks as lives
     from netbridge.channel import PeerError, local_ring
     from tests.support.serve_harness import MAX_LEN, chat_folder, serve_args, wait_healthy
@@ -256,7 +257,7 @@ def test_serving_over_three_ranks_equals_generate_and_stops_when_a_rank_is_lost(
         prev, next = links[rank]
         try:
             if rank == 0:
-                lives.first_rank(cfg, next, replies=prev, ranks=3)
+                entry.rank_zero(cfg, next, replies=prev, ranks=3)
             elif rank == 1:
                 lives.middle_rank(cfg, prev, next, 1, 3)
             else:

@@ -8,7 +8,7 @@ import types
 from torch.distributed import DistNetworkError
 from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 
-from launch.relay_rendezvous import quiet_exit_barrier
+from launch.torchrun.relay_rendezvous import quiet_exit_barrier
 
 
 class DeadStore:

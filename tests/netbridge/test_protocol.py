@@ -13,7 +13,8 @@ import torch
 
 from netbridge import protocol
 from netbridge.channel import PeerError, local_pair
-from netbridge.protocol import MESSAGES, Bye, Error, Hello, Hellos, Idle, Lookup, Prefill, Reply, Request, Restore, Round
+from netbridge.protocol import (MESSAGES, Bye, Error, Hello, Hellos, Idle, Lookup, Prefill, Reply, Request, Restore, Round,
+                                SamplingParams)
 
 
 def same(a, b) -> bool:
@@ -43,7 +44,7 @@ MESSAGES_OF_EVERY_KIND = [
     Hellos([Hello(cuts=[1], num_layers=2, dtype="float32", quant="none", version=99),
             Hello(cuts=None, num_layers=2, dtype="float32", quant="none", budget=10**9, layer_ms=1.5)]),
     Request(),
-    Request(temperature=0.7, top_p=0.9, seed=12345),
+    Request(SamplingParams(temperature=0.7, top_p=0.9, seed=12345, grammar="start: \"x\"", logprobs=2), slot=3),
     Lookup(["a" * 64, "b" * 64], ["c" * 64], 2, 256),  # cache.dir: a long prompt's saved blocks
     Restore(["a" * 64], ["c" * 64, "d" * 64], 256, 5, 256),
     Prefill(0, torch.randn(1, 64, 16)),  # a long prompt's leading chunk
@@ -51,8 +52,8 @@ MESSAGES_OF_EVERY_KIND = [
     Round(17, torch.randn(1, 5, 16, dtype=torch.bfloat16), torch.tensor([3, 1, 4, 1])),  # greedy: q fields None
     Round(23, torch.randn(1, 4, 8), torch.tensor([5, 9, 2]), torch.randint(0, 300, (3, 32)),
           torch.softmax(torch.randn(3, 32), -1)),
-    Reply(accepted=3, token=255, stage1_ms=1.25, marks=[1.5, 2.25, 3.0, 4.125]),
-    Reply(accepted=0, token=0, stage1_ms=0.0),
+    Reply(accepted=3, token=255, last_ms=1.25, marks=[1.5, 2.25, 3.0, 4.125]),
+    Reply(accepted=0, token=0, last_ms=0.0),
     Idle(),
     Bye(),
 ]
@@ -81,7 +82,7 @@ def test_an_expected_error_is_a_message():
 
 def test_one_recv_accepts_any_of_the_expected_kinds():
     a, b = local_pair(timeout_s=5)
-    for msg in (Request(seed=3), Idle(), Prefill(0, torch.zeros(1, 3, 2)), Round(3, torch.zeros(1, 1, 2), torch.tensor([1])),
+    for msg in (Request(SamplingParams(seed=3)), Idle(), Prefill(0, torch.zeros(1, 3, 2)), Round(3, torch.zeros(1, 1, 2), torch.tensor([1])),
                 Bye()):
         protocol.send(a, msg)
     kinds = [type(protocol.recv(b, Request, Prefill, Round, Idle, Bye)) for _ in range(5)]
@@ -131,7 +132,7 @@ def test_a_missing_field_is_a_peer_error():
 
 def test_an_unknown_field_is_a_peer_error():
     a, b = local_pair(timeout_s=5)
-    a.send("reply", {"accepted": 1, "token": 2, "stage1_ms": 0.5, "marks": [], "tokens_per_joule": 3})
+    a.send("reply", {"accepted": 1, "token": 2, "last_ms": 0.5, "marks": [], "tokens_per_joule": 3})
     with pytest.raises(PeerError) as info:
         protocol.recv(b, Reply)
     assert_one_line_peer_error(info, "'reply'", "tokens_per_joule")
@@ -146,7 +147,7 @@ def test_messages_cross_between_threads_in_order():
             msg = protocol.recv(b, Round, Bye)
             if isinstance(msg, Bye):
                 return
-            protocol.send(b, Reply(accepted=msg.drafts.numel(), token=msg.start, stage1_ms=0.0))
+            protocol.send(b, Reply(accepted=msg.drafts.numel(), token=msg.start, last_ms=0.0))
     thread = threading.Thread(target=rank1, daemon=True)
     thread.start()
     for start in range(20):

@@ -161,10 +161,10 @@ def test_a_rank_waiting_for_its_peer_says_so_every_interval(caplog, monkeypatch)
 def test_a_node_waiting_for_the_rendezvous_says_so_every_interval(caplog, monkeypatch, tmp_path):
     from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousTimeoutError
 
-    from launch.relay_rendezvous import RelayRendezvousHandler
+    from launch.torchrun.relay_rendezvous import RelayRendezvousHandler
     monkeypatch.setattr("netbridge.link.WAITING_LINE_S", 0.2)
     monkeypatch.setenv("TANDEM_RELAY", "unused")  # the handler sets it for its workers when unset
-    caplog.set_level(logging.WARNING, logger="launch.relay_rendezvous")
+    caplog.set_level(logging.WARNING, logger="launch.torchrun.relay_rendezvous")
     secret_file = tmp_path / "token"
     secret_file.write_bytes(TOKEN)
     with relay_in_thread(store=True) as relay:

@@ -131,7 +131,7 @@ def relay_time(relay, text: str) -> float:
 def test_join_timeout_defaults_well_below_torchruns_600_s(tmp_path):
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from launch.relay_rendezvous import DEFAULT_JOIN_TIMEOUT_S, RelayRendezvousHandler
+    from launch.torchrun.relay_rendezvous import DEFAULT_JOIN_TIMEOUT_S, RelayRendezvousHandler
     secret_file = tmp_path / "secret"
     secret_file.write_bytes(TOKEN)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from netbridge.protocol import Request
+from netbridge.protocol import SamplingParams
 from speculative.rounds import RoundRecord
 from speculative.scheduler import BatchCount
 from tests.support.session_harness import serve, serve_together, session_args
@@ -18,7 +18,7 @@ PROMPTS = [BASE[:3 + i] + [100 + i] for i in range(8)]
 LENGTHS = [23, 9, 31, 14, 5, 27, 18, 11]
 
 
-def requests(request=Request()):
+def requests(request=SamplingParams()):
     return [(p, request, n) for p, n in zip(PROMPTS, LENGTHS)]
 
 
@@ -45,7 +45,7 @@ def test_more_requests_than_slots_wait_for_one(tiny_qwen, tiny_qwen_draft):
 def test_a_cancelled_request_leaves_the_others_identical(tiny_qwen, tiny_qwen_draft):
     """Request 2 goes away mid-stream, with its next round on the way: its slot is freed at once (request 8,
     waiting, takes it) and that round's reply is thrown away; every other request is generate's."""
-    reqs = requests() + [([9, 8, 7, 6, 5], Request(), 12)]
+    reqs = requests() + [([9, 8, 7, 6, 5], SamplingParams(), 12)]
     gens, session = serve_together(session_args(tiny_qwen, tiny_qwen_draft, max_new=40), reqs, slots=8,
                                    cancel_after={2: 30}, batches=2)  # two batches: one on the way at each tick
     assert 0 < len(gens[2].output.tokens) < LENGTHS[2]
@@ -60,9 +60,9 @@ def test_a_seeded_sampled_request_draws_the_same_tokens_alone_and_among_others(t
     """Every request keeps its own generators (the drafter's noise and the verifier's draws, seeded by its seed
     and the position decided), so what the others do never shifts its draws."""
     args = session_args(tiny_qwen, tiny_qwen_draft, max_new=40)
-    sampled = [(p, Request(temperature=0.9, top_p=0.95, seed=100 + i)) for i, p in enumerate(PROMPTS[:3])]
+    sampled = [(p, SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i)) for i, p in enumerate(PROMPTS[:3])]
     alone = serve(args, sampled)  # one after another, each alone in the pipe
-    mixed = [sampled[0], (PROMPTS[5], Request(), 20), sampled[1], (PROMPTS[6], Request(temperature=1.3, seed=9), 20),
+    mixed = [sampled[0], (PROMPTS[5], SamplingParams(), 20), sampled[1], (PROMPTS[6], SamplingParams(temperature=1.3, seed=9), 20),
              sampled[2]]
     together, _ = serve_together(args, mixed)
     for a, b in zip(alone, [together[0], together[2], together[4]]):
@@ -75,12 +75,12 @@ def test_the_next_turn_lands_in_the_slot_holding_its_prefix(tiny_qwen, tiny_qwen
     """Two conversations, then each one's next turn (its prompt + answer + more): each goes to the free slot whose
     caches hold its prefix, which is reused, not prefilled again; the answers are still generate's."""
     args = session_args(tiny_qwen, tiny_qwen_draft, max_new=10)
-    first, _ = serve_together(args, [(PROMPTS[7], Request()), (PROMPTS[3], Request())], slots=4)
+    first, _ = serve_together(args, [(PROMPTS[7], SamplingParams()), (PROMPTS[3], SamplingParams())], slots=4)
 
     def next_turn(gen):
         return gen.prompt_ids + gen.output.tokens + [77, 78]
-    turns = [(PROMPTS[7], Request()), (PROMPTS[3], Request()), (PROMPTS[0], Request()),
-             (next_turn(first[1]), Request()), (next_turn(first[0]), Request())]
+    turns = [(PROMPTS[7], SamplingParams()), (PROMPTS[3], SamplingParams()), (PROMPTS[0], SamplingParams()),
+             (next_turn(first[1]), SamplingParams()), (next_turn(first[0]), SamplingParams())]
     both, _ = serve_together(args, turns, slots=3)  # turns 3 and 4 wait until the first three have ended
     for (prompt, _), gen in zip(turns, both):
         assert gen.output.tokens == reference_greedy(tiny_qwen, prompt, 10)
@@ -105,7 +105,7 @@ def test_streams_take_turns(tiny_qwen, tiny_qwen_draft):
     """Round-robin: while two streams are live, neither gets a second round before the other has had its next,
     so a long answer cannot starve a short one (four streams, answers from 4 to 40 tokens)."""
     order = []
-    reqs = [(PROMPTS[i], Request(), n) for i, n in enumerate([40, 4, 25, 9])]
+    reqs = [(PROMPTS[i], SamplingParams(), n) for i, n in enumerate([40, 4, 25, 9])]
     gens, _ = serve_together(session_args(tiny_qwen, tiny_qwen_draft, max_new=40), reqs, batches=2,
                              on_round=lambda record, reply: order.append(record.slot))
     ends = {g.rounds[0].slot: len(g.rounds) for g in gens}
@@ -120,7 +120,7 @@ def test_streams_take_turns(tiny_qwen, tiny_qwen_draft):
 def record(rank0_ms: float, later_ms: float, trip_ms: float, middle=()) -> RoundRecord:
     """A fresh block's round as rank 0 records it: its drafting + stage 0, the later ranks' work, and round_ms."""
     return RoundRecord(4, 3, 4, draft_ms=rank0_ms * 0.9, stage0_ms=rank0_ms * 0.1,
-                       round_ms=later_ms + sum(middle) + trip_ms, stage1_ms=later_ms, middle_ms=list(middle))
+                       round_ms=later_ms + sum(middle) + trip_ms, last_ms=later_ms, middle_ms=list(middle))
 
 
 @pytest.mark.parametrize("rank0,later,trip,middle,expected", [

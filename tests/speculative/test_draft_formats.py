@@ -10,7 +10,7 @@ from launch.config import ConfigError, load_config
 from launch.plan import describe, open_models, plan_here, with_draft_format
 from model_parallel import draft_format, split
 from model_parallel.draft_format import NF4_MARGIN, pick
-from netbridge.protocol import Request
+from netbridge.protocol import SamplingParams
 from tests.support.session_harness import serve_together, session_args
 from tests.support.tiny_models import ids_arg, reference_greedy, run_pair
 
@@ -38,7 +38,7 @@ def test_greedy_is_generate_s_with_the_drafter_in_each_format(quant, tiny_qwen):
 def test_four_requests_at_once_with_the_drafter_in_each_format(quant, tiny_qwen):
     prompts = [PROMPT[:3 + i] + [100 + i] for i in range(4)]
     gens, session = serve_together([*session_args(tiny_qwen, tiny_qwen, max_new=20), f"draft.quant={quant}"],
-                                   [(p, Request()) for p in prompts], slots=4)
+                                   [(p, SamplingParams()) for p in prompts], slots=4)
     for prompt, gen in zip(prompts, gens):
         assert gen.output.tokens == reference_greedy(tiny_qwen, prompt, 20)
     assert max(r.batch for g in gens for r in g.rounds) > 1

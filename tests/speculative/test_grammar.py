@@ -18,7 +18,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoTokenizer
 
-from netbridge.protocol import Request
+from netbridge.protocol import SamplingParams
 from speculative.grammar import GrammarError, GrammarFailure, Grammars, grammar_source, schema_of
 from speculative.verify import token_logprobs, verify
 from tests.support.grammar_reference import BOMB, ReferenceGrammar, constrained_greedy, late_bomb
@@ -157,7 +157,7 @@ def test_the_last_rank_masks_and_returns_logprobs_through_a_session(tiny, folder
     model, _, _ = tiny
     draft = save_tiny(tmp_path / "draft", "qwen2", seed=7, layers=2)  # mostly wrong: bets fail, drafts refused
     gens = serve(session_args(folder, draft, max_new=MAX_NEW) + [f"spec.in_flight={in_flight}"],
-                 [(PROMPT, Request(grammar=grammar_source(SCHEMA), logprobs=3)), (PROMPT, Request())])
+                 [(PROMPT, SamplingParams(grammar=grammar_source(SCHEMA), logprobs=3)), (PROMPT, SamplingParams())])
     answer = expected[0]
     assert gens[0].output.tokens == answer
     reference_lp = forward_logprobs(model, answer)
@@ -355,8 +355,8 @@ def test_a_grammar_that_fails_while_verifying_ends_its_own_request_alone(tiny, f
     pattern: that request ends with the cause (Generation.error), while a plain request served at the same time gives
     the target's own answer, and the request after them, given the failed one's slot, its answer under SCHEMA."""
     draft = save_tiny(tmp_path / "draft", "qwen2", seed=7, layers=2)
-    requests = [(PROMPT, Request(grammar=grammar_source(late_bomb(8)))), (PROMPT, Request(), 24),
-                (PROMPT, Request(grammar=grammar_source(SCHEMA)))]
+    requests = [(PROMPT, SamplingParams(grammar=grammar_source(late_bomb(8)))), (PROMPT, SamplingParams(), 24),
+                (PROMPT, SamplingParams(grammar=grammar_source(SCHEMA)))]
     gens, _ = serve_together(session_args(folder, draft, max_new=MAX_NEW), requests, slots=2)
     assert "too many expressions constructed" in gens[0].error
     assert len(gens[0].output.tokens) > 8  # it failed midway: after the string's 8 characters
@@ -370,6 +370,6 @@ def test_a_lone_generation_whose_grammar_fails_raises_it(folder, tmp_path):
     """Session.generate (one request at a time) raises the failure; the session serves the next request."""
     draft = save_tiny(tmp_path / "draft", "qwen2", seed=7, layers=2)
     gens = serve(session_args(folder, draft, max_new=MAX_NEW),
-                 [(PROMPT, Request(grammar=grammar_source(late_bomb()))), (PROMPT, Request())], keep_going=True)
+                 [(PROMPT, SamplingParams(grammar=grammar_source(late_bomb()))), (PROMPT, SamplingParams())], keep_going=True)
     assert isinstance(gens[0], GrammarFailure) and "too many expressions constructed" in str(gens[0])
     assert gens[1].output.tokens == reference_greedy(folder, PROMPT, MAX_NEW, eos=EOS)

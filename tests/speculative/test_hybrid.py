@@ -14,7 +14,7 @@ import torch
 
 from launch.config import ConfigError, load_config
 from model_parallel.loader import load_stage
-from netbridge.protocol import Request
+from netbridge.protocol import SamplingParams
 from speculative.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from speculative.stats import summarize
 from tests.support.session_harness import serve, serve_together
@@ -80,7 +80,7 @@ def test_greedy_is_generate_the_model_drafts_a_novel_answer_and_the_lookup_a_cop
     With rounds in flight, bets are made on both (spec.overlap): the model's fail, the lookups' hold and rounds sent
     on them are kept."""
     args = hybrid_args(copier, tiny_qwen_draft, 3, MAX_NEW, "spec.overlap=true", f"spec.in_flight={in_flight}")
-    (gen,) = serve(args, [(NOVEL, Request())])
+    (gen,) = serve(args, [(NOVEL, SamplingParams())])
     assert gen.output.tokens == reference_greedy(copier, NOVEL, MAX_NEW)
     looked_up, modelled = kinds(gen.rounds)
     assert looked_up > 0 and modelled > 0
@@ -96,7 +96,7 @@ def test_a_prompt_the_answer_copies_is_looked_up_from_the_first_round(copier, ti
     the model never steps (its drafts would all be rejected: the unrelated drafter)."""
     cycle = cycle_of(copier)
     prompt = NOVEL + cycle + cycle[:len(cycle) // 2]
-    (gen,) = serve(hybrid_args(copier, tiny_qwen_draft, 4, 24), [(prompt, Request())])
+    (gen,) = serve(hybrid_args(copier, tiny_qwen_draft, 4, 24), [(prompt, SamplingParams())])
     assert gen.output.tokens == reference_greedy(copier, prompt, 24)
     drafted = [r for r in gen.rounds[1:] if r.drafted]
     assert kinds(gen.rounds) == (len(drafted), 0) and len(drafted) >= 4
@@ -108,7 +108,7 @@ def test_four_requests_at_once_some_looked_up_and_some_drafted_in_one_tick(copie
     kinds (a lookup row beside model-drafted rows in one drafting step)."""
     cycle = cycle_of(copier)
     prompts = [NOVEL + cycle + cycle[:12], [9, 8] + cycle[5:] + cycle, NOVEL[::-1], [200, 17, 3, 64, 121]]
-    gens, _ = serve_together(hybrid_args(copier, tiny_qwen_draft, 3, 30), [(p, Request()) for p in prompts])
+    gens, _ = serve_together(hybrid_args(copier, tiny_qwen_draft, 3, 30), [(p, SamplingParams()) for p in prompts])
     for prompt, gen in zip(prompts, gens):
         assert gen.output.tokens == reference_greedy(copier, prompt, 30), prompt
     rounds = [r for g in gens for r in g.rounds[1:] if r.batch > 1]
@@ -196,7 +196,7 @@ def test_sampled_generation_with_the_hybrid_drafter_keeps_the_targets_joint_dist
     prompt = NOVEL + answer[start:]  # the cycle, over and over
     n = 300
     args = hybrid_args(target, target, 3, 3, "draft.lookup_min=1", "spec.overlap=false")
-    gens = serve(args, [(prompt, Request(TEMPERATURE, TOP_P, seed)) for seed in range(n)])
+    gens = serve(args, [(prompt, SamplingParams(TEMPERATURE, TOP_P, seed)) for seed in range(n)])
     reference = load_reference(target)
     (p1,) = nucleus(reference, [prompt])
     firsts = [int(t) for t in np.flatnonzero(p1)]

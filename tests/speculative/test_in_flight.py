@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from netbridge.protocol import Request
+from netbridge.protocol import SamplingParams
 from speculative.in_flight import DepthFromCosts
 from speculative.rounds import RoundRecord
 from tests.support.session_harness import serve, session_args
@@ -73,7 +73,7 @@ def test_a_served_session_drops_the_replies_left_on_the_way(tiny_qwen, tmp_path)
     free_run = reference_greedy(tiny_qwen, PROMPT, 40)
     folder = with_eos(tiny_qwen, tmp_path / "with-eos", free_run[9])
     args = session_args(folder, folder, max_new=30) + ["spec.in_flight=4", "spec.adaptive=false"]
-    plan = [(PROMPT, Request()), (PROMPT[:5], Request(temperature=1.0, top_p=0.9, seed=3)), (PROMPT[::-1], Request())]
+    plan = [(PROMPT, SamplingParams()), (PROMPT[:5], SamplingParams(temperature=1.0, top_p=0.9, seed=3)), (PROMPT[::-1], SamplingParams())]
     gens = serve(args, plan)
     assert gens[0].output.stop_reason == "eos" and gens[0].rounds[-1].bets_lost > 0  # it ended with rounds on the way
     for (ids, request), gen in zip(plan, gens):
@@ -92,14 +92,14 @@ def test_a_served_session_after_a_generation_that_failed_with_rounds_on_the_way(
         if len(rounds) == 2:
             raise RuntimeError("the callback failed")
     args = session_args(tiny_qwen, tiny_qwen, max_new=20) + ["spec.in_flight=4", "spec.adaptive=false"]
-    gens = serve(args, [(PROMPT, Request()), (PROMPT[::-1], Request())], on_round=fails_on_the_second_round,
+    gens = serve(args, [(PROMPT, SamplingParams()), (PROMPT[::-1], SamplingParams())], on_round=fails_on_the_second_round,
                  keep_going=True)
     assert isinstance(gens[0], RuntimeError) and rounds[1].in_flight > 1  # it failed with rounds on the way
     assert gens[1].output.tokens == reference_greedy(tiny_qwen, PROMPT[::-1], 20)
 
 
 def record(**kw) -> RoundRecord:
-    base = dict(drafted=3, accepted=3, committed=4, draft_ms=5.0, stage0_ms=1.0, round_ms=100.0, stage1_ms=2.0)
+    base = dict(drafted=3, accepted=3, committed=4, draft_ms=5.0, stage0_ms=1.0, round_ms=100.0, last_ms=2.0)
     return RoundRecord(**{**base, **kw})
 
 

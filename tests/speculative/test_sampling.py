@@ -21,7 +21,7 @@ from scipy.stats import chisquare, kstest
 from launch.build import model_drafter
 from launch.plan import plan_here
 from launch.config import load_config
-from netbridge.protocol import Request
+from netbridge.protocol import SamplingParams
 from speculative.verify import target_probs, verify_sampled
 from tests.support.session_harness import PROMPT, serve, session_args
 from tests.support.tiny_models import load_reference, save_tiny
@@ -270,7 +270,7 @@ def test_sampled_generation_keeps_the_targets_joint_distribution(overlap, ranks,
                                                                          f"spec.in_flight={in_flight}", f"draft.quant={quant}"]
     overrides += ["model.split=[1,3]"] if ranks == 3 else []
     n = 300
-    gens = serve(overrides, [(PROMPT, Request(TEMPERATURE, TOP_P, seed)) for seed in range(n)], ranks)
+    gens = serve(overrides, [(PROMPT, SamplingParams(TEMPERATURE, TOP_P, seed)) for seed in range(n)], ranks)
     observed: dict[tuple[int, int], int] = {}
     for g in gens:
         pair = tuple(g.output.tokens[:2])

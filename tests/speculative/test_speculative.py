@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from netbridge.protocol import Request
+from netbridge.protocol import SamplingParams
 from speculative.drafters import NgramDrafter
 from speculative.output import Output
 from speculative.k_choice import next_k
@@ -253,7 +253,7 @@ def test_common_prefix():
 
 # --- the Session: several generations over the same caches = fresh runs --------------------------
 
-def fresh(overrides, ids, request: Request) -> list[int]:
+def fresh(overrides, ids, request: SamplingParams) -> list[int]:
     return run_pair(*overrides, f"prompt_ids={ids_arg(ids)}", f"gen.temperature={request.temperature}",
                     f"gen.top_p={request.top_p}", f"gen.seed={request.seed}")["token_ids"]
 
@@ -263,8 +263,8 @@ PROMPT_B = [200, 3, 3, 17, 64, 128, 9]  # shares no first token with PROMPT
 
 def test_session_applies_each_requests_sampling_settings(tiny_qwen, tiny_qwen_draft):
     overrides = session_args(tiny_qwen, tiny_qwen_draft)
-    greedy, sampled = Request(), Request(temperature=1.0, top_p=0.9, seed=5)
-    other_seed = Request(temperature=1.0, top_p=0.9, seed=6)
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9, seed=5)
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=6)
     plan = [(PROMPT, greedy), (PROMPT, sampled), (PROMPT_B, other_seed), (PROMPT_B, other_seed), (PROMPT, greedy)]
     gens = serve(overrides, plan)
     for (ids, request), gen in zip(plan, gens):
@@ -277,7 +277,7 @@ def test_session_applies_each_requests_sampling_settings(tiny_qwen, tiny_qwen_dr
     assert [g.reused for g in gens] == [0, len(PROMPT) - 1, 0, len(PROMPT_B) - 1, 0]
 
 
-@pytest.mark.parametrize("request_", [Request(), Request(temperature=0.8, top_p=0.95, seed=11)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("request_", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95, seed=11)], ids=["greedy", "sampled"])
 def test_session_reuses_the_conversation_so_far(request_, tiny_qwen, tiny_qwen_draft):
     """The next turn (the first prompt + its answer + more) prefills only what is new and gives what
     a fresh run of the whole second prompt gives."""
@@ -297,7 +297,7 @@ def test_a_middle_rank_rewinds_for_a_chunked_prefill_after_an_earlier_request(ti
     does; each answer is what generate gives for its prompt alone."""
     overrides = session_args(tiny_qwen, tiny_qwen_draft) + ["model.split=[1,3]", "model.prefill_chunk=3"]
     plan = [PROMPT + PROMPT_B, PROMPT[:4] + [17, 250, 4, 9, 31], PROMPT_B]
-    gens = serve(overrides, [(ids, Request()) for ids in plan], ranks=3)
+    gens = serve(overrides, [(ids, SamplingParams()) for ids in plan], ranks=3)
     for ids, gen in zip(plan, gens):
         assert gen.output.tokens == reference_greedy(tiny_qwen, ids, MAX_NEW), ids
     assert [g.reused for g in gens] == [0, 4, 0]

@@ -1,5 +1,5 @@
 """The real server in this process: both ranks of train_free_infer as two threads over local_pair, rank 0
-running launch.server.serve (uvicorn on a loopback port) exactly as under torchrun, but without the
+running launch.serve.server.serve (uvicorn on a loopback port) exactly as under torchrun, but without the
 launch (seconds, not a minute). Requests go over real HTTP with http.client.
 
 Also what the serving tests share: tiny models with a tokenizer and a chat template (chat_folder), the
@@ -81,6 +81,7 @@ def served(*overrides: str, timeout_s: float = 20.0):
     """Yield a Served for a pair of ranks started with these config overrides (serve.port is chosen here)."""
     import uvicorn
 
+    import train_free_infer as entry
     from launch import ranks as lives
     from launch.config import load_config
     from netbridge.channel import local_pair
@@ -98,7 +99,7 @@ def served(*overrides: str, timeout_s: float = 20.0):
 
     def run(rank: int) -> None:
         try:
-            (lives.first_rank if rank == 0 else lives.last_rank)(cfg[rank], channels[rank])
+            (entry.rank_zero if rank == 0 else lives.last_rank)(cfg[rank], channels[rank])
             s.outcome[rank] = None
         except BaseException as e:  # noqa: BLE001 - examined by the tests
             s.outcome[rank] = e

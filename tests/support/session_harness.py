@@ -6,7 +6,7 @@ from launch.build import build_drafter, build_prefixes, build_stage, eos_ids
 from launch.ranks import last_rank, meet, middle_rank
 from launch.config import load_config
 from netbridge.channel import local_ring
-from netbridge.protocol import Request
+from netbridge.protocol import SamplingParams
 from speculative.output import Output
 from speculative.rounds import Generation
 from speculative.session import Session
@@ -21,7 +21,7 @@ def session_args(target, draft, max_new=MAX_NEW):
             "draft.dtype=float32", "spec.k=4", f"gen.max_new_tokens={max_new}"]
 
 
-def serve(overrides: list[str], requests: list[tuple[list[int], Request]], ranks: int = 2, on_round=None,
+def serve(overrides: list[str], requests: list[tuple[list[int], SamplingParams]], ranks: int = 2, on_round=None,
           keep_going: bool = False) -> list[Generation | Exception]:
     """One Session on rank 0 (built as launch.ranks.first_rank builds it) serving `requests` in a row,
     the last rank (launch.ranks.last_rank) in a thread, over local_pair; with `ranks` > 2 the middle ranks
@@ -45,7 +45,7 @@ def serve(overrides: list[str], requests: list[tuple[list[int], Request]], ranks
 
 def serve_together(overrides: list[str], requests: list[tuple], ranks: int = 2, slots: int = 8,
                    cancel_after: dict[int, int] | None = None, on_round=None, links=None, batches: int | None = None):
-    """The same, but `requests` ((ids, Request[, max new tokens])) served at once as a server with
+    """The same, but `requests` ((ids, SamplingParams[, max new tokens])) served at once as a server with
     serve.max_concurrent=`slots` does: admitted while a slot is free (in order), the rest waiting; `cancel_after`:
     {request index: the rounds of all requests together after which its client goes away}; `batches`: the
     Session's batches_on_the_way (None: from costs). Returns (the Generations in request order, the Session)."""

@@ -165,6 +165,7 @@ def run_pair(*overrides: str, timeout_s: float = 60.0, rank1: tuple[str, ...] = 
     (netbridge.channel.local_pair): the whole entry path but torchrun, in seconds. Each rank has its own
     config (as on two hosts); `rank1`: overrides for rank 1 alone. Returns rank 0's result (the output
     JSON); an exception on either rank is raised here."""
+    import train_free_infer as entry
     from launch import ranks as lives
     from launch.config import load_config
 
@@ -174,7 +175,7 @@ def run_pair(*overrides: str, timeout_s: float = 60.0, rank1: tuple[str, ...] = 
 
     def rank(r: int) -> None:
         try:
-            results[r] = (lives.first_rank if r == 0 else lives.last_rank)(cfgs[r], channels[r])
+            results[r] = (entry.rank_zero if r == 0 else lives.last_rank)(cfgs[r], channels[r])
         except BaseException as e:  # noqa: BLE001 - handed to the test
             errors[r] = e
             channels[r].close()  # the other rank fails at once instead of waiting out its timeout
@@ -190,6 +191,7 @@ def run_ranks(ranks: int, *overrides: str, timeout_s: float = 60.0, only: dict[i
     in-process channels (netbridge.channel.local_ring: 0 -> 1 -> ... -> N-1 -> 0). `only`: overrides
     for one rank alone ({rank: (...)}). Returns rank 0's result; the root cause of a failure on any
     rank is raised here."""
+    import train_free_infer as entry
     from launch import ranks as lives
     from launch.config import load_config
     from netbridge.channel import PeerError, local_ring
@@ -203,7 +205,7 @@ def run_ranks(ranks: int, *overrides: str, timeout_s: float = 60.0, only: dict[i
         prev, next = links[r]
         try:
             if r == 0:
-                results[r] = lives.first_rank(cfgs[r], next, replies=prev, ranks=ranks)
+                results[r] = entry.rank_zero(cfgs[r], next, replies=prev, ranks=ranks)
             elif r == ranks - 1:
                 lives.last_rank(cfgs[r], prev, reply_to=next, ranks=ranks)
             else:

@@ -11,18 +11,11 @@ from __future__ import annotations
 import functools
 import threading
 
+from launch.serve.errors import FieldError
 from speculative.grammar import GrammarError, Grammars, grammar_source, schema_of
 from speculative.verify import MAX_TOP_LOGPROBS
 
 MAX_COMPLETION_LOGPROBS = 5  # what OpenAI's /v1/completions allows
-
-
-class FieldError(ValueError):
-    """A request field this module reads that cannot be served; `param` names it (launch.api makes the 400)."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
 
 
 def read_grammar(body: dict, tokenizer=None) -> str | None:
@@ -91,7 +84,7 @@ def read_completion_logprobs(body: dict) -> int | None:
         return None
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_COMPLETION_LOGPROBS:
         raise FieldError(f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}] on /v1/completions",
-                       param="logprobs")
+                         param="logprobs")
     return n
 
 

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from launch.api import Prompt
 from launch.config import load_config
-from launch.server import Engine, Job
-from netbridge.protocol import Request
+from launch.serve.engine import Engine, Job
+from launch.serve.fields import Prompt
+from netbridge.protocol import SamplingParams
 from speculative.rounds import Generation, RoundRecord
 
 
@@ -79,7 +79,7 @@ class Events:
 
 
 def job(first_id: int, max_tokens: int) -> Job:
-    return Job(Prompt([first_id, 1, 2], max_tokens, Request(), [], False), Events(), time.perf_counter())
+    return Job(Prompt([first_id, 1, 2], max_tokens, SamplingParams(), [], False), Events(), time.perf_counter())
 
 
 def engine(session, max_queue: int = 8) -> Engine:

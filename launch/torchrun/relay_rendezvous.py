@@ -43,7 +43,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from launch.rendezvous import FixedGroup
+from launch.torchrun.rendezvous import FixedGroup
 from model_parallel.lines import one_line
 from netbridge import auth
 from netbridge.link import (RDZV_BODY, RDZV_DONE, LinkClosed, LinkGarbage, LinkSocket, LinkTimeout, NoticeBoard, UnexpectedFrame,

@@ -7,9 +7,9 @@ import urllib.error
 import openai
 import pytest
 
-from launch import chat
+from launch.serve import chat
 from launch.config import ConfigError, load_config
-from launch.server import load_api_key, open_host_warning
+from launch.serve.server import load_api_key, open_host_warning
 from tests.support.serve_harness import served
 from tests.support.serve_harness import is_openai_error, served_args
 

@@ -27,18 +27,11 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from launch.serve.errors import FieldError
 from speculative.grammar import JSON_OPTIONS
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
-
-
-class ToolError(ValueError):
-    """A tool field that cannot be served; `param` names it."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
@@ -52,10 +45,10 @@ class ToolSetup:
 
     def grammar(self, tokenizer) -> str | None:
         """The grammar the answer is held to (tool_choice required / named), as llguidance's source, tried on its
-        first tokens as the last rank will use it (launch.structured.check_grammar); else None."""
+        first tokens as the last rank will use it (launch.serve.structured.check_grammar); else None."""
         if self.forced is None:
             return None
-        from launch.structured import check_grammar
+        from launch.serve.structured import check_grammar
         from speculative.grammar import lark_source
         name = None if self.forced == "*" else self.forced
         source = lark_source(call_grammar(self.specs, tokenizer, name, self.parallel))
@@ -70,13 +63,13 @@ def tool_setup(body: dict, chat_template: str | None) -> ToolSetup | None:
     """The request's tool fields checked (None: it has none)."""
     for legacy in ("functions", "function_call"):
         if body.get(legacy) is not None:
-            raise ToolError(f"{legacy} is the deprecated form of tools; send tools and tool_choice", legacy)
+            raise FieldError(f"{legacy} is the deprecated form of tools; send tools and tool_choice", legacy)
     tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise ToolError("parallel_tool_calls must be true or false", "parallel_tool_calls")
+        raise FieldError("parallel_tool_calls must be true or false", "parallel_tool_calls")
     if tools is None or tools == []:
         if choice not in (None, "none", "auto"):
-            raise ToolError("tool_choice names a tool but the request has no tools", "tool_choice")
+            raise FieldError("tool_choice names a tool but the request has no tools", "tool_choice")
         return None
     specs = _specs(tools)
     names = [s["function"]["name"] for s in specs]
@@ -87,32 +80,32 @@ def tool_setup(body: dict, chat_template: str | None) -> ToolSetup | None:
     elif choice == "required" or _named(choice, names):
         forced = "*" if choice == "required" else choice["function"]["name"]
     else:
-        raise ToolError('tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}',
-                        "tool_choice")
+        raise FieldError('tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}',
+                         "tool_choice")
     if not chat_template or "tools" not in chat_template:
-        raise ToolError("this model's chat template does not render tools", "tools")
+        raise FieldError("this model's chat template does not render tools", "tools")
     if OPEN not in chat_template:
-        raise ToolError(f"this model's tool-call format is not one this server reads (it reads {OPEN} JSON, as "
-                        "Qwen2.5 and Qwen3 write it)", "tools")
+        raise FieldError(f"this model's tool-call format is not one this server reads (it reads {OPEN} JSON, as "
+                         "Qwen2.5 and Qwen3 write it)", "tools")
     return ToolSetup(specs, True, parallel is not False, forced)
 
 
 def _specs(tools) -> list[dict]:
     if not isinstance(tools, list) or len(tools) > 128:
-        raise ToolError("tools must be a list of up to 128 {type: function, function: {name, description, parameters}}",
-                        "tools")
+        raise FieldError("tools must be a list of up to 128 {type: function, function: {name, description, parameters}}",
+                         "tools")
     specs, seen = [], set()
     for tool in tools:
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
                 or not NAME.match(function["name"]):
-            raise ToolError("each tool must be {type: function, function: {name, ...}} with a name of letters, digits, "
-                            "_ or - (at most 64)", "tools")
+            raise FieldError("each tool must be {type: function, function: {name, ...}} with a name of letters, digits, "
+                             "_ or - (at most 64)", "tools")
         if not isinstance(function.get("description", ""), str) or not isinstance(function.get("parameters", {}), dict):
-            raise ToolError(f"tool {function['name']}: description must be a string and parameters a JSON schema object",
-                            "tools")
+            raise FieldError(f"tool {function['name']}: description must be a string and parameters a JSON schema object",
+                             "tools")
         if function["name"] in seen:
-            raise ToolError(f"two tools are named {function['name']}", "tools")
+            raise FieldError(f"two tools are named {function['name']}", "tools")
         seen.add(function["name"])
         specs.append({"type": "function", "function": {k: function[k] for k in ("name", "description", "parameters")
                                                        if k in function}})
@@ -123,7 +116,7 @@ def _named(choice, names: list[str]) -> bool:
     if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)):
         return False
     if choice["function"].get("name") not in names:
-        raise ToolError(f"tool_choice names {str(choice['function'].get('name'))[:64]!r}, which is not in tools", "tool_choice")
+        raise FieldError(f"tool_choice names {str(choice['function'].get('name'))[:64]!r}, which is not in tools", "tool_choice")
     return True
 
 
@@ -162,7 +155,7 @@ def template_message(message: dict, role: str, content: str | None) -> dict:
     if role == "tool":
         call_id = message.get("tool_call_id")
         if not isinstance(call_id, str):
-            raise ToolError("a tool message needs the tool_call_id of the call it answers", "messages")
+            raise FieldError("a tool message needs the tool_call_id of the call it answers", "messages")
         out["tool_call_id"] = call_id
     elif role == "assistant" and message.get("tool_calls") is not None:
         out["tool_calls"] = [_template_call(c) for c in _list(message["tool_calls"])]
@@ -171,7 +164,7 @@ def template_message(message: dict, role: str, content: str | None) -> dict:
 
 def _list(calls) -> list:
     if not isinstance(calls, list) or not calls:
-        raise ToolError("an assistant message's tool_calls must be a non-empty list", "messages")
+        raise FieldError("an assistant message's tool_calls must be a non-empty list", "messages")
     return calls
 
 
@@ -179,11 +172,11 @@ def _template_call(call) -> dict:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
             or not isinstance(function.get("arguments"), str):
-        raise ToolError("each tool call needs {id, type: function, function: {name, arguments: a JSON string}}", "messages")
+        raise FieldError("each tool call needs {id, type: function, function: {name, arguments: a JSON string}}", "messages")
     try:
         arguments = json.loads(function["arguments"])
     except (ValueError, RecursionError):
-        raise ToolError(f"the arguments of the call to {function['name'][:64]} are not JSON", "messages") from None
+        raise FieldError(f"the arguments of the call to {function['name'][:64]} are not JSON", "messages") from None
     return {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 

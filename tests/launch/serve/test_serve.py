@@ -207,6 +207,7 @@ def test_sigterm_mid_stream_ends_the_stream_and_both_ranks_with_the_cause(server
 def test_losing_rank1_fails_the_request_in_flight_and_stops_the_server(models):
     """In process (two threads over local_pair): rank 1 vanishes mid-stream; the client gets an error
     naming the cause, and rank 0's serve() raises the PeerError the entry turns into one line."""
+    import train_free_infer as entry
     from launch import ranks as lives
     from launch.config import load_config
     from netbridge.channel import PeerError, local_pair
@@ -218,7 +219,7 @@ def test_losing_rank1_fails_the_request_in_flight_and_stops_the_server(models):
 
     def run(rank):
         try:
-            (lives.first_rank if rank == 0 else lives.last_rank)(cfg, (ch0, ch1)[rank])
+            (entry.rank_zero if rank == 0 else lives.last_rank)(cfg, (ch0, ch1)[rank])
         except BaseException as e:  # noqa: BLE001 - examined below
             outcome[rank] = e
     threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in (0, 1)]

@@ -15,7 +15,7 @@ KEY = "k3y-for-the-http-limits"
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen, tmp_path_factory):
-    import launch.server as srv
+    import launch.serve.app as srv
     key_file = tmp_path_factory.mktemp("key") / "key"
     key_file.write_text(KEY)
     saved = srv.HEADER_TIMEOUT_S, srv.BODY_TIMEOUT_S

@@ -6,7 +6,7 @@ and process ids, so which host runs rank 0 (the drafter, the answer) depends on 
 --node_rank but takes any claim as it comes: two hosts both saying R=1 start two rank-1 workers and hang in
 gloo, an R out of range is never checked, and a host whose peer never comes waits 15 minutes by default.
 
-Here, as with the relay's backend (launch/relay_rendezvous.py), `--rdzv_conf node_rank=R` is the node's rank:
+Here, as with the relay's backend (launch/torchrun/relay_rendezvous.py), `--rdzv_conf node_rank=R` is the node's rank:
 node rank 0's agent serves a TCPStore at HOST0:PORT (as static does, so the workers' store is the same one),
 every node claims its rank there (compare-and-set: a second claim is refused), and all wait, polling, until
 every rank is claimed, a claim is refused (every node then stops with that line), or `--rdzv_conf
@@ -57,7 +57,7 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
 
 class FixedGroup(RendezvousHandler):
     """What torchrun asks of a rendezvous beyond meeting, for a fixed group of nodes (--nnodes=N, not elastic):
-    the same for Tandem's two backends (this one and launch/relay_rendezvous.py's)."""
+    the same for Tandem's two backends (this one and launch/torchrun/relay_rendezvous.py's)."""
     backend = ""
     run_id = ""
     _closed = False

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from transformers import AddedToken, AutoModelForCausalLM, AutoTokenizer
 
-from launch.tools import CallParser, ToolSetup, call_grammar, finish_reason
+from launch.serve.tools import CallParser, ToolSetup, call_grammar, finish_reason
 from tests.support.serve_harness import served, served_args
 from tests.support.tiny_models import randomize_norms, reference_greedy, save_tiny, save_tiny_tokenizer
 
@@ -281,7 +281,7 @@ def test_the_call_grammar_takes_a_call_of_the_named_tool_and_nothing_else(tmp_pa
     import llguidance
     import llguidance.hf
 
-    from launch.tools import call_grammar
+    from launch.serve.tools import call_grammar
     save_tiny_tokenizer(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     if tags_are_tokens:

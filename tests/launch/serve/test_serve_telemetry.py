@@ -22,7 +22,7 @@ def request_rounds(t0: float, rounds: int) -> tuple[Generation, list[list[float]
     gen = Generation([1, 2, 3], Output(None, set(), rounds, []), t0_s=t0, total_s=rounds * ROUND_S)
     marks = []
     for i in range(rounds):
-        gen.rounds.append(RoundRecord(2, 1, 2, 1.0, 1.0, round_ms=8.0, stage1_ms=4.0, start_s=i * ROUND_S,
+        gen.rounds.append(RoundRecord(2, 1, 2, 1.0, 1.0, round_ms=8.0, last_ms=4.0, start_s=i * ROUND_S,
                                       send_ms=0.1, sent_s=i * ROUND_S + 0.002, in_flight=2, on_the_way=2))
         sent = t0 + i * ROUND_S + 0.002
         marks.append([sent - 0.001, sent + 0.002, sent + 0.005, sent + 0.006])
