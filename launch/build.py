@@ -162,7 +162,8 @@ def model_drafter(plan: Plan):
     model = dict(max_k=max(cfg.spec.k, 1), top_k=cfg.draft.top_k, use_graph=use_graph(cfg.draft, plan.draft_device),
                  slots=plan.slots)
     if cfg.draft.kind == "hybrid":
-        return HybridDrafter(build_draft_stage(plan), cfg.draft.lookup_min, cfg.draft.ngram_max, **model)
+        return HybridDrafter(build_draft_stage(plan), cfg.draft.lookup_min, cfg.draft.ngram_max, cfg.draft.lookup_k,
+                             **model)
     return ModelDrafter(build_draft_stage(plan), **model)
 
 

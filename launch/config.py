@@ -72,6 +72,7 @@ class DraftConfig:
     ngram_max: int = 3  # n-gram drafter: longest suffix it looks up in the context
     ngram_min: int = 1  # n-gram drafter: shortest suffix it looks up
     lookup_min: int = 3  # hybrid: the round is a lookup (no model step) when the context's last this many tokens occurred earlier
+    lookup_k: int = 16  # hybrid: a lookup proposes up to this many tokens, past spec.k (a copy costs no drafting; at most spec.k when lower)
 
 
 @dataclass
@@ -459,7 +460,7 @@ def split_cuts(split) -> list[int] | str | None:
 MAX_TOKENS = 2**24  # a KV cache, a prompt chunk, an answer: 16M tokens
 BOUNDS = [("model.max_len", 1, MAX_TOKENS), ("draft.max_len", 1, MAX_TOKENS), ("model.prefill_chunk", 1, MAX_TOKENS),
           ("spec.k", 0, 1024), ("draft.top_k", 1, 2**20), ("draft.ngram_max", 1, 1024), ("draft.ngram_min", 1, 1024),
-          ("draft.lookup_min", 1, 1024),
+          ("draft.lookup_min", 1, 1024), ("draft.lookup_k", 1, 1024),
           ("gen.max_new_tokens", 1, MAX_TOKENS), ("serve.max_concurrent", 1, 64), ("serve.max_queue", 0, 2**20),
           ("serve.max_body_bytes", 1, 2**31),
           ("transport.timeout_s", 0.001, 7 * 86400), ("transport.reconnect_s", 0, 7 * 86400),

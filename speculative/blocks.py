@@ -24,7 +24,8 @@ class BlockMaker:
         step for all), then stage 0 over [pending..., d1..dK] from each block's start, as one forward."""
         t0 = time.perf_counter()
         ks = [0 if s.prefilling else min(s.k_now, s.remaining - 1) for s in streams]  # never overshoot
-        drafts = self.drafter.propose_rows([s.committed for s in streams], ks, [s.slot for s in streams])
+        rooms = [s.remaining - 1 for s in streams]  # a lookup may propose past K, never past the answer's end
+        drafts = self.drafter.propose_rows([s.committed for s in streams], ks, [s.slot for s in streams], rooms)
         draft_ms, t1 = _ms(t0), time.perf_counter()
         fed = [s.pending + d.tokens.tolist() for s, d in zip(streams, drafts)]
         hidden = self.stage_zero([s.start for s in streams], fed, [s.slot for s in streams])
@@ -68,7 +69,7 @@ class BlockMaker:
         A lookup (ngram, hybrid) may find fewer than k_next: the block then carries what it found."""
         t0 = time.perf_counter()
         context = s.committed[:s.chain[0].start] + [t for block in s.chain for t in block.fed]
-        proposal = self.drafter.propose(context, k_next + 1, slot=s.slot)
+        proposal = self.drafter.propose(context, k_next + 1, slot=s.slot, room=s.remaining - s.promised)
         if len(proposal) < 2:  # nothing to propose (n-gram miss, no drafter), or the guess alone
             return None
         guess, drafts = int(proposal.tokens[0]), proposal.after_first()

@@ -57,10 +57,13 @@ class StatelessDrafter:
     def commit(self, n_committed: int, slot: int = 0) -> None:
         pass
 
-    def propose(self, context: list[int], k: int, slot: int = 0) -> Drafts:
+    def propose(self, context: list[int], k: int, slot: int = 0, room: int | None = None) -> Drafts:
+        """k drafts after `context`. `room`: the most a lookup may propose past k (HybridDrafter's long copies;
+        the others propose k at most and ignore it)."""
         raise NotImplementedError
 
-    def propose_rows(self, contexts: list[list[int]], ks: list[int], slots: list[int]) -> list[Drafts]:
+    def propose_rows(self, contexts: list[list[int]], ks: list[int], slots: list[int],
+                     rooms: list[int] | None = None) -> list[Drafts]:
         """Several requests' drafts: nothing to share between them, so one after another."""
         return [self.propose(context, k, slot=slot) for context, k, slot in zip(contexts, ks, slots)]
 
@@ -68,7 +71,7 @@ class StatelessDrafter:
 class NoDrafter(StatelessDrafter):
     """K=0: one token per round trip."""
 
-    def propose(self, context: list[int], k: int, slot: int = 0) -> Drafts:
+    def propose(self, context: list[int], k: int, slot: int = 0, room: int | None = None) -> Drafts:
         return Drafts(torch.zeros(0, dtype=torch.long))
 
 
@@ -79,7 +82,7 @@ class NgramDrafter(StatelessDrafter):
     def __init__(self, max_n: int = 3, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n
 
-    def propose(self, context: list[int], k: int, slot: int = 0) -> Drafts:
+    def propose(self, context: list[int], k: int, slot: int = 0, room: int | None = None) -> Drafts:
         return one_hot_drafts(self.look_up(context, k), looked_up=True)
 
     def look_up(self, context: list[int], k: int) -> list[int]:
@@ -130,10 +133,11 @@ class ModelDrafter:
             self.stage.run(self.cached[slot], torch.tensor([missing], device=self.device), num_logits=None, slot=slot)
             self.cached[slot] = len(context)
 
-    def propose(self, context: list[int], k: int, slot: int = 0) -> Drafts:
-        return self.propose_rows([context], [k], [slot])[0]
+    def propose(self, context: list[int], k: int, slot: int = 0, room: int | None = None) -> Drafts:
+        return self.propose_rows([context], [k], [slot], None if room is None else [room])[0]
 
-    def propose_rows(self, contexts: list[list[int]], ks: list[int], slots: list[int]) -> list[Drafts]:
+    def propose_rows(self, contexts: list[list[int]], ks: list[int], slots: list[int],
+                     rooms: list[int] | None = None) -> list[Drafts]:
         """Drafts for several requests, row b from contexts[b] in slots[b]: each row takes in what its slot lacks,
         then max(ks) single-token steps batched over the rows (the weights read once per step for all);
         row b keeps its first ks[b] drafts. A row with k=0 drafts nothing and takes no part."""
@@ -189,7 +193,12 @@ class ModelDrafter:
 class HybridDrafter(ModelDrafter):
     """draft.kind=hybrid: each round looks the context (prompt and output so far) up first, as NgramDrafter does;
     when its last `lookup_min` tokens (or more, up to `lookup_max`) occurred earlier, what followed them is the
-    round's proposal (at most the round's K, a one-hot q), with no model step. Otherwise the model drafts.
+    round's proposal (a one-hot q), with no model step. Otherwise the model drafts.
+
+    A lookup may propose up to `lookup_k` tokens, past the round's K (within the row's `room`: what the answer may
+    still take, so the caches' room for K drafts is never exceeded): K bounds what the model's steps cost, and a
+    copy costs none; the target's verify of a 17-token block costs about what a 5-token one does (a decode forward
+    reads every weight once either way), so a copied stretch commits several times the tokens per round trip.
 
     The model's slot does not take in looked-up tokens when they are proposed: the next time the model drafts for
     that slot, it takes in everything it lacks (the tokens committed in the looked-up rounds) in one forward, as
@@ -197,12 +206,16 @@ class HybridDrafter(ModelDrafter):
     else alone). So a copied stretch costs the model one forward over it, not a step per token. In a batch some
     rows may be looked up and others drafted by the model: the looked-up rows take no part in the model's steps."""
 
-    def __init__(self, stage, lookup_min: int = 3, lookup_max: int | None = None, **model):
+    def __init__(self, stage, lookup_min: int = 3, lookup_max: int | None = None, lookup_k: int = 0, **model):
         super().__init__(stage, **model)
         self.lookup = NgramDrafter(max(lookup_max or lookup_min, lookup_min), lookup_min)
+        self.lookup_k = lookup_k
 
-    def propose_rows(self, contexts: list[list[int]], ks: list[int], slots: list[int]) -> list[Drafts]:
-        drafts = [self.lookup.propose(context, k) for context, k in zip(contexts, ks)]
+    def propose_rows(self, contexts: list[list[int]], ks: list[int], slots: list[int],
+                     rooms: list[int] | None = None) -> list[Drafts]:
+        rooms = ks if rooms is None else rooms
+        drafts = [self.lookup.propose(context, k and max(k, min(self.lookup_k, room)))
+                  for context, k, room in zip(contexts, ks, rooms)]
         rows = [b for b, d in enumerate(drafts) if not d.looked_up]
         modelled = super().propose_rows([contexts[b] for b in rows], [ks[b] for b in rows], [slots[b] for b in rows])
         for b, d in zip(rows, modelled):

@@ -96,11 +96,33 @@ def test_a_prompt_the_answer_copies_is_looked_up_from_the_first_round(copier, ti
     the model never steps (its drafts would all be rejected: the unrelated drafter)."""
     cycle = cycle_of(copier)
     prompt = NOVEL + cycle + cycle[:len(cycle) // 2]
-    (gen,) = serve(hybrid_args(copier, tiny_qwen_draft, 4, 24), [(prompt, SamplingParams())])
+    (gen,) = serve(hybrid_args(copier, tiny_qwen_draft, 4, 24, "draft.lookup_k=4"), [(prompt, SamplingParams())])
     assert gen.output.tokens == reference_greedy(copier, prompt, 24)
     drafted = [r for r in gen.rounds[1:] if r.drafted]
     assert kinds(gen.rounds) == (len(drafted), 0) and len(drafted) >= 4
     assert all(r.accepted == r.drafted for r in drafted)
+
+
+@pytest.mark.parametrize("in_flight", [1, 3])
+def test_a_copied_stretch_is_proposed_past_k_and_never_past_the_answers_end(in_flight, copier, tiny_qwen_draft):
+    """draft.lookup_k above spec.k: a lookup proposes the copied stretch beyond K (the latest earlier occurrence of
+    the suffix is a lap of the cycle back, so up to a lap at once), greedy still generate's, on fresh blocks and on
+    bets (in flight); and no round proposes past max_new_tokens (the caches' room is counted with spec.k only)."""
+    cycle = cycle_of(copier)
+    assert len(cycle) > 4, cycle  # else no lookup could be longer than K=3
+    prompt = NOVEL + cycle + cycle[:len(cycle) // 2]
+    max_new = 2 * len(cycle) + 3
+    args = hybrid_args(copier, tiny_qwen_draft, 3, max_new, "draft.lookup_k=64", "spec.overlap=true",
+                       f"spec.in_flight={in_flight}")
+    (gen,) = serve(args, [(prompt, SamplingParams())])
+    assert gen.output.tokens == reference_greedy(copier, prompt, max_new)
+    decode = gen.rounds[1:]
+    assert max(r.drafted for r in decode) > 3 and all(r.accepted == r.drafted for r in decode if r.drafted)
+    assert sum(r.committed for r in decode) == max_new - 1  # (round 0, the prefill, commits the first)
+    left = max_new - 1
+    for r in decode:  # a block of its drafts + the target's token fits what the answer had left
+        assert r.drafted + 1 <= left, [(r.drafted, r.committed) for r in decode]
+        left -= r.committed
 
 
 def test_four_requests_at_once_some_looked_up_and_some_drafted_in_one_tick(copier, tiny_qwen_draft):
