@@ -25,9 +25,9 @@ generation's K, `bet(k_now, drafted)` the K of the round prepared ahead on the b
 accepted, `after(k_now, record, decode)` the K after a round (`decode`: not a generation's first round, which
 carries the prompt and says nothing about K).
 
-One K for every drafter kind: draft.kind=hybrid caps a lookup's proposal at the round's K as it caps the model's,
-and every policy sees looked-up and model-drafted rounds alike. So a copied stretch (lookups fully accepted) raises
-K under spec.adaptive; under spec.k_from_costs the drafting cost per token is the mean over the mix (a looked-up
+One K for every drafter kind: K bounds the model's steps; draft.kind=hybrid lets a lookup propose past it (up to
+draft.lookup_k, a copy costing no drafting), and every policy sees looked-up and model-drafted rounds alike (by
+what was drafted and accepted). So a copied stretch (lookups fully accepted) raises K under spec.adaptive; under spec.k_from_costs the drafting cost per token is the mean over the mix (a looked-up
 round costs about nothing, the model round after it also takes in what the lookups committed), which is what a
 round of K costs on average while the mix lasts.
 """
