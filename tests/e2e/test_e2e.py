@@ -14,6 +14,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.support.one_line import assert_one_line_process_error
 from tests.support.tiny_models import REPO, free_port, ids_arg, reference_greedy, run_pair, run_tandem, save_tiny_tokenizer
 
@@ -66,6 +68,7 @@ def test_torchrun_config_errors_end_the_terminal_with_their_cause(tiny_qwen, tmp
     assert "unknown config key 'model.splt'" in last_lines(proc.stderr), proc.stderr[-3000:]
 
 
+@pytest.mark.slow  # a torchrun / multi-process case of several seconds: the default suite's 5 minutes (issue 39's wave)
 def test_torchrun_peer_lost_mid_generation_ends_the_terminal_with_the_cause(tiny_qwen, tmp_path):
     """Two torchruns, as on two hosts (--nnodes=2); rank 1's process is killed (as the OOM killer would)
     while rank 0 generates. Rank 0 stops within the timeout, keeps what it generated, and the last lines

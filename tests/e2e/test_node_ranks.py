@@ -135,6 +135,7 @@ def with_tokenizer(tiny_qwen, tiny_qwen_draft, tmp_path):
     return folders
 
 
+@pytest.mark.slow  # a torchrun / multi-process case of several seconds: the default suite's 5 minutes (issue 39's wave)
 def test_readme_two_host_command_started_r1_first(with_tokenizer):
     folder, draft = with_tokenizer
     check_rank0_answers(start_hosts(2, folder, draft), folder)

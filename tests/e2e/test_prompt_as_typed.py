@@ -132,6 +132,7 @@ def test_every_prompt_reaches_the_tokenizer_through_the_entry(monkeypatch, tmp_p
     assert seen[-1].seen == [text]
 
 
+@pytest.mark.slow  # a torchrun / multi-process case of several seconds: the default suite's 5 minutes (issue 39's wave)
 def test_closed_stdout_and_every_prompt_through_torchrun(tmp_path, talking_model):
     """One launch: the prompts above as typed on the command line reach the model (its greedy answer is the one
     for their tokens), and a reader that stops after a few bytes (`| head -c 8`) ends the run: no traceback from

@@ -379,6 +379,7 @@ def fp32_slice_bytes(folder, first: int, last: int) -> int:
         return sum(4 * torch.Size(f.get_slice(ckpt).get_shape()).numel() for ckpt in names.values())
 
 
+@pytest.mark.slow  # a torchrun / multi-process case of several seconds: the default suite's 5 minutes (issue 39's wave)
 def test_peak_rss_while_loading_nf4_stays_below_the_fp32_slice(random_qwen_fp32):
     mb = 2 ** 20
     full, *nf4s = measure_loads(random_qwen_fp32, (0, 12, "none"), (0, 12, "nf4"), (12, 24, "nf4"))

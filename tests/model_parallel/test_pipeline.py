@@ -350,6 +350,7 @@ def test_clock_alignment_of_a_middle_rank_counts_the_ranks_that_held_the_block()
 
 # --- real processes: torchrun with three ranks over gloo; a middle rank killed --------------------
 
+@pytest.mark.slow  # a torchrun / multi-process case of several seconds: the default suite's 5 minutes (issue 39's wave)
 def test_torchrun_three_ranks_match_generate(tiny_qwen, tiny_qwen_draft, tmp_path):
     out, proc = run_tandem(tmp_path, f"model.target={tiny_qwen}", "model.dtype=float32", "model.split=auto",
                            "draft.kind=model", f"draft.model={tiny_qwen_draft}", "draft.dtype=float32", "spec.k=4",

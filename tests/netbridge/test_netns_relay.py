@@ -109,6 +109,7 @@ def node_secrets(tmp_path: Path) -> Path:
     return folder
 
 
+@pytest.mark.slow  # a torchrun / multi-process case of several seconds: the default suite's 5 minutes (issue 39's wave)
 def test_two_namespaces_reach_only_the_relay_and_match_generate(namespaces, tiny_qwen, tmp_path):
     names, public, net = namespaces
     expected = reference_greedy(tiny_qwen, PROMPT, NEW_TOKENS)

@@ -47,6 +47,7 @@ def test_a_killed_peer_is_reported_within_the_grace_not_reconnect_s(tmp_path):
     print(f"\nkilled rank reported through the relay after {elapsed:.2f} s")
 
 
+@pytest.mark.slow  # a torchrun / multi-process case of several seconds: the default suite's 5 minutes (issue 39's wave)
 def test_a_silent_peer_keeps_the_reconnect_window(tmp_path):
     with relay_process(tmp_path, "--no-store", "--idle-timeout-s", "1") as relay:  # the relay drops it as silent
         text, elapsed = rank0_error_after(relay, "silent", reconnect_s=5, killed=False)

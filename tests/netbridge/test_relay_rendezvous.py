@@ -75,6 +75,7 @@ def test_torchrun_meets_at_the_relay_with_pinned_ranks(setup):
     assert "rendezvous of 2 nodes complete" in relay.log()
 
 
+@pytest.mark.slow  # a torchrun / multi-process case of several seconds: the default suite's 5 minutes (issue 39's wave)
 def test_wrong_secret_and_missing_node_fail_fast_and_say_why(setup):
     """The node with the wrong secret is refused at once; the good node hears of it from the relay within
     seconds (a warning, once), keeps waiting out its join_timeout, and its error names the refusal."""
