@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> None:
             _refuse(cfg, rank, ranks, refusal)
         listener = serving_port(cfg, rank, ranks)
         links = prev, next = open_links(cfg, rank, ranks)  # one channel both ways with two ranks
-        if rank == 0:
+        if cfg.plan_only:  # meet, time, predict, and leave before any weight loads
+            lives.plan_only(cfg, prev, next, rank, ranks)
+        elif rank == 0:
             rank_zero(cfg, next, replies=prev, listener=listener, ranks=ranks)
         elif rank == ranks - 1:
             lives.last_rank(cfg, prev, reply_to=next, ranks=ranks)
@@ -80,7 +82,8 @@ def rank_zero(cfg: TandemConfig, next, replies=None, listener=None, ranks: int =
     if cfg.serve.port is None:
         return lives.answer_once(first)
     from launch.serve.server import serve
-    serve(cfg, first.session, first.tokenizer, first.eos_ids, first.vocab_size, listener, first.plan.models.name)
+    serve(cfg, first.session, first.tokenizer, first.eos_ids, first.vocab_size, listener, first.plan.models.name,
+          first.plan.links)
     return None
 
 
@@ -102,7 +105,7 @@ def parse(argv: list[str] | None) -> tuple[TandemConfig, StdinError | None]:
 def serving_port(cfg: TandemConfig, rank: int, ranks: int):
     """Rank 0 serving: its API key read and its port bound now, before the process group opens ports of its own
     and before any weight loads; a failure there is refused (`_refuse`). None when not serving."""
-    if rank != 0 or cfg.serve.port is None:
+    if rank != 0 or cfg.serve.port is None or cfg.plan_only:
         return None
     from launch.serve.server import load_api_key, reserve_port
     try:

@@ -82,10 +82,10 @@ def cpu_name() -> str:
 class Served:
     """The served launch at one delay: started, healthy within `launch_s`, its process group ended on exit."""
 
-    def __init__(self, delay_ms: float, overrides: list[str], launch_s: float, log: Path):
+    def __init__(self, delay_ms: float, overrides: list[str], launch_s: float, log: Path, nproc: int = 2):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
                f"--master_port={free_port()}", str(ROOT / "train_free_infer.py"), f"serve.port={self.port}",
                "serve.max_concurrent=8", f"transport.emulate_delay_ms={delay_ms:g}", *overrides]
         env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")

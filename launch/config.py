@@ -95,7 +95,8 @@ class GenConfig:
 
 @dataclass
 class TransportConfig:
-    kind: str = "gloo"  # gloo | relay
+    kind: str = "gloo"  # gloo | relay: what carries the links between hosts
+    local_links: str = "auto"  # auto | direct | transport: a link between two ranks of one host; auto = direct (loopback TCP) when the run spans 2+ hosts (--nnodes>1), else transport.kind
     relay: str | None = None  # HOST:PORT of the relay (kind=relay); null = torchrun's tandem-relay --rdzv_endpoint
     session: str | None = None  # session id both ranks give the relay; null = torchrun's --rdzv_id
     secret: str | None = None  # the two nodes' pairing secret (keys their end-to-end encryption); prefer secret_file
@@ -104,7 +105,7 @@ class TransportConfig:
     relay_token_file: str | None = None  # file holding the relay token (or set TANDEM_RELAY_TOKEN_FILE)
     timeout_s: float = 120.0  # per-operation timeout: a silent peer fails within this
     reconnect_s: float = 60.0  # kind=relay: after a dropped link, re-dial and resume the session for up to this long
-    emulate_delay_ms: float = 0.0  # emulated one-way delay added to every message (tests, benchmarks)
+    emulate_delay_ms: float = 0.0  # emulated one-way delay added to every message of a link transport.kind carries (tests, benchmarks)
     emulate_mbps: float = 0.0  # emulated bandwidth cap; 0 = none
 
 
@@ -160,6 +161,7 @@ class TandemConfig:
     system: str | None = None  # system message for the chat template, taken as typed
     system_file: str | None = None  # the system message from this UTF-8 file, as it is
     allow_empty_prompt: bool = False  # true: an empty or all-whitespace prompt / system message is taken as given, not refused
+    plan_only: bool = False  # true: the ranks meet and time themselves, print the split, memory per rank and the predicted speed, and exit before loading weights
 
 
 def _valid_keys(node_cls, path: list[str]) -> list[str]:
@@ -343,6 +345,7 @@ def validate(cfg: TandemConfig) -> None:
     _choice(cfg.draft.kind, ("none", "model", "ngram", "hybrid"), "draft.kind")
     _choice(cfg.draft.graph, ("auto", "on", "off"), "draft.graph")
     _choice(cfg.transport.kind, ("gloo", "relay"), "transport.kind")
+    _choice(cfg.transport.local_links, ("auto", "direct", "transport"), "transport.local_links")
     _check_sizes(cfg.model.max_memory)
     _check_sizes(cfg.cache.max_bytes if cfg.cache.max_bytes is not None else "null", "cache.max_bytes")
     for key, low, high in BOUNDS:
@@ -379,7 +382,7 @@ def _check_prompt(cfg: TandemConfig) -> None:
             raise ConfigError(f"{key}= is not UTF-8 text ({bad}): the tokenizer takes text; convert it (e.g. iconv -f "
                               f"LATIN1 -t UTF-8), {fix}")
     _check_conflicts(cfg)
-    if cfg.prompt is None and cfg.prompt_ids is None and cfg.serve.port is None:
+    if cfg.prompt is None and cfg.prompt_ids is None and cfg.serve.port is None and not cfg.plan_only:
         raise ConfigError('give a prompt: prompt="..." (or prompt_ids=[1,2,3]), or serve.port=PORT to serve an API')
     for key in ("prompt", "system"):  # a *_file's text was checked as it was read (stdin on rank 0 alone)
         text = getattr(cfg, key)

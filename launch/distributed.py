@@ -13,7 +13,7 @@ import time
 from datetime import timedelta
 
 from launch.config import TandemConfig
-from launch.transport import gloo_link, relay_link, transport_settings
+from launch.transport import HostPlace, LocalLinks, gloo_link, host_place, local_peers, relay_link, transport_settings
 from model_parallel.lines import one_line
 from netbridge.channel import Channel, PeerError, leave_last_words
 from netbridge.frames import FrameError
@@ -55,24 +55,31 @@ def skip_the_final_collections_at_exit() -> None:
     atexit.register(gc.freeze)
 
 
-def open_links(cfg: TandemConfig, rank: int, ranks: int) -> tuple[Channel, Channel]:
+def open_links(cfg: TandemConfig, rank: int, ranks: int, place: HostPlace | None = None) -> tuple[Channel, Channel]:
     """(the link from the rank before, the link to the rank after) on the ring: one Channel per neighbour, so
-    with two ranks both are the same one. Dialling a relay link waits for the peer, so the order breaks the
-    cycle: rank 0 dials rank 1 first, every other rank its predecessor first."""
+    with two ranks both are the same one; a neighbour on this host directly (launch.transport.local_peers), any
+    other through transport.kind. Dialling a relay link waits for the peer, so the order breaks the cycle:
+    rank 0 dials rank 1 first, every other rank its predecessor first (a direct link's listener has published
+    its port before any link opens, so dialing it never waits on its owner's order). `place`: where this rank
+    sits among the hosts (default: torchrun's environment, launch.transport.host_place)."""
     settings = transport_settings(cfg.transport)
     prev, next = (rank - 1) % ranks, (rank + 1) % ranks
     if settings.kind != "relay":
         _init_gloo(settings, rank)
+    local = LocalLinks(settings, rank, local_peers(settings.local_links, place or host_place(ranks), rank, ranks))
     links: dict[int, Channel] = {}
     try:
         for peer in dict.fromkeys((next, prev) if rank == 0 else (prev, next)):
-            links[peer] = relay_link(settings, rank, peer, ranks) if settings.kind == "relay" else gloo_link(settings, peer)
+            links[peer] = (local.open(peer) if peer in local.peers else
+                           relay_link(settings, rank, peer, ranks) if settings.kind == "relay" else gloo_link(settings, peer))
             if prev != next:  # one neighbour is "the other rank"
                 links[peer].peer_name = f"rank {peer}"
     except BaseException:
         for link in links.values():
             link.close()
         raise
+    finally:
+        local.close()
     return links[prev], links[next]
 
 

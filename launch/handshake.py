@@ -12,12 +12,15 @@ KV slots.
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict
 
 from launch.config import ConfigError, TandemConfig
-from launch.plan import (Models, Plan, asked_slots, describe, given_cuts, rank_costs, rank_speed, settle, split_text,
-                         timed, with_draft_format)
+from launch.plan import (Models, Plan, asked_slots, describe, given_cuts, rank_costs, rank_speed, ring_text, settle,
+                         split_text, timed, with_draft_format)
 from model_parallel.split import RankCosts
 from netbridge import protocol
+from netbridge.channel import PeerError
+from netbridge.link_probe import LinkProbe, probe_ring
 from netbridge.protocol import Hello, Hellos
 
 
@@ -26,28 +29,32 @@ def handshake(cfg: TandemConfig, models: Models, prev, next, rank: int, ranks: i
     `next`: to the rank after; one channel both ways with two ranks). With model.split=auto each rank times
     its share on its own device: all at once with spec.overlap (in a round the ranks then work at the same
     time, so ranks that share a host's cores time what they will meet there), else in turns, each after the
-    Hellos of the ranks before it have come (as a round without overlap runs them one after another)."""
+    Hellos of the ranks before it have come (as a round without overlap runs them one after another). First
+    each rank measures its link on to the next rank (netbridge.link_probe); the Plan carries every link's."""
     given = given_cuts(cfg, models.target.num_layers, ranks)
     models = with_draft_format(cfg, models)  # rank 0, draft.quant=auto: each format's draft step timed now
     costs, source = rank_costs(cfg, models, rank, ranks)
-    auto, together = given is None, bool(cfg.spec.overlap)
+    link = probe_ring(prev, next, rank)  # after this rank's own checks: a mistake here is named before any wait
+    auto, together = given is None or cfg.plan_only, bool(cfg.spec.overlap)  # plan_only: timed for the predictions
     if auto and together:
         costs = timed(costs, rank_speed(cfg, models, rank, ranks))
 
     def mine(before: list[Hello]) -> Hello:
         nonlocal costs
-        message = disagreement([*before, hello(cfg, models, costs, given)])
+        message = disagreement([*before, hello(cfg, models, costs, given, link)])
         if message:
             protocol.send(next, protocol.Error(message))
             raise ConfigError(message)
         if auto and not together:  # in turns: the ranks before this one are done timing
             costs = timed(costs, rank_speed(cfg, models, rank, ranks))
-        return hello(cfg, models, costs, given)
+        return hello(cfg, models, costs, given, link)
     hellos = gather(prev, next, rank, ranks, mine)
-    every = [RankCosts(h.budget, h.fixed_bytes, h.layer_bytes, h.layer_ms, h.fixed_ms, *h.slot_bytes) for h in hellos]
+    every = [RankCosts(h.budget, h.fixed_bytes, h.layer_bytes, h.layer_ms, h.fixed_ms, *h.slot_bytes,
+                       layer_token_ms=h.layer_token_ms, draft_step_ms=h.draft_step_ms, **h.prefill_ms) for h in hellos]
     cuts = next_given(hellos)
-    plan = settle(cfg, models, rank, every, source, cuts, [h.slots for h in hellos])
-    sys.stderr.write(f"[{describe(plan)}]\n")  # one write: the ranks share a terminal
+    plan = settle(cfg, models, rank, every, source, cuts, [h.slots for h in hellos], ring_links(hellos))
+    ring = f"[{ring_text(plan.links)}]\n" if rank == 0 else ""
+    sys.stderr.write(f"[{describe(plan)}]\n{ring}")  # one write: the ranks share a terminal
     sys.stderr.flush()
     return plan
 
@@ -71,10 +78,23 @@ def next_given(hellos: list[Hello]) -> list[int] | None:
     return next((h.cuts for h in hellos if h.cuts is not None), None)
 
 
-def hello(cfg: TandemConfig, models: Models, costs: RankCosts, given: list[int] | None) -> Hello:
+def hello(cfg: TandemConfig, models: Models, costs: RankCosts, given: list[int] | None, link: LinkProbe) -> Hello:
     return Hello(models.target.num_layers, cfg.model.dtype, cfg.model.quant, given, costs.budget, costs.fixed_bytes,
                  costs.layer_bytes, costs.layer_ms, costs.fixed_ms, asked_slots(cfg),
-                 [costs.slot_fixed_bytes, costs.slot_layer_bytes])
+                 [costs.slot_fixed_bytes, costs.slot_layer_bytes], asdict(link),
+                 layer_token_ms=costs.layer_token_ms, draft_step_ms=costs.draft_step_ms,
+                 prefill_ms={name: getattr(costs, name) for name in PREFILL_MS})
+
+
+PREFILL_MS = ("attend_ms", "draft_token_ms", "draft_attend_ms")  # RankCosts' fields a Hello carries in prefill_ms
+
+
+def ring_links(hellos: list[Hello]) -> tuple[LinkProbe, ...]:
+    """Every ring link as its sending rank measured it: index i = the link rank i -> rank i+1."""
+    try:
+        return tuple(LinkProbe(**h.link) for h in hellos)
+    except TypeError:
+        raise PeerError("protocol error: a Hello without its link probe; are all ranks the same Tandem version?") from None
 
 
 def disagreement(hellos: list[Hello]) -> str | None:

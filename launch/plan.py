@@ -17,7 +17,7 @@ rank here, timing each in turn (`plan_here`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from launch.config import ConfigError, TandemConfig, split_cuts
@@ -25,6 +25,7 @@ from model_parallel.draft_format import DraftFormat
 from model_parallel.lines import human
 from model_parallel.loader import DTYPES, ModelLoadError, ModelSource
 from model_parallel.split import RankCosts
+from netbridge.link_probe import LinkProbe
 from speculative.session import SpecSettings
 
 AUTO_SLOTS = 8  # serve.max_concurrent=null: as many KV slots as every budget holds, at most this many
@@ -60,6 +61,7 @@ class Plan:
     draft_device: str  # rank 0's drafter (draft.device; auto = `device`)
     spec: SpecSettings  # how rank 0 speculates
     slots: int = 1  # KV slots on every stage and in the drafter: requests served at once, the same on every rank
+    links: tuple[LinkProbe, ...] = ()  # every ring link as measured at the handshake: i = rank i -> rank i+1 (none: plan_here)
 
     @property
     def num_layers(self) -> int:
@@ -179,8 +181,9 @@ def settle_draft_format(cfg: TandemConfig, drafter: ModelSource) -> DraftFormat:
     weights = sum(stored.layers) + stored.head
     rows = min(asked_slots(cfg) or AUTO_SLOTS, MAX_ROWS)
     settings = {name: quantizer(cfg, "draft", name) for name in FORMATS}
-    name, why = choose(drafter, draft_device(cfg), DTYPES[cfg.draft.dtype], settings, (1, rows) if rows > 1 else (1,), weights)
-    return DraftFormat(name, settings[name], why)
+    name, why, step_ms = choose(drafter, draft_device(cfg), DTYPES[cfg.draft.dtype], settings,
+                                (1, rows) if rows > 1 else (1,), weights)
+    return DraftFormat(name, settings[name], why, step_ms)
 
 
 def _same_memory(one: str, other: str) -> bool:
@@ -210,8 +213,9 @@ def rank_costs(cfg: TandemConfig, models: Models, rank: int, ranks: int) -> tupl
     return RankCosts(budget, fixed, target.layer(), slot_fixed_bytes=slot, slot_layer_bytes=target.cache_per_layer), source
 
 
-def rank_speed(cfg: TandemConfig, models: Models, rank: int, ranks: int) -> tuple[float, float]:
-    """(one layer over a block of K+1, the rest of this rank's work per round), timed here."""
+def rank_speed(cfg: TandemConfig, models: Models, rank: int, ranks: int):
+    """This rank's model_parallel.split.Speed (one layer over a block of K+1, the rest of its work per round, the
+    per-token, attention and drafter parts), timed here (model_parallel.split.time_rank)."""
     from model_parallel.split import Timed, time_rank
     target = Timed(models.target, cfg.spec.k + 1, this_device(), DTYPES[cfg.model.dtype], quantizer(cfg, "model"),
                    head=rank == ranks - 1)
@@ -222,8 +226,9 @@ def rank_speed(cfg: TandemConfig, models: Models, rank: int, ranks: int) -> tupl
     return time_rank(target, drafter)
 
 
-def timed(costs: RankCosts, speed: tuple[float, float]) -> RankCosts:
-    return replace(costs, layer_ms=speed[0], fixed_ms=speed[1])
+def timed(costs: RankCosts, speed) -> RankCosts:
+    """`costs` with rank_speed's figures (a model_parallel.split.Speed: its fields are RankCosts')."""
+    return replace(costs, **asdict(speed))
 
 
 def draft_steps(cfg: TandemConfig) -> int:
@@ -321,7 +326,7 @@ def settle_slots(cfg: TandemConfig, num_layers: int, costs: list[RankCosts], giv
 
 
 def settle(cfg: TandemConfig, models: Models, rank: int, costs: list[RankCosts], source: str,
-           given: list[int] | None, asked: list[int]) -> Plan:
+           given: list[int] | None, asked: list[int], links: tuple[LinkProbe, ...] = ()) -> Plan:
     """The Plan, once every rank's costs (at one KV slot) and asked slots are known (and the cuts given on any
     rank, if any): the slots first, then the cuts that hold them."""
     num_layers = models.target.num_layers
@@ -329,7 +334,7 @@ def settle(cfg: TandemConfig, models: Models, rank: int, costs: list[RankCosts],
     costs = [c.at(slots) for c in costs]
     cuts = settle_cuts(num_layers, costs, given)
     return Plan(cfg, rank, len(costs), models, cuts, costs, source, this_device(), draft_device(cfg),
-                spec_settings(cfg), slots)
+                spec_settings(cfg), slots, tuple(links))
 
 
 def plan_here(cfg: TandemConfig, rank: int, ranks: int = 2) -> Plan:
@@ -359,9 +364,41 @@ def describe(plan: Plan) -> str:
         drafting = f", the drafter's {draft_steps(cfg)} steps" if rank == 0 and drafts_with_model(cfg) else ""
         line += (f"estimated {mine.ms_for(n):.0f} ms per round ({n} x {mine.layer_ms:.1f} ms per layer over blocks of "
                  f"{cfg.spec.k + 1}, {mine.fixed_ms:.0f} ms besides{drafting}; timed here)")
+    if rank == 0 and drafts_with_model(cfg):
+        line += "; " + drafter_place(cfg.draft.device, plan.draft_device, plan.device,
+                                     int(os.environ.get("LOCAL_WORLD_SIZE", plan.ranks)))
     if plan.models.draft_format is not None:
         line += f"; the drafter's weights: {plan.models.draft_format.why}"
+    if plan.links:
+        line += f"; its link to rank {(rank + 1) % plan.ranks}: {plan.links[rank].text()}"
     return line + slots_text(plan) if cfg.serve.port is not None or plan.slots > 1 else line
+
+
+def drafter_place(asked: str, device: str, target: str, local_ranks: int) -> str:
+    """Where rank 0's drafter runs and why, for its start-up line: beside rank 0's layers (counted in its budget),
+    on a GPU of its own, or on a GPU another rank of this host holds layers on (not counted in that rank's budget,
+    which was read before the drafter loaded: memory first, so the line says to leave room)."""
+    given = f"draft.device={asked}"
+    if _same_memory(device, target):
+        return f"the drafter beside rank 0's layers on {device} ({given}), counted in its budget"
+    index = int(device.split(":")[1]) if device.startswith("cuda:") else None
+    if index is not None and index < local_ranks:
+        return (f"the drafter on {device} ({given}), where rank {index} of this host holds its layers: its memory is not "
+                f"in that rank's budget; leave room (model.max_memory for that rank)")
+    return f"the drafter on {device}, memory of its own ({given}): rank 0's budget holds its layers only"
+
+
+def ring_text(links: tuple[LinkProbe, ...]) -> str:
+    """Rank 0's line on the ring's links: how many cross between hosts (each round crosses every link once) and
+    their round trips, and how many stay on one host."""
+    far = [link for link in links if link.kind != "local"]
+    near = [link for link in links if link.kind == "local"]
+
+    def rtts(group):
+        return "/".join(f"{link.rtt_ms:.1f}" for link in group)
+    parts = [f"{len(far)} between hosts ({far[0].kind}, RTT {rtts(far)} ms)"] if far else []
+    parts += [f"{len(near)} on one host (direct, RTT {rtts(near)} ms)"] if near else []
+    return f"ring of {len(links)} links: {', '.join(parts)}; a round crosses between hosts {len(far)} times"
 
 
 def slots_text(plan: Plan) -> str:

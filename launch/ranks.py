@@ -24,6 +24,7 @@ from launch.config import TandemConfig
 from launch.distributed import Interrupted, error_line
 from launch.handshake import handshake
 from launch.plan import Models, Plan, open_models
+from launch.prediction import plan_predictor, prediction_line
 from netbridge.protocol import SamplingParams
 from speculative.output import Output
 from speculative.grammar import FolderGrammars
@@ -74,10 +75,26 @@ def first_rank(cfg: TandemConfig, next, replies=None, ranks: int = 2) -> FirstRa
     announce(models.lines)
     tokenizer, ids = read_prompt(cfg, models)
     plan = handshake(cfg, models, replies, next, 0, ranks)
+    status(f"[{prediction_line(plan)}]")
     stage = build_stage(plan)
     drafter = build_drafter(plan)
-    session = Session(stage, drafter, next, plan.spec, replies, build_prefixes(plan, stage, drafter), slots=plan.slots)
+    session = Session(stage, drafter, next, plan.spec, replies, build_prefixes(plan, stage, drafter), slots=plan.slots,
+                      predictor=plan_predictor(plan))
     return FirstRank(plan, session, tokenizer, ids, eos_ids(plan.models.target), stage.config.vocab_size)
+
+
+def plan_only(cfg: TandemConfig, prev, next, rank: int, ranks: int) -> None:
+    """plan_only=true: this rank's models opened (config.json, the checkpoints' headers; rank 0 checks the
+    vocabularies), the ranks met, their links probed and every rank timed (the handshake: its start-up line says the
+    layers and bytes it would hold), and rank 0's prediction; then the rank leaves, no weight loaded."""
+    models = open_models(cfg, rank)
+    announce(models.lines)
+    if rank == 0:
+        check_vocabularies(models, load_tokenizer(models.target.folder))
+    plan = handshake(cfg, models, prev, next, rank, ranks)
+    if rank == 0:
+        status(f"[{prediction_line(plan)}]")
+        status(f"[plan only (plan_only=true): {ranks} ranks planned, no weight loaded; leave plan_only out to run]")
 
 
 def answer_once(first: FirstRank) -> dict:
@@ -113,7 +130,7 @@ def answer(plan: Plan, session: Session, ids: list[int], output: Output, tokeniz
     from launch.telemetry import Telemetry
     cfg = plan.settings
     status(f"[prefill: {len(ids)} prompt tokens; k={cfg.spec.k}, drafter {cfg.draft.kind}]")
-    telemetry = Telemetry(cfg, ids, tokenizer.decode(ids) if tokenizer else None) if cfg.log.dir else None
+    telemetry = Telemetry(cfg, ids, tokenizer.decode(ids) if tokenizer else None, plan.links) if cfg.log.dir else None
     params = SamplingParams(cfg.gen.temperature, cfg.gen.top_p, cfg.gen.seed)
     gen = session.generate(ids, output, params, on_round=telemetry.on_round if telemetry else None)
     stats = summarize(gen, cfg.spec.k, cfg.draft.kind if cfg.spec.k else "none")

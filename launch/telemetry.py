@@ -23,8 +23,16 @@ is stats["rounds"]. The output JSON's means are over the decode rounds (steps >=
     round/in_flight     this request's rounds on the way when the reply came (spec.in_flight)
     round/on_the_way    every live request's rounds on the way then (serving several at once)
     round/batch         the rounds that went out in one forward with this one (several requests' rounds)
+    round/predicted_tokens_per_s  the cost model's tokens/s for this stream at this round's K (acceptance as
+                        measured so far; speculative.cost_model), beside round/measured_tokens_per_s: the
+                        stream's tokens/s since its first token
 
-Per run (step 0): run/ttft_ms, run/tokens_per_s, run/tokens_per_round, run/acceptance_rate,
+Per ring link (step = the link's index i, rank i -> rank i+1; measured at start-up, netbridge.link_probe):
+link/rtt_ms, link/send_mbps, link/recv_mbps, link/between_hosts (1: carried by transport.kind, 0: direct on
+one host); text run/links names each link's kind. summary.json has them as "links".
+
+Per run (step 0): run/ttft_ms, run/tokens_per_s (and the cost model's run/predicted_ttft_ms,
+run/predicted_tokens_per_s), run/tokens_per_round, run/acceptance_rate,
 run/full_hit_rate, run/tokens, run/clock_offset_ms, run/clock_uncertainty_ms; run/accepted_per_round
 (histogram of accepted drafts per decode round); position/acceptance (step = draft position 1..K);
 text run/prompt, run/output, run/config; and the config as hparams with hparam/* final figures.
@@ -73,13 +81,15 @@ def _unique_dir(root: Path, name: str) -> Path:
 class Telemetry:
     """`on_round` is the round loop's callback; `finish` writes the per-run figures and the trace."""
 
-    def __init__(self, cfg, prompt_ids: list[int] | None, prompt_text: str | None = None):
+    def __init__(self, cfg, prompt_ids: list[int] | None, prompt_text: str | None = None, links: tuple = ()):
         from torch.utils.tensorboard import SummaryWriter
         self.cfg = cfg
         self.dir = _unique_dir(Path(cfg.log.dir).expanduser(), run_name(cfg))
         self.writer = SummaryWriter(str(self.dir))
         private_files(self.dir)  # the event file exists now; TensorBoard creates it with the umask's mode
         self.prompt_ids, self.prompt_text = prompt_ids, prompt_text
+        self.links = tuple(links)  # netbridge.link_probe.LinkProbe, one per ring link
+        self.link_figures()
         self.last_marks: list[list[float]] = []  # the last rank's clock marks, per round
         self.middle_marks: list[list[list[float]]] = []  # N > 2: per round, each middle rank's
         self.last_rank = 1
@@ -90,6 +100,17 @@ class Telemetry:
             self.profiler = tp.profile(schedule=tp.schedule(**PROFILE_ROUNDS), record_shapes=True,
                                        on_trace_ready=tp.tensorboard_trace_handler(str(self.dir), worker_name="rank0"))
             self.profiler.start()
+
+    def link_figures(self) -> None:
+        """link/* per ring link, and run/links naming each one's kind and round trip."""
+        ranks = len(self.links)
+        for i, link in enumerate(self.links):
+            for tag, value in (("rtt_ms", link.rtt_ms), ("send_mbps", link.send_mbps), ("recv_mbps", link.recv_mbps),
+                               ("between_hosts", int(link.kind != "local"))):
+                self.writer.add_scalar(f"link/{tag}", value, i)
+        if self.links:
+            self.writer.add_text("run/links", _md("\n".join(f"rank {i} -> rank {(i + 1) % ranks}: {link.text()}"
+                                                            for i, link in enumerate(self.links))), 0)
 
     def on_round(self, r, reply) -> None:
         """r: the round's RoundRecord; reply: the last rank's protocol.Reply (its clock marks feed the trace)."""
@@ -115,6 +136,9 @@ class Telemetry:
                            ("in_flight", r.in_flight), ("bets_lost", r.bets_lost), ("wasted_ms", r.wasted_ms),
                            ("on_the_way", r.on_the_way), ("batch", r.batch)):
             w.add_scalar(f"round/{tag}", value, step)
+        if r.predicted_tokens_per_s > 0:  # the cost model beside what this stream measured so far: drift shows
+            w.add_scalar("round/predicted_tokens_per_s", r.predicted_tokens_per_s, step)
+            w.add_scalar("round/measured_tokens_per_s", r.measured_tokens_per_s, step)
         if r.bet is not None:  # a round was prepared ahead on this one: 1 if its bet held
             w.add_scalar("round/bet_won", int(r.bet), step)
         for rank, ms in enumerate(r.middle_ms, start=1):
@@ -136,6 +160,8 @@ class Telemetry:
         if self.cfg.log.trace:
             write_trace(self.dir / "trace.json", trace)
         run = {"ttft_ms": stats["ttft_s"] * 1000, "tokens_per_s": stats["tokens_per_s"],
+               "predicted_ttft_ms": stats["predicted_ttft_s"] * 1000,
+               "predicted_tokens_per_s": stats["predicted_tokens_per_s"],
                "tokens_per_round": stats["tokens_per_round"], "acceptance_rate": stats["acceptance_rate"],
                "full_hit_rate": stats["full_hit_rate"], "tokens": stats["tokens"],
                "clock_offset_ms": alignment.offset_ms, "clock_uncertainty_ms": alignment.uncertainty_ms}
@@ -157,7 +183,7 @@ class Telemetry:
                    "rounds": [asdict(r) for r in gen.rounds], "last_marks": self.last_marks,
                    "rank1_marks": self.last_marks,  # last_marks's name before N ranks (docs/running.md)
                    **({"middle_marks": self.middle_marks} if self.last_rank > 1 else {}),
-                   "t0_s": gen.t0_s}
+                   "links": [asdict(link) for link in self.links], "t0_s": gen.t0_s}
         write_private(self.dir / "summary.json", json.dumps(summary, indent=1))
         private_files(self.dir)  # the profiler's traces too
         return alignment_dict(alignment)
@@ -182,8 +208,8 @@ class ServeTelemetry(Telemetry):
     (never two rounds on one step), with serve/slots_in_use and serve/waiting at each; request/* take the
     request's index. At close, trace.json (log.trace) has the last requests' rounds, each on its slot's rows."""
 
-    def __init__(self, cfg):
-        super().__init__(cfg, None)
+    def __init__(self, cfg, links: tuple = ()):
+        super().__init__(cfg, None, links=links)
         self.marks: dict[int, list] = {}  # a live request's readings per round (the last rank's, the middle ranks'), by its serial
         self.traced: deque[Part] = deque()
         self.traced_rounds = 0

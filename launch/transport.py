@@ -1,5 +1,12 @@
 """transport.* of the config, read once into plain settings, and the links opened from them.
 
+A ring link between two ranks of one host is direct (`LocalLinks`: a loopback TCP Channel) when
+transport.local_links says so (auto: when the run spans 2+ hosts); every other link is what transport.kind
+says. torchrun numbers the ranks of a host one after another (its agent gives each node a base rank, the
+ranks before it, plus LOCAL_RANK), so on the ring 0 -> 1 -> ... -> N-1 -> 0 a rank's predecessor is on its
+host iff LOCAL_RANK > 0, its successor iff LOCAL_RANK + 1 < LOCAL_WORLD_SIZE: N hosts make N host-to-host
+links, whatever the ranks per host (`local_peers`).
+
 netbridge never sees the config: it takes these values. Under torchrun's tandem-relay rendezvous the relay
 address and session default to the rendezvous endpoint and --rdzv_id (launch/torchrun/relay_rendezvous.py sets
 TANDEM_RELAY; torchrun sets TORCHELASTIC_RUN_ID); the relay token file defaults to TANDEM_RELAY_TOKEN_FILE and
@@ -9,6 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from netbridge import auth
 from netbridge.channel import GlooChannel, PeerError
@@ -19,6 +27,7 @@ from netbridge.relay_dial import DEFAULT_RECONNECT_S, ring_link
 class TransportSettings:
     kind: str  # gloo | relay
     timeout_s: float
+    local_links: str = "auto"  # auto | direct | transport
     reconnect_s: float = DEFAULT_RECONNECT_S
     emulate_delay_ms: float = 0.0
     emulate_mbps: float = 0.0
@@ -35,8 +44,8 @@ class TransportSettings:
 def transport_settings(t) -> TransportSettings:
     """The settings of `t` (cfg.transport, only read). For kind=relay the address, session and both secrets are
     resolved now, so a missing one is one PeerError line naming the setting before anything is dialed."""
-    common = dict(kind=t.kind, timeout_s=t.timeout_s, reconnect_s=t.reconnect_s, emulate_delay_ms=t.emulate_delay_ms,
-                  emulate_mbps=t.emulate_mbps)
+    common = dict(kind=t.kind, timeout_s=t.timeout_s, local_links=t.local_links, reconnect_s=t.reconnect_s,
+                  emulate_delay_ms=t.emulate_delay_ms, emulate_mbps=t.emulate_mbps)
     if common["kind"] != "relay":
         return TransportSettings(**common)
     relay = t.relay or os.environ.get("TANDEM_RELAY")
@@ -69,3 +78,83 @@ def relay_link(s: TransportSettings, rank: int, peer: int | None = None, ranks: 
 def gloo_link(s: TransportSettings, peer: int) -> GlooChannel:
     """The gloo Channel to `peer` (the process group must be up)."""
     return GlooChannel(peer, s.timeout_s, **s.emulation)
+
+
+# --- direct links between two ranks of one host ------------------------------------------------------
+
+@dataclass(frozen=True)
+class HostPlace:
+    """Where a rank sits among the hosts, from torchrun's environment."""
+    local_rank: int  # LOCAL_RANK: its place among the ranks of its host
+    local_ranks: int  # LOCAL_WORLD_SIZE: the ranks of its host
+    hosts: int  # GROUP_WORLD_SIZE: the hosts (torchrun's nodes) of the run
+
+
+def host_place(ranks: int, env=os.environ) -> HostPlace:
+    """This rank's HostPlace; a process started without torchrun's node variables is one host of `ranks`."""
+    return HostPlace(int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", ranks)), int(env.get("GROUP_WORLD_SIZE", 1)))
+
+
+def local_peers(mode: str, place: HostPlace, rank: int, ranks: int) -> set[int]:
+    """The ring neighbours of `rank` it links to directly (on its host), by transport.local_links `mode`: auto is
+    direct when the run spans 2+ hosts (one host with kind=relay emulates two: its links go through the relay)."""
+    if mode == "transport" or (mode == "auto" and place.hosts < 2):
+        return set()
+    prev, next = (rank - 1) % ranks, (rank + 1) % ranks
+    if place.hosts < 2:  # every rank is on this host, the link from the last back to rank 0 too
+        return {prev, next}
+    return {peer for peer, here in ((prev, place.local_rank > 0), (next, place.local_rank + 1 < place.local_ranks)) if here}
+
+
+def local_key(rank: int, peer: int) -> str:
+    """The store key where the lower rank of a direct link publishes its port and token (per torchrun restart)."""
+    low, high = sorted((rank, peer))
+    return f"tandem/local-link/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{low}-{high}"
+
+
+class LocalLinks:
+    """This rank's direct links: it listens for those to a higher rank, publishing port and token in torchrun's
+    store before any link is opened (so a peer dialing it never waits on this rank's order), and dials the
+    others once their lower rank has published."""
+
+    def __init__(self, s: TransportSettings, rank: int, peers: set[int]):
+        from netbridge.loopback_channel import LoopbackListener
+        self.settings, self.rank, self.peers = s, rank, peers
+        self.store = local_store(s.timeout_s) if peers else None
+        self.listeners = {peer: LoopbackListener() for peer in peers if peer > rank}
+        for peer, listener in self.listeners.items():
+            self.store.set(local_key(rank, peer), f"{listener.port} {listener.token.hex()}")
+
+    def open(self, peer: int):
+        """The Channel to `peer` on this host (no emulated delay: the link never leaves it)."""
+        from netbridge.loopback_channel import LoopbackChannel
+        name, s = f"rank {peer}", self.settings
+        if peer in self.listeners:
+            return self.listeners.pop(peer).accept(s.timeout_s, name)
+        try:
+            self.store.wait([local_key(self.rank, peer)], timedelta(seconds=s.timeout_s))
+            port, token = self.store.get(local_key(self.rank, peer)).decode().split()
+        except Exception:  # noqa: BLE001 - the store's errors are one kind to a user: the peer never published
+            raise PeerError(f"rank {peer} did not open its port on this host within {s.timeout_s:g} s (transport.timeout_s); "
+                            f"is it running, and are ranks {self.rank} and {peer} on one host? "
+                            "(transport.local_links=transport sends every link through transport.kind)") from None
+        return LoopbackChannel.connect(int(port), bytes.fromhex(token), s.timeout_s, name)
+
+    def close(self) -> None:
+        for listener in self.listeners.values():
+            listener.close()
+
+
+def local_store(timeout_s: float):
+    """torchrun's store, where two ranks of a host find each other's port: the process group's when gloo is up,
+    else the agent's (MASTER_ADDR:MASTER_PORT with TORCHELASTIC_USE_AGENT_STORE; under tandem-relay, the agent's
+    proxy to the relay's store)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        from torch.distributed.distributed_c10d import _get_default_store
+        return _get_default_store()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in os.environ:
+        raise PeerError("direct links between ranks of one host need torchrun's store (MASTER_ADDR, MASTER_PORT); "
+                        "start with torchrun, or set transport.local_links=transport")
+    return dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout_s))

@@ -23,7 +23,7 @@ The rule (`pick`), and the figures behind it:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 FORMATS = ("none", "int8", "nf4")
 NF4_MARGIN = 1.15
@@ -36,6 +36,7 @@ class DraftFormat:
     name: str  # none | int8 | nf4: what the drafter runs
     settings: object  # its model_parallel.quant settings (None: as stored)
     why: str  # for the start-up line: as given, or what auto timed and chose
+    step_ms: dict = field(default_factory=dict)  # auto: {rows: ms of a step} of the format chosen, as timed
 
 
 def pick(ms: dict[tuple[str, int], float], rows: tuple[int, ...]) -> str:
@@ -49,23 +50,25 @@ def pick(ms: dict[tuple[str, int], float], rows: tuple[int, ...]) -> str:
 
 
 def choose(model, device: str, dtype, settings: dict[str, object], rows: tuple[int, ...], weights_bytes: int,
-           window_s: float | None = None) -> tuple[str, str]:
-    """(the format auto runs, the start-up line's reason) for the drafter `model` (a loader.ModelSource) on
+           window_s: float | None = None) -> tuple[str, str, dict]:
+    """(the format auto runs, the start-up line's reason, {rows: its ms per step} as timed (none when not timed))
+    for the drafter `model` (a loader.ModelSource) on
     `device`; `settings`: each format's quant settings; `weights_bytes`: its layers' and head's bytes as stored."""
     from model_parallel.lines import human
     from model_parallel.split import WINDOW_S, Timed, draft_step_ms
     if weights_bytes < SMALL_BYTES:
         return "none", (f"draft.quant=auto: none (the drafter's layers and head are {human(weights_bytes)}, under "
-                        f"{human(SMALL_BYTES)}: a step costs its overheads, not its weight reads)")
+                        f"{human(SMALL_BYTES)}: a step costs its overheads, not its weight reads)"), {}
     steps = {(f, r): (Timed(model, 1, device, dtype, settings[f], head=True), r) for f in FORMATS for r in rows}
     ms, failed = draft_step_ms(steps, WINDOW_S if window_s is None else window_s)
     if any(("none", r) not in ms for r in rows):
-        return "none", f"draft.quant=auto: none (the full-precision step did not run: {failed})"
+        return "none", f"draft.quant=auto: none (the full-precision step did not run: {failed})", {}
     chosen = pick(ms, rows)
     timings = "; ".join(f"{r} row{'s' if r > 1 else ''}: " + ", ".join(f"{f} {ms[f, r]:.1f}" for f in FORMATS if (f, r) in ms)
                         for r in rows)
     skipped = sorted({f for f, _ in failed})
     reasons = {f: why for (f, _), why in failed.items()}
     left_out = f"; left out: {', '.join(f'{f} ({reasons[f]})' for f in skipped)}" if skipped else ""
-    return chosen, (f"draft.quant=auto: {chosen} (ms per draft step, timed here: {timings}; int8 when faster than "
-                    f"none, nf4 only when {NF4_MARGIN:g}x faster than both, for its lower acceptance{left_out})")
+    why = (f"draft.quant=auto: {chosen} (ms per draft step, timed here: {timings}; int8 when faster than none, nf4 "
+           f"only when {NF4_MARGIN:g}x faster than both, for its lower acceptance{left_out})")
+    return chosen, why, {r: ms[chosen, r] for r in rows}

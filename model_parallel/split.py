@@ -42,6 +42,11 @@ class RankCosts:
     slot_fixed_bytes: int = 0  # what each KV slot adds besides its layers' keys and values (the drafter's cache)
     slot_layer_bytes: int = 0  # what each KV slot adds per layer: its keys and values at max_len
     slots: int = 1  # the KV slots (requests served at once) fixed_bytes and layer_bytes count
+    layer_token_ms: float = 0.0  # one layer's ms per token more than the block timed (prefill; 0: not timed)
+    draft_step_ms: float = 0.0  # rank 0: one drafter step, of fixed_ms (the cost model's drafting apart)
+    attend_ms: float = 0.0  # one layer's ms per token per earlier token (a long prompt's attention; 0: not timed)
+    draft_token_ms: float = 0.0  # rank 0: the drafter's ms per token more than a step (catch-up; a row more)
+    draft_attend_ms: float = 0.0  # rank 0: the drafter's attention ms per token per earlier token
 
     def at(self, slots: int) -> RankCosts:
         """These costs with `slots` KV slots (serve.max_concurrent): each slot its own cache on every layer."""
@@ -160,9 +165,12 @@ def no_fit_message(num_layers: int, ranks: list[RankCosts]) -> str:
 # --- timing, on this rank's device --------------------------------------------------------------
 
 STAGE_SIZES = (1, 3)  # layers in the two stages timed: one layer is their difference / 2, the rest the call's
+PROBE_TOKENS = 128  # a one-layer stage is also timed over a block this long: its slope is a layer's ms per token
+# (from a block of 128 on: a CPU's matrix products run near their full rate there, as over a 512-token chunk)
+LONG_CONTEXT = 1024  # ... and after this many cached tokens: the slope is attention's ms per token per earlier one
 WINDOW_S = 1.5  # each run is repeated, in turn with the others, for about this long after its warm-up
 MIN_SAMPLES, MAX_SAMPLES, WARMUP = 5, 25, 2
-QUICK_S = 0.05  # MIN_SAMPLES cycles this quick are enough: a GPU's times hold still (and tests' tiny models)
+QUICK_S = 0.1  # MIN_SAMPLES cycles this quick are enough: a GPU's times hold still (and tests' tiny models)
 
 
 def median_ms(runs: dict, window_s: float = WINDOW_S) -> dict:
@@ -215,7 +223,7 @@ def _placeholder(module: torch.nn.Module, device: str, dtype: torch.dtype) -> to
 
 
 def stage_runs(model, tokens: int, device: str, dtype: torch.dtype, quant=None, context: int = CONTEXT,
-               rows: int = 1) -> dict:
+               rows: int = 1, sizes: tuple[int, ...] = STAGE_SIZES) -> dict:
     """{layers: a forward of `tokens` tokens after `context` cached ones} for a stage of each size in
     STAGE_SIZES, through Stage.forward as a round calls it (placeholder weights of `model`'s shapes, `dtype`,
     NF4 or int8 with `quant`; every layer its own weights, as in a real stage); `rows` requests at once, each in
@@ -234,7 +242,7 @@ def stage_runs(model, tokens: int, device: str, dtype: torch.dtype, quant=None, 
     hidden = torch.randn(rows, tokens, small.hidden_size, dtype=dtype, device=device) * 0.1
     slots = list(range(rows))
     runs = {}
-    for n in STAGE_SIZES:  # each stage its own layers: none is still in a CPU cache from the other's call
+    for n in sizes:  # each stage its own layers: none is still in a CPU cache from the other's call
         stage = Stage(small, [layer(i) for i in range(n)], 0, rotary_cls(config=small).to(device)).eval()
         stage.allocate_cache(context + tokens, dtype, slots=rows)  # its first `context` slots stand for cached tokens:
 
@@ -291,21 +299,57 @@ class Timed:
     calls: int = 1
 
 
-def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WINDOW_S) -> tuple[float, float]:
-    """(ms per target layer over its block, the rank's other ms per round): the target's stage call
-    (and head, if `target.head`), plus `drafter.calls` drafter steps (every layer, the norm and the head
-    over one token). Every part is timed here, in turn with the others, in one window (median_ms)."""
+@dataclass(frozen=True)
+class Speed:
+    """A rank's timing (time_rank): what RankCosts' *_ms fields hold."""
+    layer_ms: float  # one target layer over the round's block
+    fixed_ms: float  # the rest of the rank's work per round (the drafter's steps, the head)
+    layer_token_ms: float = 0.0  # one target layer's ms per token more than the block
+    draft_step_ms: float = 0.0  # one drafter step
+    attend_ms: float = 0.0  # one target layer's ms per token per earlier token (attention over a long context)
+    draft_token_ms: float = 0.0  # the whole drafter's ms per token more (a prompt's catch-up, or one more row)
+    draft_attend_ms: float = 0.0  # the whole drafter's attention ms per token per earlier token
+
+
+def probe_runs(runs: dict, name, model: Timed, probe: int) -> None:
+    """A one-layer stage of `model` over `probe` tokens after CONTEXT and after LONG_CONTEXT cached ones."""
+    for context in (CONTEXT, LONG_CONTEXT):
+        runs[name, context] = stage_runs(model.model, probe, model.device, model.dtype, model.quant, context=context,
+                                         sizes=(1,))[1]
+
+
+def slopes(ms: dict, name, block_ms: float, block: int, probe: int) -> tuple[float, float]:
+    """(a layer's ms per token more than a block of `block`, its ms per token per earlier token) from probe_runs'."""
+    token_ms = max(ms[name, CONTEXT] - block_ms, 0.0) / (probe - block)
+    return token_ms, max(ms[name, LONG_CONTEXT] - ms[name, CONTEXT], 0.0) / (probe * (LONG_CONTEXT - CONTEXT))
+
+
+def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WINDOW_S) -> Speed:
+    """The target's stage call (and head, if `target.head`), plus `drafter.calls` drafter steps (every layer, the
+    norm and the head over one token); a one-layer stage of each also over PROBE_TOKENS tokens, after a short and a
+    long context: their slopes are the per-token and attention costs a prefill chunk adds (speculative.cost_model).
+    Every part is timed here, in turn with the others, in one window (median_ms)."""
     runs, scale = {}, {}
     for name, model in (("target", target), ("drafter", drafter)):
         if model is not None:
             scale[name] = add_runs(runs, name, model)
+    probe = max(PROBE_TOKENS, 2 * target.tokens)
+    probe_runs(runs, "probe", target, probe)
+    if drafter is not None:
+        probe_runs(runs, "drafter probe", drafter, probe)
     ms = median_ms(runs, window_s)
     layer_ms, call_ms = layer_and_call_ms({n: ms["target", n] for n in STAGE_SIZES})
     other_ms = call_ms + (ms["target", "head"] * scale["target"] if target.head else 0.0)
+    token_ms, attend_ms = slopes(ms, "probe", ms["target", 1], target.tokens, probe)
+    speed = Speed(layer_ms, other_ms, token_ms, attend_ms=attend_ms)
     if drafter is not None:
-        other_ms += drafter.calls * model_ms(ms, "drafter", drafter, scale["drafter"])
+        step_ms = model_ms(ms, "drafter", drafter, scale["drafter"])
+        layers = drafter.model.config.num_hidden_layers
+        draft_token, draft_attend = slopes(ms, "drafter probe", ms["drafter", 1], drafter.tokens, probe)
+        speed = replace(speed, fixed_ms=other_ms + drafter.calls * step_ms, draft_step_ms=step_ms,
+                        draft_token_ms=layers * draft_token, draft_attend_ms=layers * draft_attend)
     _release(target, drafter)
-    return layer_ms, other_ms
+    return speed
 
 
 def add_runs(runs: dict, name, model: Timed, rows: int = 1) -> float:

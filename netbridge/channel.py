@@ -32,6 +32,7 @@ class Channel(ABC):
     over and returns; `recv` holds the message until its arrival on the emulated wire of its direction."""
 
     peer_name = "the other rank"  # in error lines; "rank 2" where there are more than two
+    kind = "local"  # what carries the frames: "local" (one host), "relay" or "gloo"; the link probe reports it
 
     def __init__(self, timeout_s: float, emulate_delay_ms: float = 0.0, emulate_mbps: float = 0.0):
         self.timeout_s = timeout_s
@@ -82,6 +83,8 @@ class GlooChannel(Channel):
     (rank 0 with several rounds in flight, rank 1 with a reply to give) would wait on each other for good,
     so frames leave from a sender thread of this channel, in order; `send_frame` returns at once, as a
     socket's send does, and a failed send is raised by the next send or receive."""
+
+    kind = "gloo"
 
     def __init__(self, peer: int, timeout_s: float, **emulation):
         super().__init__(timeout_s, **emulation)

@@ -38,7 +38,7 @@ import torch
 
 from netbridge.channel import Channel, PeerError
 
-VERSION = 11  # bumped when a message changes; Hello carries it
+VERSION = 12  # bumped when a message changes; Hello carries it
 
 
 @dataclass
@@ -55,6 +55,10 @@ class Hello:
     fixed_ms: float = 0.0  # the rest of its work per round (drafter steps; head)
     slots: int = 1  # KV slots it asks for (1 one-shot, serve.max_concurrent; 0: as many as fit); the fewest asked win
     slot_bytes: list[int] = field(default_factory=lambda: [0, 0])  # each slot adds: besides its layers, per layer
+    link: dict | None = None  # its link on to the next rank as it measured it (netbridge.link_probe.LinkProbe's fields)
+    layer_token_ms: float = 0.0  # one layer's ms per token more than the block (prefill, speculative.cost_model)
+    draft_step_ms: float = 0.0  # rank 0: one drafter step, of fixed_ms
+    prefill_ms: dict = field(default_factory=dict)  # RankCosts' attend_ms, draft_token_ms, draft_attend_ms
     version: int = VERSION
 
 

@@ -20,13 +20,20 @@ Each rank sends heartbeats every `heartbeat_s` from a small thread, so the recei
   - a peer that closed its channel on purpose (its CLOSE arrives): PeerError at once
 A link that fails before the session is established (before the other rank's hello arrived) fails
 at once as before: there is nothing to resume yet, and the join has its own timeout.
+
+An idle link resumes too: on a ring of more than two ranks a rank sends on its link to the next rank and then
+waits on another link, so a drop of the idle one (the relay closing it, a network reset) would be seen only at
+its next send, which may wait on a message lost in the drop. The heartbeat thread therefore watches the
+connection while neither send nor receive is using the channel, and re-dials as soon as it hangs up.
 """
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 import time
+from contextlib import contextmanager
 
 from netbridge.channel import Channel, PeerError
 from netbridge.link import DATA, HEARTBEAT, PEER_LEFT, LinkClosed, LinkGarbage, LinkSocket, LinkTimeout
@@ -61,6 +68,8 @@ class RelayChannel(Channel):
     more than two ranks, is (this rank, the peer) on the pipeline's ring, the numbers the error lines name.
     """
 
+    kind = "relay"
+
     def __init__(self, link: LinkSocket, rank: int, session: str, timeout_s: float, heartbeat_s: float | None = None, *,
                  secret: bytes = b"", redial=None, reconnect_s: float = 0.0, ring: tuple[int, int] | None = None,
                  **emulation):
@@ -74,7 +83,11 @@ class RelayChannel(Channel):
         self.secure = SecureSession(secret, session, rank, self.ring_peer, self.relay)  # survives reconnects
         self.resumes = 0
         self._closed = threading.Event()
-        self._hb = Heartbeats(lambda: getattr(self, "link", None), self.heartbeat_s, self._closed, f"relay-heartbeat-{rank}")
+        self._use = threading.Condition()  # guards _using / _idle_resume: the idle watch acts only when no call is inside
+        self._using, self._idle_resume, self._idle_error = 0, False, None
+        self._kept: list[bytes] = []  # messages the idle watch read, for the next receives
+        self._hb = Heartbeats(lambda: getattr(self, "link", None), self.heartbeat_s, self._closed, f"relay-heartbeat-{rank}",
+                              on_tick=self._watch_idle)
         self._start_link(link)
 
     @classmethod
@@ -95,26 +108,81 @@ class RelayChannel(Channel):
 
     # ---- Channel -------------------------------------------------------------------------------
     def send_frame(self, frame: bytes) -> None:
-        if self._closed.is_set():
-            raise PeerError(f"the relay channel to rank {self.ring_peer} is closed")
-        self._await_hello(time.monotonic() + self.timeout_s)
-        envelope = self.secure.seal(frame)
-        try:
-            self._send_data(envelope)
-        except _LinkLost as lost:
-            self._resume(str(lost), lost.window_s)  # resends this frame too
+        with self._in_use():
+            if self._closed.is_set():
+                raise PeerError(f"the relay channel to rank {self.ring_peer} is closed")
+            if self._idle_error is not None:
+                raise self._idle_error
+            self._await_hello(time.monotonic() + self.timeout_s)
+            envelope = self.secure.seal(frame)
+            try:
+                self._send_data(envelope)
+            except _LinkLost as lost:
+                self._resume(str(lost), lost.window_s)  # resends this frame too
 
     def recv_frame(self) -> bytes:
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                frame = self._receive(deadline)  # a hello may resend, so receiving can lose the link too
-            except _LinkLost as lost:
-                self._resume(str(lost), lost.window_s)
-                deadline = time.monotonic() + self.timeout_s  # the reconnect does not count against the peer
-                continue
+        with self._in_use():
+            if self._kept:  # what the idle watch read, before what ended it
+                return self._kept.pop(0)
+            if self._idle_error is not None:
+                raise self._idle_error
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                try:
+                    frame = self._receive(deadline)  # a hello may resend, so receiving can lose the link too
+                except _LinkLost as lost:
+                    self._resume(str(lost), lost.window_s)
+                    deadline = time.monotonic() + self.timeout_s  # the reconnect does not count against the peer
+                    continue
+                if frame is not None:
+                    return frame
+
+    # ---- the idle watch ------------------------------------------------------------------------
+    @contextmanager
+    def _in_use(self):
+        """Around each send and receive: waits out a resume (or a read) the idle watch has begun."""
+        with self._use:
+            while self._idle_resume:
+                self._use.wait()
+            self._using += 1
+        try:
+            yield
+        finally:
+            with self._use:
+                self._using -= 1
+
+    def _watch_idle(self) -> None:
+        """(heartbeat thread) With no call inside and the connection hung up, read what is left on it as a receive
+        would: a message is kept for the next receive, the peer's CLOSE (or another PeerError) is raised by the
+        next call, and a lost link is re-dialed and resumed now."""
+        with self._use:
+            if self._using or self._closed.is_set() or not self._hung_up():
+                return
+            self._idle_resume = True
+        try:
+            frame = self._receive(time.monotonic() + self.heartbeat_s)
             if frame is not None:
-                return frame
+                self._kept.append(frame)
+        except _LinkLost as lost:
+            try:
+                self._resume(str(lost), lost.window_s)
+            except PeerError as e:
+                self._idle_error = e
+        except PeerError as e:
+            self._idle_error = e
+        finally:
+            with self._use:
+                self._idle_resume = False
+                self._use.notify_all()
+
+    def _hung_up(self) -> bool:
+        """The other side of the connection closed or reset it (seen without reading what is still buffered)."""
+        watch = select.poll()
+        try:
+            watch.register(self.link.sock, select.POLLRDHUP)
+            return any(events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, events in watch.poll(0))
+        except (OSError, ValueError):  # closed here already
+            return True
 
     # ---- the link ------------------------------------------------------------------------------
     def _send_data(self, body: bytes) -> None:
@@ -237,6 +305,9 @@ class RelayChannel(Channel):
     def close(self) -> None:
         if self._closed.is_set():
             return
+        with self._use:  # the idle watch starts nothing more, and what it began is given a moment to end
+            self._using += 1
+            self._use.wait_for(lambda: not self._idle_resume, timeout=min(2.0, self.timeout_s))
         if self.secure.awaiting_hello:  # the peer's hello is likely here already: with it, the CLOSE below can be sealed
             try:
                 self._read_hello(time.monotonic() + min(1.0, self.timeout_s))

@@ -92,10 +92,10 @@ def wait_for_peer(link: LinkSocket, session: str, ring: tuple[int, int], join_ti
 class Heartbeats:
     """A small thread that sends a heartbeat on the current link whenever nothing else went out for most of a
     period, so that the peer and the relay's idle timer tell a quiet, live rank from a dead link. It ends
-    when `stop` is set."""
+    when `stop` is set. `on_tick()`, if given, runs after each look at the link (RelayChannel's idle watch)."""
 
-    def __init__(self, current_link, period_s: float, stop: threading.Event, name: str):
-        self.current_link, self.period_s, self.stop = current_link, period_s, stop
+    def __init__(self, current_link, period_s: float, stop: threading.Event, name: str, on_tick=None):
+        self.current_link, self.period_s, self.stop, self.on_tick = current_link, period_s, stop, on_tick
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
@@ -107,6 +107,8 @@ class Heartbeats:
                     link.try_heartbeat()
                 except OSError:  # the link's owner finds out on its next send or receive, and reconnects
                     pass
+            if self.on_tick is not None:
+                self.on_tick()
 
     def join(self, timeout_s: float = 2.0) -> None:
         self.thread.join(timeout=timeout_s)

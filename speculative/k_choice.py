@@ -1,19 +1,15 @@
 """How many drafts a round carries (K): fixed (spec.k), adaptive (spec.adaptive), or from costs (spec.k_from_costs).
 
-spec.k_from_costs picks each round's K from what rounds have cost and how often drafts were kept.
+spec.k_from_costs picks each round's K from what rounds have cost and how often drafts were kept, through the
+pipeline's cost model (speculative.cost_model): rank 0's drafting per draft token and its slice per block size,
+the later ranks' slices per block size and the wire (one lumped link), per-position acceptance. The chosen K has
+the most tokens/s of one stream (cost_model.stream_tokens_per_s at one round on the way: with spec.overlap a round
+whose bet holds hides rank 0's work in the wait, K=0 has nothing to bet on), within 0..k_max. A long round trip
+makes the fixed part large, so K rises with delay; a block that costs much more than one token keeps K low, down
+to K=0 where drafting cannot pay (bf16 on a CPU without bf16 instructions: a block of 5 costs 5 tokens).
+Block costs are measured per block size and interpolated between the sizes seen (a block's cost is not a line
+in its size: on a CPU it doubles from 1 to 2 tokens, then flattens).
 
-A round with K drafts commits, on average, 1 + sum_{j=1..K} prod_{i<=j} a_i tokens, where a_i is the
-measured chance that draft i is accepted once drafts 1..i-1 were. Rank 0 works r0 = K x the drafter's
-cost per token + its slice over a block of K+1; the later ranks and the wire take r1 = its slice over that
-block + the round trip. Sequential rounds take r0 + r1. With spec.overlap, rank 0 prepares the next
-round during the wait: a round whose bet holds (every draft and the guess accepted, chance h) costs
-max(r0, r1), another r0 + max(r0, r1); K=0 has nothing to bet on and stays r0 + r1.
-Block costs are measured per block size and interpolated between the sizes seen (a block's cost is
-not a line in its size: on a CPU it doubles from 1 to 2 tokens, then flattens).
-
-The chosen K maximises tokens per millisecond, within 0..k_max. A long round trip makes the fixed part
-large, so K rises with delay; a block that costs much more than one token keeps K low, down to K=0
-where drafting cannot pay (bf16 on a CPU without bf16 instructions: a block of 5 costs 5 tokens).
 It starts on K=1 and K=0 (cheap rounds that fix the cost of small blocks); every `explore_every`-th
 round then tries the best K's neighbour (one more draft, or one where K=0 wins), so block sizes and
 positions not yet measured get measured, and a change (a repetitive stretch, a faster link) is seen.
@@ -33,24 +29,12 @@ round of K costs on average while the mix lasts.
 """
 from __future__ import annotations
 
+from speculative import cost_model
+
 
 def ema(old: float | None, new: float, smoothing: float) -> float:
     """An exponential moving average's next value (the first sample as it is)."""
     return new if old is None else old + smoothing * (new - old)
-
-
-def _at(points: dict[int, float], n: int) -> float:
-    """The cost of a block of n from the sizes measured: interpolated between them, extended beyond
-    them along the slope of the two nearest (never downwards)."""
-    if n in points:
-        return points[n]
-    sizes = sorted(points)
-    if len(sizes) == 1:
-        return points[sizes[0]]
-    below, above = [s for s in sizes if s < n], [s for s in sizes if s > n]
-    a, b = (below[-1], above[0]) if below and above else (sizes[-2], sizes[-1]) if below else (sizes[0], sizes[1])
-    slope = max(0.0, (points[b] - points[a]) / (b - a))
-    return max(0.0, points[a] + slope * (n - a))
 
 
 class FixedK:
@@ -111,9 +95,7 @@ class KFromCosts:
 
     def observe(self, r) -> None:
         """A decode round's RoundRecord (not the prefill round: it says nothing about K)."""
-        for i in range(1, r.drafted + 1):
-            self.tried[i] += 1
-            self.kept[i] += r.accepted >= i
+        cost_model.tally(self.tried, self.kept, r.drafted, r.accepted)
         n = r.drafted + 1
         self.later_ms[n] = ema(self.later_ms.get(n), r.later_ms, self.smoothing)
         self.wire_ms = ema(self.wire_ms, r.network_ms, self.smoothing)
@@ -124,31 +106,22 @@ class KFromCosts:
                 self.draft_ms = ema(self.draft_ms, r.draft_ms / r.drafted, self.smoothing)
         self.after_undrafted = r.drafted == 0
 
-    def _acceptance(self, prior_weight: float = 4.0) -> list[float]:
+    def _acceptance(self, prior_weight: float = 4.0) -> cost_model.Acceptance:
         """a_i, each position's rate shrunk toward the pooled rate of all positions (itself toward 1/2)."""
-        pooled = (sum(self.kept) + 1) / (sum(self.tried) + 2)
-        return [0.0] + [(self.kept[i] + prior_weight * pooled) / (self.tried[i] + prior_weight)
-                        for i in range(1, self.k_max + 2)]
+        return cost_model.Acceptance.from_counts(self.tried, self.kept, prior_weight)
 
-    def round_ms(self, k: int, bet_holds: float) -> float:
-        """Expected ms of a round of K drafts; `bet_holds`: the chance that every draft and the
-        drafter's guess of the next token are accepted (what overlap bets on)."""
-        r0 = k * self.draft_ms + _at(self.stage0_ms, k + 1)
-        r1 = _at(self.later_ms, k + 1) + self.wire_ms
-        if not self.overlap or k == 0:
-            return r0 + r1
-        return (1 - bet_holds) * r0 + max(r0, r1)
+    def pipeline(self) -> cost_model.Pipeline:
+        """The cost model of what was measured: rank 0 (drafting, its slice per block size), the later ranks as
+        one stage (their slices per block size), the wire as one link."""
+        ranks = (cost_model.RankCost(0.0, by_tokens=self.stage0_ms), cost_model.RankCost(0.0, by_tokens=self.later_ms))
+        links = (cost_model.LinkCost(self.wire_ms), cost_model.LinkCost())
+        return cost_model.Pipeline(ranks, links, cost_model.DraftCost(self.draft_ms), self._acceptance(),
+                                   overlap=self.overlap)
 
     def rates(self) -> list[float]:
-        """Expected tokens per ms of a round at each K in 0..k_max."""
-        a = self._acceptance()
-        rates, tokens, p = [], 1.0, 1.0
-        for k in range(self.k_max + 1):
-            if k:
-                p *= a[k]
-                tokens += p
-            rates.append(tokens / max(self.round_ms(k, p * a[k + 1]), 1e-6))
-        return rates
+        """Expected tokens per ms of a round at each K in 0..k_max (one round on the way)."""
+        p = self.pipeline()
+        return [cost_model.stream_tokens_per_s(p, k, 1) / 1000 for k in range(self.k_max + 1)]
 
     def choose(self) -> int:
         """The K with the most expected tokens per ms; first the warm-up sizes, each once."""

@@ -64,6 +64,8 @@ class RoundRecord:
     live: int = 1  # streams live when its reply came
     on_the_way: int = 1  # blocks of every stream on the way when its reply was awaited, itself included
     looked_up: bool = False  # its drafts were found in the context, with no model step (draft.kind=hybrid, ngram)
+    predicted_tokens_per_s: float = 0.0  # the cost model's tokens/s for its stream at its K (speculative.cost_model)
+    measured_tokens_per_s: float = 0.0  # its stream's tokens/s since its first token, this round's included
 
     @property
     def later_ms(self) -> float:
@@ -88,6 +90,7 @@ class Generation:
     reused: int = 0  # prompt tokens found in the caches (not prefilled again)
     reused_disk: int = 0  # of them, those read from cache.dir (speculative.prefixes); the rest were in memory
     error: str | None = None  # it ended because its grammar failed on the last rank (Reply.error): why
+    predicted_ttft_s: float = 0.0  # the cost model's TTFT of its prompt's new part (0: no model)
 
 
 class NonFiniteLogits(RuntimeError):

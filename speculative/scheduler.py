@@ -10,18 +10,18 @@ rank). A batch holds at most a 1/G share of the live streams, so that G batches 
 one is on the wire or at a later rank, rank 0 drafts for another. Replies come back in the order the blocks went
 out, so the oldest batch's streams are the next drafted for: round-robin.
 
-How many batches (G, `BatchCount`): a batched forward costs about as much as a lone one (weights read once for all
-rows), so splitting the streams into G batches multiplies each rank's work per cycle by G, and pays only when it
-fills time the pipe would otherwise idle. With c0 rank 0's work per batch (drafting + stage 0), c the slowest later
-rank's, and the cycle of one batch c0 + the later ranks' work + the trip, G batches cycle in max(G x max(c0, c),
-c0 + later + trip): the most that fit in that is G = (c0 + later + trip) // max(c0, c). On a CPU where rank 0's
-drafter dominates that is 1; over a WAN with fast GPUs, several.
+How many batches (G, `BatchCount`), from the pipeline's cost model (speculative.cost_model.best_batches): a batched
+forward costs about as much as a lone one (weights read once for all rows), so splitting the streams into G batches
+multiplies each rank's work per cycle by G, and pays only when it fills time the pipe would otherwise idle: G
+batches cycle in max(G x the busiest resource, one batch's prep + trip). The most batches that do not lengthen the
+cycle are taken. On a CPU where rank 0's drafter dominates that is 1; over a WAN with fast GPUs, several.
 """
 from __future__ import annotations
 
 import math
 import time
 
+from speculative import cost_model
 from speculative.in_flight import FixedDepth
 from speculative.k_choice import ema
 
@@ -40,15 +40,22 @@ class BatchCount:
 
     def __init__(self, given: int | None = None, smoothing: float = 0.2, most: int = 8):
         self.given, self.smoothing, self.most = given, smoothing, most
-        self.rank0 = self.later = self.slowest = self.trip = None  # ms, moving averages
+        self.rank0 = self.trip = None  # ms, moving averages: rank 0's work per batch, the wire's part of a round
+        self.stages: list[float] = []  # each later rank's work per batch (the middle ranks', then the last's)
 
-    def now(self) -> int:
+    def pipeline(self) -> cost_model.Pipeline:
+        """The cost model of what was measured: rank 0's work, each later rank's, the wire as one link."""
+        ranks = (cost_model.RankCost(self.rank0), *(cost_model.RankCost(ms) for ms in self.stages))
+        links = (cost_model.LinkCost(self.trip), *(cost_model.LinkCost() for _ in self.stages))
+        return cost_model.Pipeline(ranks, links, acceptance=cost_model.Acceptance(), overlap=False)
+
+    def now(self, streams: int | None = None) -> int:
+        """G for `streams` live streams (None: as many as G may be)."""
         if self.given is not None:
             return self.given
-        if None in (self.rank0, self.later, self.trip):
+        if None in (self.rank0, self.trip) or not self.stages:
             return 1
-        cycle = self.rank0 + self.later + self.trip
-        return max(1, min(self.most, int(cycle // max(self.rank0, self.slowest, 1e-3))))
+        return cost_model.best_batches(self.pipeline(), 0, streams or self.most, self.most)
 
     def observe(self, record, waited_ms: float) -> None:
         """A fresh block's round (not a first round, not a bet). The trip is read only from rounds whose reply
@@ -57,8 +64,10 @@ class BatchCount:
             return
         s = self.smoothing
         self.rank0 = ema(self.rank0, record.draft_ms + record.stage0_ms, s)
-        self.later = ema(self.later, record.later_ms, s)
-        self.slowest = ema(self.slowest, max([record.last_ms, *record.middle_ms]), s)
+        stages = [*record.middle_ms, record.last_ms]
+        if len(stages) != len(self.stages):
+            self.stages = stages
+        self.stages = [ema(old, new, s) for old, new in zip(self.stages, stages)]
         if waited_ms > 1.0:
             self.trip = ema(self.trip, record.network_ms, s)
 
@@ -100,7 +109,7 @@ class Scheduler:
         prompt's first round alone (it carries up to spec.prefill_chunk tokens); the others in batches of a 1/G
         share, each sent when full or when fewer than G are on the way (the pipe would idle). The rest wait for
         the next reply, so streams that fell out of step (a first round, a newcomer) are batched again."""
-        on_the_way = self.batch_count.now()
+        on_the_way = self.batch_count.now(len(self.live))
         most = max(1, math.ceil(len(self.live) / on_the_way))
         batches = [[s] for s in ready if s.prefilling]
         rest = [s for s in ready if not s.prefilling]

@@ -59,7 +59,7 @@ def _ms(t0: float) -> float:
 
 class Session:
     def __init__(self, stage, drafter, channel, spec: SpecSettings = SpecSettings(), replies=None, prefixes=None,
-                 slots: int = 1, batches_on_the_way: int | None = None):
+                 slots: int = 1, batches_on_the_way: int | None = None, predictor=None):
         self.stage, self.drafter, self.channel = stage, drafter, channel
         self.prefixes = prefixes  # cache.dir: rank 0's saved prefixes (speculative.prefixes.RankPrefixes), or None
         self.replies = Replies(replies or channel)  # from the last rank (with more than two ranks, its own link)
@@ -70,6 +70,7 @@ class Session:
         # the slots, the live streams by slot, the batches (batches_on_the_way None: from measured costs)
         self.scheduler = Scheduler(slots, batches_on_the_way, in_flight_policy(spec.in_flight, spec.overlap))
         self.ended: list[Stream] = []  # streams that ended outside a tick (settle), for the next tick to return
+        self.predictor = predictor  # the cost model's predictions beside what rounds measure (cost_model.Predictor)
 
     @property
     def live(self) -> list[Stream]:
@@ -111,8 +112,21 @@ class Session:
         if self.prefixes is not None and self.prefixes.drafter is not None:
             self.prefixes.restore_drafter(held, slot)
         s.pending, s.k_now = self.prefill_chunks(prompt_ids, held, slot), self.k_policy.first()
+        if self.predictor is not None:
+            self.predict_ttft(s, len(prompt_ids) - held)
         self.scheduler.live[slot] = s
         return s
+
+    def predict_ttft(self, s: Stream, new_tokens: int) -> None:
+        """The cost model's TTFT of a newcomer, from its arrival when it came with others at once: the streams
+        admitted before it whose first round is not yet sent (their prompts were prefilled just before its own,
+        while it waited) go first; and its admission holds back each of their first rounds by its prefill."""
+        unsent = [o for o in self.live if not o.gen.rounds and not o.chain]
+        ahead = tuple(len(o.gen.prompt_ids) - o.gen.reused for o in unsent)
+        s.gen.predicted_ttft_s = self.predictor.ttft_s(new_tokens, s.k_now, ahead)
+        held_back = self.predictor.admission_ms(new_tokens) / 1000
+        for o in unsent:
+            o.gen.predicted_ttft_s += held_back
 
     def restore(self, gen: Generation, reuse: int, slot: int) -> int:
         """cache.dir: the longest saved prefix of the prompt every rank holds, loaded on every rank when longer than
@@ -236,8 +250,19 @@ class Session:
                              in_flight, lost, bet, wasted_ms, prepared, s.slot, block.batch, len(self.scheduler.live),
                              on_the_way, block.drafts.looked_up)
         s.gen.rounds.append(record)
+        self.predict(s, record, decode=len(s.gen.rounds) > 1)
         s.k_now = self.k_policy.after(s.k_now, record, decode=len(s.gen.rounds) > 1)
         return record
+
+    def predict(self, s: Stream, record: RoundRecord, decode: bool) -> None:
+        """The cost model's tokens/s beside the measured: its acceptance taken in (decode rounds), then the
+        prediction at this round's K, depth and streams; measured, the stream's decode rate so far."""
+        if self.predictor is None or not decode:
+            return
+        self.predictor.observe(record.drafted, record.accepted)
+        record.predicted_tokens_per_s = self.predictor.tokens_per_s(record.drafted, self.scheduler.depth(), record.live)
+        decode_s = time.perf_counter() - s.t_start - s.gen.ttft_s
+        record.measured_tokens_per_s = (len(s.output.tokens) - 1) / decode_s if decode_s > 0 else 0.0
 
     def end(self, s: Stream, clean: bool = True) -> Stream:
         """`s` is over (done, cancelled, or failed when not `clean`): its blocks dropped, its slot free at once. Its

@@ -47,6 +47,10 @@ def summarize(gen: Generation, k: int, drafter: str) -> dict:
         "ttft_s": gen.ttft_s,
         "total_s": gen.total_s,
         "tokens_per_s": (tokens - 1) / decode_s if decode_s > 0 and tokens > 1 else 0.0,
+        # the cost model's (speculative.cost_model; 0: none): each decode round's prediction at its K with the
+        # acceptance measured so far, over the run as the measured figure is (tokens over their predicted time)
+        "predicted_tokens_per_s": predicted_rate(rounds),
+        "predicted_ttft_s": gen.predicted_ttft_s,
         "mean_ms": {
             "draft": mean(r.draft_ms for r in rounds),
             "stage0": mean(r.stage0_ms for r in rounds),
@@ -59,6 +63,13 @@ def summarize(gen: Generation, k: int, drafter: str) -> dict:
         },
         "busy_fraction": busy_fraction(rounds, decode_s, middles),
     }
+
+
+def predicted_rate(rounds) -> float:
+    """The decode rounds' tokens over the time the cost model gave each (its tokens at its predicted rate)."""
+    timed = [r for r in rounds if r.predicted_tokens_per_s > 0]
+    seconds = sum(r.committed / r.predicted_tokens_per_s for r in timed)
+    return sum(r.committed for r in timed) / seconds if seconds > 0 else 0.0
 
 
 def lookup_acceptance(rounds) -> float:

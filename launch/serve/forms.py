@@ -39,7 +39,10 @@ def tandem_fields(done: dict) -> dict:
     return {"token_ids": done["token_ids"], "prompt_tokens_reused": s["prompt_tokens_reused"],
             "prefilled_tokens": s["prefilled_tokens"], "ttft_ms": s["ttft_s"] * 1000, "queue_ms": s["queue_s"] * 1000,
             "tokens_per_s": s["tokens_per_s"], "tokens_per_round": s["tokens_per_round"],
-            "acceptance_rate": s["acceptance_rate"]}
+            "acceptance_rate": s["acceptance_rate"],
+            # the cost model's figures for this request (speculative.cost_model; 0: none), beside the measured ones
+            "predicted_tokens_per_s": s.get("predicted_tokens_per_s", 0.0),
+            "predicted_ttft_ms": s.get("predicted_ttft_s", 0.0) * 1000}
 
 
 def sse(body: dict, event: str | None = None) -> str:

@@ -63,7 +63,7 @@ def open_host_warning(host: str, api_key: str | None) -> str | None:
 
 
 def serve(cfg: TandemConfig, session, tokenizer, eos_ids: set[int], vocab_size: int,
-          listener: socket.socket | None = None, model_name: str | None = None) -> None:
+          listener: socket.socket | None = None, model_name: str | None = None, links: tuple = ()) -> None:
     """Serve until SIGINT/SIGTERM (raises Interrupted, once the later ranks have had their Bye), until the server is
     told to exit (returns), or until a later rank is lost (raises its PeerError)."""
     import uvicorn
@@ -74,7 +74,7 @@ def serve(cfg: TandemConfig, session, tokenizer, eos_ids: set[int], vocab_size: 
     telemetry = None
     if cfg.log.dir:
         from launch.telemetry import ServeTelemetry
-        telemetry = ServeTelemetry(cfg)
+        telemetry = ServeTelemetry(cfg, links)  # links: the Plan's, for TensorBoard's link/*
     api_key = load_api_key(cfg)
     warning = open_host_warning(cfg.serve.host, api_key)
     if warning:

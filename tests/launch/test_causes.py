@@ -58,6 +58,8 @@ def test_non_finite_logits_on_rank1_reach_rank0s_line_and_output_json(tmp_path, 
 def test_a_refused_frame_on_rank1_reaches_rank0(tmp_path, monkeypatch, reports):
     """The relay channel refuses a tampered frame with a RefusedFrame (a PeerError, though the peer is
     fine): the refusing rank must still tell the other why it stops."""
+    from netbridge.link_probe import PINGS
+    PROBE_FRAMES = 2 * ((PINGS + 1) + (PINGS + 2))  # the frames both ranks receive in the two link probes (calls counts both)
     from netbridge.channel import LocalChannel
     real_recv = LocalChannel.recv_frame
     calls = {"n": 0}
@@ -65,7 +67,7 @@ def test_a_refused_frame_on_rank1_reaches_rank0(tmp_path, monkeypatch, reports):
     def tampered(self):
         frame = real_recv(self)
         calls["n"] += 1
-        if self is channels[1] and calls["n"] > 4:
+        if self is channels[1] and calls["n"] > 4 + PROBE_FRAMES:  # past the handshake, mid-generation
             raise RefusedFrame("refused a frame from rank 0 through the relay r:1: the tag does not match; someone on "
                                "the path altered or replayed it")
         return frame

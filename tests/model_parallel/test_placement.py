@@ -275,3 +275,26 @@ def test_ranks_time_at_once_with_overlap_and_in_turns_without(tiny_qwen, tiny_qw
         assert start1 < end0 and start0 < end1, spans
     else:
         assert start1 >= end0, spans
+
+
+def test_timing_measures_what_a_long_prompt_and_more_rows_cost(tiny_qwen, monkeypatch):
+    """A rank's timing besides its round (medians given, so the arithmetic is checked): a target layer 1 ms over
+    the block of 5 and 0.01 ms a token more, attention 0.001 ms per token per earlier token (128 tokens after 128
+    and after 1024 cached); the drafter's layer 0.2 ms a step, 0.002 ms a token more (its catch-up on a prompt,
+    another row in a step) and 0.0005 per earlier token, times its 4 layers."""
+    import model_parallel.split as split
+    from model_parallel.loader import ModelSource
+    probe, extra = split.PROBE_TOKENS, 128 * (split.LONG_CONTEXT - split.CONTEXT)
+    given = {("target", 1): 1.5, ("target", 3): 3.5, ("probe", split.CONTEXT): 1.5 + 0.01 * (probe - 5),
+             ("drafter", 1): 0.7, ("drafter", 3): 1.1, ("drafter", "head"): 0.3,
+             ("drafter probe", split.CONTEXT): 0.7 + 0.002 * (probe - 1)}
+    given["probe", split.LONG_CONTEXT] = given["probe", split.CONTEXT] + 0.001 * extra
+    given["drafter probe", split.LONG_CONTEXT] = given["drafter probe", split.CONTEXT] + 0.0005 * extra
+    monkeypatch.setattr(split, "median_ms", lambda runs, window_s: {name: given[name] for name in runs})
+    model = ModelSource.open(tiny_qwen, "float32")
+    speed = split.time_rank(split.Timed(model, 5, "cpu", torch.float32),
+                            split.Timed(model, 1, "cpu", torch.float32, head=True, calls=5))
+    assert (speed.layer_ms, speed.layer_token_ms, speed.attend_ms) == pytest.approx((1.0, 0.01, 0.001))
+    assert speed.draft_step_ms == pytest.approx(0.5 + 4 * 0.2 + 0.3)
+    assert speed.fixed_ms == pytest.approx(0.5 + 5 * speed.draft_step_ms)
+    assert (speed.draft_token_ms, speed.draft_attend_ms) == pytest.approx((4 * 0.002, 4 * 0.0005))

@@ -1,0 +1,282 @@
+"""The cost model (speculative.cost_model) against what runs: predicted vs measured tokens/s and TTFT per cell of a
+grid, and the model's own choice against the best fixed setting (issue 45).
+
+    python -m bench.cost_grid --quick        # 12 cells that cover each axis once, 7 launches (about 7 minutes on 2 cores)
+    python -m bench.cost_grid                # the whole grid: 2 models x 2/3 ranks x 3 delays x 2 bandwidths x
+                                             # 5 settings = 120 launches, 4 cells each (hours; run it alone)
+    python -m bench.cost_grid --models tiny --ranks 2 --delays 0 40     # any slice of it
+
+Axes: the model (`tiny`: an 8-layer random fp32 model drafting for itself, every draft kept; `pair`: the embedded
+1.5B target + 0.5B drafter, bf16, the README's quick start), ranks 2 / 3 (torchrun on this host), the EMULATED link
+(transport.emulate_delay_ms one way: 0 / 40 / 150; transport.emulate_mbps: unlimited / 20), the setting (K 0 / 4
+with spec.adaptive=false, rounds in flight 1 / 3; and `auto`: spec.k=4 with spec.k_from_costs=true and
+spec.in_flight=auto, the model's own choice), clients 1 / 4, prompts of ~40 and ~2,000 tokens.
+
+One launch per (model, ranks, delay, bandwidth, setting), served (serve.max_concurrent=4), measures its four cells
+(clients x prompt) with /v1/completions requests, each prompt new (no prefix of another's in the slots' caches),
+after one warm-up request. Per cell:
+    one client    measured: the server's tokens/s (decode) and TTFT of the request; predicted: the same request's
+                  `predicted_tokens_per_s` / `predicted_ttft_ms` (the cost model at the acceptance measured so far)
+    four clients  measured: the tokens after the first ones over the span from the first first token to the last
+                  answer (the four decode side by side while the later prompts are still admitted), TTFT p50 (queue
+                  included: the four prompts arrive at once); predicted: the same tokens over the time the start-up
+                  line's aggregate (at the prior acceptance, scaled by the measured tokens per round over the prior's:
+                  the model's aggregate is linear in it) gives them, plus the spread of the requests' predicted TTFTs
+                  (rank 0 admits and prefills a newcomer while the others wait), and the p50 of their predicted TTFTs
+    err           predicted / measured - 1 (the goal: within 15% in every cell)
+    choice        the `auto` launch's measured figure over the best fixed setting's in the same cell (goal: >= 0.95)
+Writes <out>/results.json and prints a markdown table. Figures beside other work measure the other work: run alone.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.concurrent_bench import Served  # noqa: E402 - the repository root first
+
+SETTINGS = {  # name: overrides
+    "K0 D1": ["spec.k=0", "spec.in_flight=1"],
+    "K0 D3": ["spec.k=0", "spec.in_flight=3"],
+    "K4 D1": ["spec.k=4", "spec.in_flight=1"],
+    "K4 D3": ["spec.k=4", "spec.in_flight=3"],
+    "auto": ["spec.k=4", "spec.k_from_costs=true", "spec.in_flight=auto"],
+}
+FIXED = ["spec.adaptive=false", "spec.overlap=true", "serve.max_concurrent=4"]
+PROMPTS = (40, 2000)
+CLIENTS = (1, 4)
+
+
+@dataclass(frozen=True)
+class Launch:
+    model: str  # tiny | pair
+    ranks: int
+    delay_ms: float
+    mbps: float  # 0: unlimited
+    setting: str
+
+
+@dataclass(frozen=True)
+class Cell:
+    launch: Launch
+    clients: int
+    prompt: int
+
+
+def grid(a) -> list[Cell]:
+    return [Cell(Launch(m, r, d, b, s), c, p) for m in a.models for r in a.ranks for d in a.delays for b in a.mbps
+            for s in a.settings for c in a.clients for p in a.prompts]
+
+
+def quick() -> list[Cell]:
+    """12 cells: every value of every axis at least once, in 7 launches."""
+    tiny2, tiny3 = Launch("tiny", 2, 40, 0, "K4 D1"), Launch("tiny", 3, 150, 20, "K4 D1")
+    return [Cell(tiny2, 1, 40), Cell(tiny2, 4, 40), Cell(tiny2, 1, 2000),
+            Cell(Launch("tiny", 2, 40, 0, "K4 D3"), 1, 40), Cell(Launch("tiny", 2, 40, 0, "auto"), 1, 40),
+            Cell(Launch("tiny", 2, 0, 0, "K0 D1"), 1, 40), Cell(Launch("tiny", 2, 0, 0, "K0 D1"), 4, 2000),
+            Cell(tiny3, 1, 40), Cell(tiny3, 4, 2000),
+            Cell(Launch("pair", 2, 40, 0, "K4 D1"), 1, 40), Cell(Launch("pair", 2, 40, 0, "K0 D3"), 1, 40),
+            Cell(Launch("pair", 2, 40, 0, "K4 D1"), 4, 40)]
+
+
+def tiny_model(root: Path) -> Path:
+    """An 8-layer random fp32 qwen2 with a small BPE tokenizer (serving needs one) and room for a 2,000-token prompt."""
+    from tests.support.tiny_models import save_tiny, save_tiny_tokenizer
+    folder = root / "tiny"
+    if not (folder / "config.json").exists():
+        save_tiny(folder, "qwen2", seed=3, layers=8, max_position_embeddings=4096)
+        save_tiny_tokenizer(folder)
+    return folder
+
+
+def model_overrides(model: str, root: Path) -> list[str]:
+    if model == "tiny":
+        folder = tiny_model(root)
+        return [f"model.target={folder}", f"draft.model={folder}", "model.dtype=float32", "draft.dtype=float32",
+                "draft.quant=none"]
+    return []  # the defaults: the embedded pair
+
+
+def prompt_texts(folder: str | None, tokens: int, count: int, seed: int) -> list[str]:
+    """`count` different texts of about `tokens` tokens each (random ids decoded; the server counts them again)."""
+    from transformers import AutoTokenizer
+    from launch.config import load_config
+    tok = AutoTokenizer.from_pretrained(folder or load_config(["serve.port=1"]).model.target)  # the default: the pair's
+    rng = random.Random(seed)
+    words = [w for w in tok.get_vocab() if w.isalpha() and len(w) > 2][:4000] or list(tok.get_vocab())
+    texts = []
+    for _ in range(count):
+        text = " ".join(rng.choice(words) for _ in range(tokens))
+        ids = tok(text)["input_ids"][:tokens]
+        texts.append(tok.decode(ids))
+    return texts
+
+
+def complete(url: str, prompt: str, max_tokens: int, timeout_s: float) -> dict:
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    sent = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            answer = json.loads(resp.read())
+    except (OSError, ValueError) as e:
+        return {"error": f"{type(e).__name__}: {e}"[:200]}
+    return {"sent": sent, "done": time.perf_counter(), "tokens": answer["usage"]["completion_tokens"],
+            "prompt_tokens": answer["usage"]["prompt_tokens"], **answer["tandem"]}
+
+
+def together(url: str, prompts: list[str], max_tokens: int, timeout_s: float) -> list[dict]:
+    results: list[dict] = [{"error": "no answer in time"}] * len(prompts)
+
+    def client(i: int) -> None:
+        results[i] = complete(url, prompts[i], max_tokens, timeout_s)
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 30)
+    return results
+
+
+def startup_prediction(log: Path) -> dict:
+    """The start-up line's figures: K, one stream's and the slots' aggregate tokens/s (at the prior acceptance)."""
+    text = log.read_text(errors="replace")
+    m = re.search(r"predicted: ([\d.]+) tokens/s for one stream \(K=(\d+)", text)
+    if not m:
+        return {}
+    together = re.search(r"predicted: [^\n]*?, ([\d.]+) tokens/s for \d+ at once", text)
+    return {"stream": float(m[1]), "k": int(m[2]), "aggregate": float(together[1]) if together else None}
+
+
+def measure(cells: list[Cell], a, root: Path) -> list[dict]:
+    """Every cell, one launch per Launch."""
+    from launch.prediction import PRIOR_ACCEPTANCE
+    from speculative.cost_model import Acceptance, tokens_per_round
+    rows, seed = [], 0
+    for launch in dict.fromkeys(c.launch for c in cells):
+        mine = [c for c in cells if c.launch == launch]
+        overrides = [*FIXED, *SETTINGS[launch.setting], *model_overrides(launch.model, root),
+                     f"transport.emulate_mbps={launch.mbps:g}"]  # (Served gives the delay)
+        log = root / f"{launch.model}-{launch.ranks}r-{launch.delay_ms:g}ms-{launch.mbps:g}mbps-{launch.setting.replace(' ', '')}.log"
+        folder = str(tiny_model(root)) if launch.model == "tiny" else None
+        max_tokens = a.max_tokens if launch.model == "tiny" else a.pair_max_tokens
+        started = time.perf_counter()
+        with Served(launch.delay_ms, overrides, a.launch_timeout, log, nproc=launch.ranks) as served:
+            complete(served.url, "Say hello.", 4, a.request_timeout)  # warm-up
+            startup = startup_prediction(log)
+            for cell in mine:
+                seed += 1
+                prompts = prompt_texts(folder, cell.prompt, cell.clients, seed)
+                results = together(served.url, prompts, max_tokens, a.request_timeout * cell.clients)
+                rows.append({"cell": asdict(cell), **figures(results, cell, startup, PRIOR_ACCEPTANCE, Acceptance,
+                                                                tokens_per_round), "load": os.getloadavg()[0]})
+                print(line(rows[-1]), flush=True)
+        print(f"  (launch {launch}: {time.perf_counter() - started:.0f} s)", flush=True)
+    return rows
+
+
+def figures(results: list[dict], cell: Cell, startup: dict, prior: float, Acceptance, tokens_per_round) -> dict:
+    bad = [r for r in results if "error" in r]
+    if bad:
+        return {"error": bad[0]["error"]}
+    prompt_tokens = statistics.mean(r["prompt_tokens"] for r in results)
+    ttft_ms = statistics.median(r["ttft_ms"] for r in results)
+    predicted_ttft_ms = statistics.median(r["predicted_ttft_ms"] for r in results)
+    if cell.clients == 1:
+        r = results[0]
+        measured, predicted = r["tokens_per_s"], r["predicted_tokens_per_s"]
+    else:
+        decoded = sum(r["tokens"] - 1 for r in results)
+        first = min(r["sent"] + r["ttft_ms"] / 1000 for r in results)
+        measured = decoded / max(max(r["done"] for r in results) - first, 1e-9)
+        k = startup.get("k", 0)
+        per_round = statistics.mean(r["tokens_per_round"] for r in results)
+        prior_round = tokens_per_round(Acceptance(prior=prior), k) if k else 1.0
+        together = (startup.get("aggregate") or 0.0) * per_round / prior_round
+        spread_s = (max(r["predicted_ttft_ms"] for r in results) - min(r["predicted_ttft_ms"] for r in results)) / 1000
+        predicted = decoded / (decoded / together + spread_s) if together else 0.0
+    return {"prompt_tokens": prompt_tokens, "measured_tokens_per_s": measured, "predicted_tokens_per_s": predicted,
+            "measured_ttft_ms": ttft_ms, "predicted_ttft_ms": predicted_ttft_ms,
+            "acceptance": statistics.mean(r["acceptance_rate"] for r in results), "startup": startup}
+
+
+def err(predicted: float, measured: float) -> str:
+    return f"{predicted / measured - 1:+.0%}" if predicted and measured else "-"
+
+
+def line(row: dict) -> str:
+    c = row["cell"]
+    l = c["launch"]
+    head = (f"| {l['model']} | {l['ranks']} | {l['delay_ms']:g} | {l['mbps'] or 'inf':} | {l['setting']} | {c['clients']} "
+            f"| {c['prompt']} |")
+    if "error" in row:
+        return f"{head} error: {row['error']} |"
+    return (f"{head} {row['predicted_tokens_per_s']:.2f} | {row['measured_tokens_per_s']:.2f} | "
+            f"{err(row['predicted_tokens_per_s'], row['measured_tokens_per_s'])} | {row['predicted_ttft_ms']:.0f} | "
+            f"{row['measured_ttft_ms']:.0f} | {err(row['predicted_ttft_ms'], row['measured_ttft_ms'])} | "
+            f"{row['acceptance']:.2f} | {row['load']:.1f} |")
+
+
+HEADER = ("| model | ranks | delay ms | Mbit/s | setting | clients | prompt | pred tok/s | meas tok/s | err | "
+          "pred TTFT ms | meas TTFT ms | err | accept | load |\n|" + "---|" * 15)
+
+
+def choices(rows: list[dict]) -> list[str]:
+    """Per cell with an `auto` run: its measured tokens/s over the best fixed setting's."""
+    out = []
+    key = lambda r: (r["cell"]["launch"]["model"], r["cell"]["launch"]["ranks"], r["cell"]["launch"]["delay_ms"],
+                     r["cell"]["launch"]["mbps"], r["cell"]["clients"], r["cell"]["prompt"])
+    ok = [r for r in rows if "error" not in r]
+    for auto in (r for r in ok if r["cell"]["launch"]["setting"] == "auto"):
+        fixed = [r for r in ok if key(r) == key(auto) and r["cell"]["launch"]["setting"] != "auto"]
+        if fixed:
+            best = max(fixed, key=lambda r: r["measured_tokens_per_s"])
+            out.append(f"{key(auto)}: auto {auto['measured_tokens_per_s']:.2f} tok/s = "
+                       f"{auto['measured_tokens_per_s'] / best['measured_tokens_per_s']:.2f} x the best fixed "
+                       f"({best['cell']['launch']['setting']}, {best['measured_tokens_per_s']:.2f})")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="12 cells that cover each axis once")
+    ap.add_argument("--models", nargs="+", default=["tiny", "pair"], choices=["tiny", "pair"])
+    ap.add_argument("--ranks", nargs="+", type=int, default=[2, 3])
+    ap.add_argument("--delays", nargs="+", type=float, default=[0, 40, 150])
+    ap.add_argument("--mbps", nargs="+", type=float, default=[0, 20], help="0: unlimited")
+    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--clients", nargs="+", type=int, default=list(CLIENTS))
+    ap.add_argument("--prompts", nargs="+", type=int, default=list(PROMPTS))
+    ap.add_argument("--max-tokens", type=int, default=32, help="per request, the tiny model")
+    ap.add_argument("--pair-max-tokens", type=int, default=24, help="per request, the embedded pair")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--launch-timeout", type=float, default=600)
+    ap.add_argument("--request-timeout", type=float, default=600)
+    a = ap.parse_args(argv)
+    out = Path(a.out or tempfile.mkdtemp(prefix="cost-grid-"))
+    out.mkdir(parents=True, exist_ok=True)
+    cells = quick() if a.quick else grid(a)
+    launches = len(dict.fromkeys(c.launch for c in cells))
+    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; {len(cells)} cells in {launches} "
+          f"launches; out {out}\n{HEADER}", flush=True)
+    rows = measure(cells, a, out)
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    for text in choices(rows):
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""What the cost model (speculative.cost_model) predicts for a Plan: its Pipeline from every rank's timing and
+every link's probe, the settings it would run, and the start-up line.
+
+    p = plan_pipeline(plan)            # the ranks' costs at the split, the links, the drafter, a prior acceptance
+    s = planned_settings(plan, p)      # K, depth, batches: as given, or ('auto') from the model
+    prediction_line(plan)              # "predicted: X tokens/s one stream, Y for N at once, TTFT of 2k: Z s"
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from speculative import cost_model
+from speculative.cost_model import Acceptance, LinkCost, Pipeline, Prediction, Settings
+
+PROMPT_TOKENS = 2048  # the start-up line's TTFT: a 2k-token prompt, nothing cached
+PRIOR_ACCEPTANCE = 0.7  # a model drafter's chance per draft before any is measured (the embedded pair: 0.78-0.83)
+
+
+def link_costs(plan) -> tuple[LinkCost, ...]:
+    """Every ring link as the handshake measured it (link i: rank i -> i+1, the last the reply to rank 0): half
+    its round trip one way, its sending rate; none measured (one process): free links."""
+    links = getattr(plan, "links", ()) or ()
+    if len(links) != plan.ranks:
+        return tuple(LinkCost() for _ in range(plan.ranks))
+    return tuple(LinkCost(link.rtt_ms / 2, link.send_mbps) for link in links)
+
+
+def plan_pipeline(plan) -> Pipeline:
+    """The Pipeline of `plan`: each rank's timed costs at its layers (untimed ranks cost nothing: a given split),
+    the probed links, the bytes of a token's hidden state, a prior acceptance."""
+    from launch.plan import draft_steps, drafts_with_model
+    from model_parallel.loader import DTYPES
+    cfg = plan.settings
+    counts = [len(plan.layers(r)) for r in range(plan.ranks)]
+    hidden = plan.models.target.config.hidden_size * DTYPES[cfg.model.dtype].itemsize
+    prior = PRIOR_ACCEPTANCE if cfg.spec.k > 0 else cost_model.PRIOR_ACCEPTANCE
+    steps = draft_steps(cfg) if drafts_with_model(cfg) else 0
+    p = cost_model.from_rank_costs(plan.costs, counts, list(link_costs(plan)), cfg.spec.k + 1, steps, hidden,
+                                   bool(cfg.spec.overlap), Acceptance(prior=prior))
+    return with_draft_rows(p, plan.models.draft_format)
+
+
+def with_draft_rows(p: Pipeline, draft_format) -> Pipeline:
+    """The drafter's ms per row more in a step as draft.quant=auto timed it at one row and at the slots' (a 4-bit
+    step's first extra row costs most: from one row on it dequantizes), where it did; else the timing's token slope."""
+    step_ms = getattr(draft_format, "step_ms", None) or {}
+    most = max(step_ms, default=1)
+    if most <= 1 or not p.draft.step_ms:
+        return p
+    row_ms = max(step_ms[most] - step_ms[1], 0.0) / (most - 1)
+    return replace(p, draft=replace(p.draft, row_ms=row_ms))
+
+
+def planned_settings(plan, p: Pipeline) -> Settings:
+    """The K, depth and batch count the run starts from: spec.k (spec.k_from_costs: the model's best K within
+    it), spec.in_flight (auto: the model's), the batches the model picks for the KV slots."""
+    spec = plan.settings.spec
+    k = cost_model.best_k(p, spec.k) if spec.k_from_costs and spec.k > 0 else spec.k
+    depth = cost_model.best_depth(p, k) if spec.in_flight == "auto" else int(spec.in_flight)
+    return Settings(k, depth, cost_model.best_batches(p, k, plan.slots) if plan.slots > 1 else 1)
+
+
+def plan_prediction(plan) -> Prediction:
+    p = plan_pipeline(plan)
+    chunk = plan.settings.model.prefill_chunk
+    return cost_model.predict(p, planned_settings(plan, p), plan.slots, PROMPT_TOKENS, chunk)
+
+
+def plan_predictor(plan) -> cost_model.Predictor | None:
+    """The run's Predictor (None when the ranks were not timed: nothing to predict from)."""
+    if not timed_everywhere(plan):
+        return None
+    return cost_model.Predictor(plan_pipeline(plan), plan.settings.model.prefill_chunk)
+
+
+def timed_everywhere(plan) -> bool:
+    return all(c.layer_ms > 0 for c in plan.costs)
+
+
+def prediction_line(plan) -> str:
+    """The start-up line: what the model predicts here (a prior acceptance until rounds measure it)."""
+    if not timed_everywhere(plan):
+        return "predicted: nothing (model.split was given, so the ranks were not timed; model.split=auto times them)"
+    pred = plan_prediction(plan)
+    s = pred.settings
+    together = (f", {pred.aggregate_tokens_per_s:.1f} tokens/s for {pred.streams} at once in {s.batches} "
+                f"batch{'es' if s.batches > 1 else ''}" if pred.streams > 1 else "")
+    drafts = f" at acceptance {PRIOR_ACCEPTANCE:g} per draft until measured" if s.k else ""
+    return (f"predicted: {pred.stream_tokens_per_s:.1f} tokens/s for one stream (K={s.k}, {s.depth} round"
+            f"{'s' if s.depth > 1 else ''} on the way{drafts}){together}; TTFT of a {pred.prompt_tokens}-token "
+            f"prompt {pred.ttft_s:.2f} s (speculative.cost_model)")

@@ -1,0 +1,432 @@
+"""One cost model of the pipeline: what a round costs, what it yields, and the settings that follow.
+
+Plain numbers in, plain numbers out (no torch): every figure is measured (the placement's timing at start-up,
+draft.quant=auto's draft steps, the handshake's link probe, the rounds themselves) or, before it is, a prior.
+
+The pieces, for a ring of N ranks (rank 0 drafts and runs the first slice; link i carries rank i's output to
+rank i+1, the last link the last rank's reply back to rank 0):
+
+    RankCost    a stage's ms for a block of rows x tokens: fixed + per row + per token (rows x tokens)
+    DraftCost   rank 0's drafter: ms per draft token at 1 row, more per extra row; ms per token taken in (prefill)
+    LinkCost    one link: one-way latency (ms) and bandwidth (Mbit/s); a block's bytes cross at that rate
+    Acceptance  a_i, the chance draft i is kept once drafts 1..i-1 were (a prior until rounds are measured)
+    Pipeline    all of them, plus the bytes a token's hidden state puts on a forward link
+
+A round of K drafts for `rows` streams (round_parts):
+    prep  = rank 0's work: K drafter steps + its slice over a block of K+1
+    trip  = send -> reply: every forward link and later rank in turn, and the reply link
+    busiest = the most any one resource (rank 0's prep, a later rank, a link's transfer) spends on it
+A round commits tokens_per_round(K) = 1 + sum_j prod_{i<=j} a_i tokens per stream.
+
+One stream with D rounds on the way (stream_tokens_per_s; spec.overlap, spec.in_flight): rank 0 sends blocks
+prepared on a bet (every draft and the drafter's guess of the next token kept: chance h = bet_holds(K)); a
+chain of blocks leaves rank 0 every delta = max(prep, busiest later resource, trip / D) and breaks with chance
+1 - h. Kept rounds per ms the pipe allows: 1 / (h delta + (1 - h)(trip + prep)); rank 0 allows
+1 / (prep (1 + (1 - h) w)), w the blocks thrown away at a lost bet (D under overlap, D - 1 without). The rate
+is the smaller. Without overlap and D = 1, or K = 0 (nothing to bet on), rounds run in turn: prep + trip.
+
+B streams in G batches taking turns (aggregate_tokens_per_s; serve.max_concurrent, BatchCount): each batch
+holds ceil(B / G) rows; G batches cycle in max(G x busiest, prep + trip), every stream committing one round's
+tokens per cycle (no bets while several streams fill the pipe).
+
+TTFT of a P-token prompt (ttft_s): the prompt crosses in chunks of `chunk` tokens, pipelined: rank 0 runs its
+slice over chunk j+1 (and the drafter takes chunk j in) while chunk j crosses a link or a later rank; a link's
+transfer occupies it, its latency does not. The first token comes back on the reply link after the last chunk.
+A chunk after c cached tokens costs its block plus attention, attend_ms x tokens x (c + tokens / 2) (on a CPU
+that is most of a 2k prompt's cost for a small model); the drafter takes every chunk in too. Prompts that came
+together queue: the engine prefills each on admission, then sends the first rounds in turn (`ahead`).
+
+Besides the forwards timed, each round costs the engine's own work (ENGINE_*: committing, sampling, verifying,
+replying), and a drafter step with more rows costs one more token's worth per row (DraftCost.row_ms).
+
+The choices (best_settings): K in 0..k_max and the depth in 1..depth_max that maximise one stream's tokens/s
+(the smallest depth within DEPTH_MARGIN of the best: deeper only for a clear gain), and for B streams the
+batch count in 1..batches_max that maximises the aggregate (ties go to more batches: a smaller batch's round
+is never slower, and its per-row costs, unmeasured online, only favour it).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+DEPTH_MARGIN = 0.05  # a deeper pipe only for a clear gain: the smallest depth within 5% of the best
+TIE = 1e-9  # relative: rates this close are equal (batch counts)
+FRAME_BYTES = 256  # a message's header on the wire besides its tensors
+REPLY_BYTES_PER_ROW = 128  # a reply per stream: the verdict and its token ids
+# The engine's own work per round, which timing a stage's forward leaves out (measured in process, the tiny
+# 8-layer model, where nothing else hides it): rank 0 commits, detokenizes and schedules, the last rank verifies
+# and replies; each draft step samples its token besides the drafter's forward.
+ENGINE_RANK0_MS, ENGINE_LAST_MS, ENGINE_STEP_MS = 0.8, 0.5, 0.3
+PRIOR_ACCEPTANCE = 0.5  # a draft's chance to be kept before any is measured (pooled: (kept + 1) / (tried + 2))
+
+
+def _at(points: dict[int, float], n: int) -> float:
+    """The value at n from the sizes measured: interpolated between them, extended beyond them along the
+    slope of the two nearest (never downwards)."""
+    if n in points:
+        return points[n]
+    sizes = sorted(points)
+    if len(sizes) == 1:
+        return points[sizes[0]]
+    below, above = [s for s in sizes if s < n], [s for s in sizes if s > n]
+    a, b = (below[-1], above[0]) if below and above else (sizes[-2], sizes[-1]) if below else (sizes[0], sizes[1])
+    slope = max(0.0, (points[b] - points[a]) / (b - a))
+    return max(0.0, points[a] + slope * (n - a))
+
+
+@dataclass(frozen=True)
+class RankCost:
+    """A stage's ms over a block of rows x tokens: fixed_ms + row_ms x rows + token_ms x rows x tokens.
+
+    `by_tokens` ({block size: ms at one row}, measured per block size online) replaces the line at one row
+    where given (a block's cost is no line in its size on a CPU: it doubles from 1 to 2 tokens, then
+    flattens), interpolated between the sizes seen; each row beyond the first adds row_ms + token_ms x tokens."""
+    fixed_ms: float
+    token_ms: float = 0.0
+    row_ms: float = 0.0
+    by_tokens: dict[int, float] = field(default_factory=dict)
+    attend_ms: float = 0.0  # ms per token per earlier token it attends to (a long prompt's chunks: not linear)
+
+    def ms(self, rows: int, tokens: int) -> float:
+        one = _at(self.by_tokens, tokens) if self.by_tokens else self.fixed_ms + self.row_ms + self.token_ms * tokens
+        return one + (rows - 1) * (self.row_ms + self.token_ms * tokens)
+
+    def chunk_ms(self, tokens: int, context: int) -> float:
+        """A prefill chunk of `tokens` after `context` cached ones: the block's cost, and attention over the
+        cache and within the chunk (causal: half of it)."""
+        return self.ms(1, tokens) + self.attend_ms * tokens * (context + tokens / 2)
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """Rank 0's drafter: step_ms per draft token at one row, row_ms more per extra row, and token_ms per prompt
+    token taken in (prefill: the drafter catching up on each chunk). Zero: no drafter (a lookup costs nothing)."""
+    step_ms: float = 0.0
+    row_ms: float = 0.0
+    token_ms: float = 0.0
+    extra_steps: int = 0  # steps a drafting round takes besides its K (1: the guess of the next token, spec.overlap)
+    attend_ms: float = 0.0  # prefill: ms per prompt token per earlier token (attention over its cache)
+
+    def round_ms(self, k: int, rows: int = 1) -> float:
+        """A round of K drafts for `rows` streams (K = 0: no step)."""
+        return (k + self.extra_steps if k else 0) * (self.step_ms + (rows - 1) * self.row_ms)
+
+    def prefill_ms(self, tokens: int, context: int = 0) -> float:
+        """Taking in a chunk of `tokens` prompt tokens after `context` (the drafter's catch-up)."""
+        return tokens * self.token_ms + self.attend_ms * tokens * (context + tokens / 2)
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """One link: one_way_ms latency, mbps bandwidth (Mbit/s; inf: unlimited)."""
+    one_way_ms: float = 0.0
+    mbps: float = math.inf
+
+    def transfer_ms(self, nbytes: float) -> float:
+        """The time `nbytes` occupy the link (its bandwidth), latency apart."""
+        return 0.0 if math.isinf(self.mbps) else nbytes * 8 / (self.mbps * 1000)
+
+    def ms(self, nbytes: float) -> float:
+        return self.one_way_ms + self.transfer_ms(nbytes)
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """a_i for draft positions 1.. (rates[i-1]); past the last measured, the last (or the prior). `hold`: the
+    measured chance a bet holds at the current K, when measured directly (else the product of the rates)."""
+    rates: tuple[float, ...] = ()
+    prior: float = PRIOR_ACCEPTANCE
+    hold: float | None = None
+
+    def at(self, i: int) -> float:
+        """a_i, i >= 1."""
+        if not self.rates:
+            return self.prior
+        return self.rates[min(i, len(self.rates)) - 1]
+
+    def bet_holds(self, k: int) -> float:
+        """The chance every one of K drafts and the drafter's guess of the next token are kept."""
+        if self.hold is not None:
+            return self.hold
+        return math.prod(self.at(i) for i in range(1, k + 2))
+
+    @staticmethod
+    def from_counts(tried: list[int], kept: list[int], prior_weight: float = 4.0) -> Acceptance:
+        """From counts per position ([i]: rounds in which draft i was verified / kept; [0] unused): each rate
+        shrunk toward the pooled rate of all positions (itself toward 1/2), so a position seldom tried leans
+        on the others."""
+        pooled = (sum(kept) + 1) / (sum(tried) + 2)
+        return Acceptance(tuple((kept[i] + prior_weight * pooled) / (tried[i] + prior_weight)
+                                for i in range(1, len(tried))), pooled)
+
+
+def tally(tried: list[int], kept: list[int], drafted: int, accepted: int) -> None:
+    """Count a round's verdict per position: draft i is verified only when drafts 1..i-1 were kept, so
+    kept[i] / tried[i] is a_i given the ones before it (what tokens_per_round multiplies), not the chance that
+    i drafts are kept (which would count each rejection again at every later position)."""
+    for i in range(1, min(drafted, accepted + 1) + 1):
+        tried[i] += 1
+        kept[i] += accepted >= i
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A ring of N ranks: ranks[0] is rank 0's slice (its drafting is `draft`), links[i] rank i -> i+1 (links[-1]
+    the reply to rank 0). hidden_bytes: one token's hidden state on a forward link (hidden_size x dtype bytes)."""
+    ranks: tuple[RankCost, ...]
+    links: tuple[LinkCost, ...]
+    draft: DraftCost = DraftCost()
+    acceptance: Acceptance = Acceptance()
+    hidden_bytes: int = 0
+    overlap: bool = True
+
+    def link_bytes(self, i: int, rows: int, tokens: int) -> float:
+        """The bytes a block of rows x tokens puts on link i."""
+        if i == len(self.links) - 1:
+            return FRAME_BYTES + rows * REPLY_BYTES_PER_ROW
+        return FRAME_BYTES + rows * tokens * self.hidden_bytes
+
+
+@dataclass(frozen=True)
+class RoundParts:
+    prep_ms: float  # rank 0: drafting + its slice
+    trip_ms: float  # send -> reply: the links and the later ranks in turn
+    busiest_ms: float  # the most one resource spends on the round (rank 0's prep, a later rank, a link's transfer)
+    later_busiest_ms: float  # ... of the resources after rank 0
+
+
+@dataclass(frozen=True)
+class Settings:
+    k: int
+    depth: int
+    batches: int
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the start-up line and the telemetry say: one stream's tokens/s, the slots' aggregate, TTFT."""
+    stream_tokens_per_s: float
+    aggregate_tokens_per_s: float
+    ttft_s: float
+    prompt_tokens: int
+    settings: Settings
+    streams: int
+
+
+def round_parts(p: Pipeline, k: int, rows: int = 1) -> RoundParts:
+    """A round of K drafts for `rows` streams: rank 0's prep, the trip, the busiest resource."""
+    tokens = k + 1
+    prep = p.draft.round_ms(k, rows) + p.ranks[0].ms(rows, tokens)
+    later = [r.ms(rows, tokens) for r in p.ranks[1:]]
+    wires = [link.transfer_ms(p.link_bytes(i, rows, tokens)) for i, link in enumerate(p.links)]
+    trip = sum(later) + sum(link.one_way_ms for link in p.links) + sum(wires)
+    later_busiest = max([*later, *wires, 0.0])
+    return RoundParts(prep, trip, max(prep, later_busiest), later_busiest)
+
+
+def round_ms(p: Pipeline, k: int, rows: int = 1) -> float:
+    """One round in turn: rank 0's prep, then send -> reply."""
+    parts = round_parts(p, k, rows)
+    return parts.prep_ms + parts.trip_ms
+
+
+def tokens_per_round(acc: Acceptance, k: int) -> float:
+    """Tokens one round of K drafts commits on average: 1 + sum_{j<=K} prod_{i<=j} a_i."""
+    tokens, kept = 1.0, 1.0
+    for i in range(1, k + 1):
+        kept *= acc.at(i)
+        tokens += kept
+    return tokens
+
+
+def kept_rounds_per_ms(p: Pipeline, k: int, depth: int) -> float:
+    """One stream's rounds per ms with `depth` rounds on the way (the module's docstring)."""
+    parts = round_parts(p, k, 1)
+    prep, trip = parts.prep_ms, parts.trip_ms
+    if k == 0 or (not p.overlap and depth == 1):
+        return 1.0 / max(prep + trip, 1e-9)
+    h = p.acceptance.bet_holds(k)
+    delta = max(prep, parts.later_busiest_ms, trip / depth)
+    wire = 1.0 / max(h * delta + (1 - h) * (trip + prep), 1e-9)
+    thrown = depth if p.overlap else depth - 1
+    rank0 = 1.0 / max(prep * (1 + (1 - h) * thrown), 1e-9)
+    return min(wire, rank0)
+
+
+def stream_tokens_per_s(p: Pipeline, k: int, depth: int = 1) -> float:
+    """One stream's tokens/s at K drafts a round and `depth` rounds on the way."""
+    return 1000.0 * tokens_per_round(p.acceptance, k) * kept_rounds_per_ms(p, k, depth)
+
+
+def aggregate_tokens_per_s(p: Pipeline, k: int, streams: int, batches: int = 1) -> float:
+    """B streams' tokens/s together, in G batches taking turns (one stream: stream_tokens_per_s at depth 1)."""
+    if streams <= 1:
+        return stream_tokens_per_s(p, k, 1)
+    batches = min(batches, streams)
+    parts = round_parts(p, k, math.ceil(streams / batches))
+    cycle = max(batches * parts.busiest_ms, parts.prep_ms + parts.trip_ms)
+    return 1000.0 * streams * tokens_per_round(p.acceptance, k) / max(cycle, 1e-9)
+
+
+def chunks(prompt_tokens: int, chunk: int) -> list[tuple[int, int]]:
+    """A prompt's chunks as (tokens, context before them): all of `chunk` tokens but the last, which the first
+    round carries."""
+    count = max(1, math.ceil(prompt_tokens / chunk))
+    return [(min(chunk, prompt_tokens - j * chunk), j * chunk) for j in range(count)]
+
+
+def rank0_prefill_ms(p: Pipeline, prompt_tokens: int, chunk: int) -> float:
+    """Rank 0's work at a prompt's admission (every chunk but the last: its slice and the drafter's catch-up),
+    which holds back every first round not yet sent (the engine sends them at the next tick)."""
+    return sum(p.ranks[0].chunk_ms(size, context) + p.draft.prefill_ms(size, context)
+               for size, context in chunks(prompt_tokens, chunk)[:-1])
+
+
+def ttft_s(p: Pipeline, prompt_tokens: int, chunk: int, k: int = 0, ahead: tuple[int, ...] = ()) -> float:
+    """Time to first token of a `prompt_tokens` prompt (nothing cached) crossing in chunks of `chunk`, pipelined
+    across the ranks; the last chunk goes with the first round (the drafter's catch-up on it and K drafts first),
+    whose reply carries the token. A chunk's cost grows with the context it attends over. `ahead`: prompts
+    admitted before it and still unanswered: the engine prefills each at admission, then sends the first rounds
+    in that order, so theirs go first."""
+    prompts = [*ahead, prompt_tokens]
+    items = [(size, context, False) for n in prompts for size, context in chunks(n, chunk)[:-1]]
+    items += [(*chunks(n, chunk)[-1], True) for n in prompts]
+    free = [0.0] * (2 * len(p.ranks))  # when each resource is next free: rank 0, link 0, rank 1, link 1, ...
+    done = 0.0
+    for size, context, first_round in items:
+        tokens = size + (k if first_round else 0)
+        ready = 0.0
+        for r, rank in enumerate(p.ranks):
+            work = rank.chunk_ms(tokens, context)
+            drafting = 0.0
+            if r == 0:  # the drafter takes the chunk in; a first round's K drafts follow
+                drafting = p.draft.prefill_ms(size, context) + (p.draft.round_ms(k) if first_round else 0.0)
+            start = max(ready, free[2 * r])
+            # rank 0 sends a Prefill chunk before the drafter takes it in; a first round's drafts come first
+            sent = start + work + (drafting if first_round else 0.0)
+            free[2 * r] = start + work + drafting
+            is_reply = r == len(p.ranks) - 1
+            if is_reply and not first_round:
+                break  # a Prefill message has no reply
+            link = p.links[r]
+            wire = max(sent, free[2 * r + 1])
+            free[2 * r + 1] = wire + link.transfer_ms(p.link_bytes(r, 1, tokens))
+            ready = free[2 * r + 1] + link.one_way_ms
+        if first_round:
+            done = ready
+    return done / 1000.0
+
+
+def best_k(p: Pipeline, k_max: int, depth: int = 1) -> int:
+    """The K in 0..k_max with the most tokens/s for one stream at `depth` (the smallest on a tie)."""
+    rates = [stream_tokens_per_s(p, k, depth) for k in range(k_max + 1)]
+    return max(range(k_max + 1), key=rates.__getitem__)
+
+
+def best_depth(p: Pipeline, k: int, depth_max: int = 4) -> int:
+    """The smallest depth in 1..depth_max within DEPTH_MARGIN of the best one-stream rate at K."""
+    rates = [stream_tokens_per_s(p, k, d) for d in range(1, depth_max + 1)]
+    return next(d for d, r in enumerate(rates, 1) if r >= (1 - DEPTH_MARGIN) * max(rates))
+
+
+def best_batches(p: Pipeline, k: int, streams: int, batches_max: int = 8) -> int:
+    """The batch count in 1..batches_max (at most one per stream) with the best aggregate; ties: the most."""
+    most = max(1, min(batches_max, streams))
+    rates = [aggregate_tokens_per_s(p, k, streams, g) for g in range(1, most + 1)]
+    top = max(rates)
+    return max(g for g, r in enumerate(rates, 1) if r >= top * (1 - TIE))
+
+
+def best_settings(p: Pipeline, k_max: int, depth_max: int = 4, streams: int = 1, batches_max: int = 8) -> Settings:
+    """K, depth and batches from the model: K and the depth for one stream (jointly; the depth the smallest
+    within DEPTH_MARGIN at that K), the batch count for `streams` streams at that K."""
+    depths = range(1, depth_max + 1)
+    k = max(range(k_max + 1), key=lambda k: max(stream_tokens_per_s(p, k, d) for d in depths))
+    return Settings(k, best_depth(p, k, depth_max), best_batches(p, k, streams, batches_max) if streams > 1 else 1)
+
+
+def predict(p: Pipeline, settings: Settings, streams: int = 1, prompt_tokens: int = 2048,
+            chunk: int = 512) -> Prediction:
+    """The figures at `settings`: one stream, `streams` streams together, TTFT of a `prompt_tokens` prompt."""
+    return Prediction(stream_tokens_per_s(p, settings.k, settings.depth),
+                      aggregate_tokens_per_s(p, settings.k, streams, settings.batches),
+                      ttft_s(p, prompt_tokens, chunk, settings.k), prompt_tokens, settings, streams)
+
+
+def with_acceptance(p: Pipeline, acc: Acceptance) -> Pipeline:
+    return replace(p, acceptance=acc)
+
+
+def rank_cost(layers: int, layer_ms: float, fixed_ms: float, block_tokens: int, layer_token_ms: float = 0.0,
+              row_ms: float = 0.0, attend_ms: float = 0.0) -> RankCost:
+    """A stage of `layers` layers from the placement's timing (model_parallel.split.RankCosts): `layer_ms` one layer
+    over a block of `block_tokens` (K+1), `fixed_ms` the rest of its work per round (drafting excluded),
+    `layer_token_ms` one layer's ms per token more (0: not timed; a block then costs the same at any size), and
+    `attend_ms` one layer's ms per token per earlier token (a long prompt's attention)."""
+    token_ms = layers * layer_token_ms
+    total = fixed_ms + layers * layer_ms
+    return RankCost(max(total - row_ms - token_ms * block_tokens, 0.0), token_ms, row_ms, attend_ms=layers * attend_ms)
+
+
+def engine_ms(rank: int, ranks: int) -> float:
+    """The engine's work per round on `rank` besides its forward (ENGINE_*)."""
+    return (ENGINE_RANK0_MS if rank == 0 else 0.0) + (ENGINE_LAST_MS if rank == ranks - 1 else 0.0)
+
+
+def from_rank_costs(costs, layer_counts: list[int], links: list[LinkCost], block_tokens: int, draft_steps: int = 0,
+                    hidden_bytes: int = 0, overlap: bool = True, acceptance: Acceptance = Acceptance()) -> Pipeline:
+    """The Pipeline of a placement: `costs` every rank's model_parallel.split.RankCosts (layer_ms, fixed_ms,
+    layer_token_ms, draft_step_ms: duck-typed), `layer_counts` its layers per rank, `links` one per rank (link i:
+    rank i -> i+1, the last the reply), `block_tokens` the block timed (K+1), `draft_steps` the drafter's steps
+    rank 0's fixed_ms holds (K+1 with a model drafter, else 0)."""
+    step = getattr(costs[0], "draft_step_ms", 0.0)
+    ranks = []
+    for r, (c, n) in enumerate(zip(costs, layer_counts)):
+        fixed = c.fixed_ms - (draft_steps * step if r == 0 else 0.0) + engine_ms(r, len(costs))
+        ranks.append(rank_cost(n, c.layer_ms, max(fixed, 0.0), block_tokens, getattr(c, "layer_token_ms", 0.0),
+                               attend_ms=getattr(c, "attend_ms", 0.0)))
+    draft = DraftCost()
+    if draft_steps:  # another row in a step costs what another token does (one more row of each matrix product)
+        token = getattr(costs[0], "draft_token_ms", 0.0)
+        attend = getattr(costs[0], "draft_attend_ms", 0.0)
+        draft = DraftCost(step + ENGINE_STEP_MS, token, token, 1 if overlap else 0, attend)
+    return Pipeline(tuple(ranks), tuple(links), draft, acceptance, hidden_bytes, overlap)
+
+
+class Predictor:
+    """A run's predictions as it goes: the start-up Pipeline, its acceptance measured from the decode rounds
+    (per position, leaning on the prior while few are measured), so the prediction beside each measured round
+    follows what the drafter really achieves and what is left is the costs' drift."""
+
+    def __init__(self, pipeline: Pipeline, chunk: int = 512, batches_max: int = 8):
+        self.start, self.chunk, self.batches_max = pipeline, chunk, batches_max
+        self.tried: list[int] = [0]
+        self.kept: list[int] = [0]
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A decode round's drafts and how many were kept."""
+        while len(self.tried) < drafted + 1:
+            self.tried.append(0)
+            self.kept.append(0)
+        tally(self.tried, self.kept, drafted, accepted)
+
+    def pipeline(self) -> Pipeline:
+        if sum(self.tried) == 0:
+            return self.start
+        measured = Acceptance.from_counts(self.tried, self.kept)
+        prior = self.start.acceptance.prior  # positions not yet tried: the pooled rate
+        return with_acceptance(self.start, replace(measured, prior=measured.prior if measured.rates else prior))
+
+    def tokens_per_s(self, k: int, depth: int = 1, streams: int = 1) -> float:
+        """One stream's tokens/s now: alone at `depth` rounds on the way, or its share of `streams` together."""
+        p = self.pipeline()
+        if streams <= 1:
+            return stream_tokens_per_s(p, k, depth)
+        return aggregate_tokens_per_s(p, k, streams, best_batches(p, k, streams, self.batches_max)) / streams
+
+    def ttft_s(self, prompt_tokens: int, k: int = 0, ahead: tuple[int, ...] = ()) -> float:
+        return ttft_s(self.pipeline(), prompt_tokens, self.chunk, k, ahead)
+
+    def admission_ms(self, prompt_tokens: int) -> float:
+        """What admitting a prompt adds to the TTFT of every stream whose first round is not yet sent."""
+        return rank0_prefill_ms(self.pipeline(), prompt_tokens, self.chunk)

@@ -1,0 +1,218 @@
+"""The pipeline's cost model (speculative.cost_model): its arithmetic on cases checked by hand, its choices against a
+brute-force search over it, and the prediction a run prints at start-up and logs beside every measured round."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from types import SimpleNamespace
+
+from speculative.cost_model import (ENGINE_LAST_MS, ENGINE_RANK0_MS, ENGINE_STEP_MS, Acceptance, DraftCost, LinkCost,
+                                    Pipeline, Predictor, RankCost, aggregate_tokens_per_s, best_depth, best_k,
+                                    best_settings, from_rank_costs, rank0_prefill_ms, round_parts, round_ms,
+                                    stream_tokens_per_s, tokens_per_round, ttft_s)
+
+
+def ring(ranks=(10.0, 10.0), one_way=(0.0, 0.0), mbps=(float("inf"), float("inf")), step=0.0, rate=0.5, overlap=False,
+         hidden=0, token_ms=0.0):
+    return Pipeline(tuple(RankCost(ms, token_ms) for ms in ranks), tuple(LinkCost(o, m) for o, m in zip(one_way, mbps)),
+                    DraftCost(step), Acceptance(prior=rate), hidden, overlap)
+
+
+def test_a_round_adds_every_rank_and_link_and_one_slow_rank_sets_the_pace():
+    p = ring((10.0, 30.0, 20.0), (5.0, 5.0, 5.0), (float("inf"),) * 3, step=2.0)
+    parts = round_parts(p, 4)
+    assert parts.prep_ms == 4 * 2.0 + 10.0  # K steps + rank 0's slice
+    assert parts.trip_ms == 30.0 + 20.0 + 3 * 5.0
+    assert round_ms(p, 4) == 18.0 + 65.0
+    assert parts.busiest_ms == 30.0  # the slow middle rank
+    # four streams in four batches: the slow rank's 4 x 30 ms outlasts one batch's 83 ms cycle
+    assert aggregate_tokens_per_s(p, 4, 4, 4) == pytest.approx(1000 * 4 * tokens_per_round(p.acceptance, 4) / 120.0)
+
+
+def test_tokens_per_round_is_the_chain_of_kept_drafts():
+    acc = Acceptance((0.5, 0.5, 0.5))
+    assert tokens_per_round(acc, 0) == 1.0
+    assert tokens_per_round(acc, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert acc.bet_holds(2) == pytest.approx(0.125)  # both drafts and the guess
+
+
+def test_one_slow_link_its_bytes_cross_at_its_rate():
+    # 1000 bytes a token on the forward link at 8 Mbit/s: 1 ms per 1000 bytes, besides the frame's header
+    p = ring(one_way=(40.0, 40.0), mbps=(8.0, float("inf")), hidden=1000)
+    parts = round_parts(p, 4)  # a block of 5 tokens: 5000 + 256 bytes
+    assert parts.trip_ms == pytest.approx(10.0 + 40.0 + 5.256 + 40.0)
+    fast = ring(one_way=(40.0, 40.0), hidden=1000)
+    assert round_parts(fast, 4).trip_ms == pytest.approx(90.0)
+
+
+def test_prefill_bound_by_bandwidth_pipelines_its_chunks():
+    """2000 tokens in chunks of 500 over a 8 Mbit/s link at 1000 bytes a token: each chunk holds the link 500 ms,
+    while either rank computes it in 50 ms; so the link sets the pace, the compute hides behind it."""
+    p = ring((0.0, 0.0), (10.0, 10.0), (8.0, float("inf")), hidden=1000, token_ms=0.1)
+    wire = (500 * 1000 + 256) / 1000  # ms per chunk on the link
+    expected = 50 + 4 * wire + 10 + 50 + 10  # chunk 1's compute, four transfers in a row, the last one's way on
+    assert ttft_s(p, 2000, 500) == pytest.approx(expected / 1000)
+    # without chunks the transfer cannot overlap rank 0's compute: slower, by the chunks' compute hidden behind it
+    assert ttft_s(p, 2000, 2000) > ttft_s(p, 2000, 500)
+
+
+def test_prefill_bound_by_compute_is_the_slowest_rank_per_chunk():
+    p = ring((0.0, 0.0), (0.0, 0.0), token_ms=0.1)  # both ranks 0.1 ms a token, free links
+    assert ttft_s(p, 2000, 500) == pytest.approx((4 * 50 + 50) / 1000)  # rank 0's four chunks, then rank 1's last
+
+
+def test_a_long_prompt_attends_over_its_context_and_the_drafter_takes_it_in():
+    """1000 tokens in chunks of 500 on rank 0 (0.1 ms a token, 0.001 ms per token per earlier token), its drafter
+    catching up (0.05 and 0.0005), a free rank 1 and free links. Chunk 1: the slice 50 + 0.001 x 500 x 250 = 175 ms,
+    sent, then the drafter 25 + 62.5. Chunk 2 (the first round): the drafter 25 + 0.0005 x 500 x 750 = 212.5, the
+    slice 50 + 0.001 x 500 x 750 = 425, sent at 262.5 + 212.5 + 425 = 900 ms."""
+    p = Pipeline((RankCost(0.0, 0.1, attend_ms=0.001), RankCost(0.0)), (LinkCost(), LinkCost()),
+                 DraftCost(token_ms=0.05, attend_ms=0.0005))
+    assert ttft_s(p, 1000, 500) == pytest.approx(0.9)
+    assert rank0_prefill_ms(p, 1000, 500) == pytest.approx(175 + 87.5)  # what its admission holds rank 0 for
+
+
+def test_prompts_admitted_together_queue_on_rank_0():
+    """Two 1000-token prompts at once, chunks of 500, both ranks 0.1 ms a token: rank 0 prefills A's first chunk
+    (0-50 ms), then B's (50-100), then sends A's first round (100-150) and B's (150-200); rank 1 answers A at 200 and
+    B at 250. Alone, B would have its token at 150; A's own estimate, 150, grows by B's admission (50)."""
+    p = ring((0.0, 0.0), (0.0, 0.0), token_ms=0.1)
+    assert ttft_s(p, 1000, 500) == pytest.approx(0.15)
+    assert ttft_s(p, 1000, 500, ahead=(1000,)) == pytest.approx(0.25)
+    predictor = Predictor(p, chunk=500)
+    assert predictor.ttft_s(1000) + predictor.admission_ms(1000) / 1000 == pytest.approx(0.2)
+
+
+def test_the_measured_acceptance_counts_a_draft_only_when_it_was_verified():
+    """Half the rounds keep all 4 drafts, half none: a_1 = 0.5, and a draft after a kept one is always kept, so a
+    round commits 1 + 4 x 0.5 = 3 tokens. Counting every drafted position as tried would give a_i = 0.5 at each, and
+    1 + 0.5 + 0.25 + ... = 1.94."""
+    predictor = Predictor(ring(rate=0.5))
+    for _ in range(50):
+        predictor.observe(4, 4)
+        predictor.observe(4, 0)
+    assert tokens_per_round(predictor.pipeline().acceptance, 4) == pytest.approx(3.0, rel=0.02)
+
+
+def test_a_placements_timing_becomes_the_pipeline():
+    """Rank 0: 2 layers of 1 ms over a block of 5, 20 ms besides of which 4 drafter steps of 4 ms; the drafter 0.5 ms
+    a token more (a row more in a step, or a prompt token), rank 1: 3 layers, 0.1 ms a token more, attention 0.01.
+    The engine's own work per round goes to rank 0, the last rank and every step."""
+    costs = [SimpleNamespace(layer_ms=1.0, fixed_ms=20.0, layer_token_ms=0.0, draft_step_ms=4.0, draft_token_ms=0.5),
+             SimpleNamespace(layer_ms=1.0, fixed_ms=0.0, layer_token_ms=0.1, attend_ms=0.01)]
+    p = from_rank_costs(costs, [2, 3], [LinkCost(), LinkCost()], block_tokens=5, draft_steps=4, overlap=False)
+    assert p.draft.step_ms == 4.0 + ENGINE_STEP_MS and p.draft.row_ms == p.draft.token_ms == 0.5
+    assert p.ranks[0].ms(1, 5) == pytest.approx(2 * 1.0 + 20.0 - 16.0 + ENGINE_RANK0_MS)
+    assert p.ranks[1].ms(1, 5) == pytest.approx(3.0 + ENGINE_LAST_MS)
+    assert p.ranks[1].ms(2, 5) == pytest.approx(3.0 + ENGINE_LAST_MS + 3 * 0.1 * 5)  # a row more: 5 tokens more
+    assert p.ranks[1].chunk_ms(100, 200) == pytest.approx(p.ranks[1].ms(1, 100) + 3 * 0.01 * 100 * 250)
+    step_over_four = 4.0 + ENGINE_STEP_MS + 3 * 0.5
+    assert round_parts(p, 3, rows=4).prep_ms == pytest.approx(3 * step_over_four + p.ranks[0].ms(4, 4))
+
+
+def test_depth_is_bounded_by_rank_0s_drafting():
+    """A 200 ms trip, bets always held: with rank 0 preparing a block in 10 ms, four rounds on the way go four
+    times as fast as one; with 100 ms of drafting a block, no depth goes faster than a block per 100 ms."""
+    quick = ring((5.0, 0.0), (100.0, 100.0), step=1.25, rate=1.0, overlap=True)  # prep 5 + 4 x 1.25 = 10 ms
+    assert stream_tokens_per_s(quick, 4, 1) == pytest.approx(5 * 1000 / 200)  # a bet that holds hides the prep
+    assert stream_tokens_per_s(quick, 4, 4) == pytest.approx(5 * 1000 / 50)  # trip / 4
+    slow = ring((20.0, 0.0), (100.0, 100.0), step=20.0, rate=1.0, overlap=True)  # prep 100 ms
+    assert stream_tokens_per_s(slow, 4, 4) == pytest.approx(5 * 1000 / 100)  # rank 0's pace
+    assert best_depth(slow, 4) == 2 and best_depth(quick, 4) == 4  # (trip / 2 = prep: deeper gains nothing)
+    never = ring((20.0, 0.0), (100.0, 100.0), step=2.0, rate=0.0, overlap=True)
+    assert best_depth(never, 4) == 1  # no bet holds: every block sent ahead is thrown away
+
+
+def test_without_overlap_one_round_at_a_time_and_k0_never_bets():
+    p = ring((10.0, 10.0), (20.0, 20.0), step=5.0, rate=1.0, overlap=False)
+    assert stream_tokens_per_s(p, 2, 1) == pytest.approx(3 * 1000 / (10 + 10 + 10 + 40))
+    assert stream_tokens_per_s(p, 0, 4) == pytest.approx(1000 / 60)  # K=0: nothing sent ahead, whatever the depth
+
+
+GRID = dict(rank0=(2.0, 30.0), rank1=(5.0, 60.0), one_way=(0.0, 40.0, 150.0), mbps=(float("inf"), 20.0),
+            step=(0.5, 20.0), rate=(0.3, 0.8, 1.0), overlap=(False, True))
+
+
+def grid():
+    for values in itertools.product(*GRID.values()):
+        c = dict(zip(GRID, values))
+        yield ring((c["rank0"], c["rank1"]), (c["one_way"], c["one_way"]), (c["mbps"], c["mbps"]), c["step"], c["rate"],
+                   c["overlap"], hidden=1792)
+
+
+def test_the_choices_are_the_best_of_a_brute_force_search_over_the_model():
+    for p in grid():
+        every = {(k, d): stream_tokens_per_s(p, k, d) for k in range(9) for d in range(1, 5)}
+        top = max(every.values())
+        s = best_settings(p, 8, 4, streams=4, batches_max=8)
+        assert max(every[s.k, d] for d in range(1, 5)) == pytest.approx(top)  # the best K
+        assert every[s.k, s.depth] >= 0.95 * top  # a depth within 5% of the best, and no deeper than needed
+        assert s.depth == 1 or every[s.k, s.depth - 1] < 0.95 * max(every[s.k, d] for d in range(1, 5))
+        together = [aggregate_tokens_per_s(p, s.k, 4, g) for g in range(1, 5)]
+        assert together[s.batches - 1] == pytest.approx(max(together))
+        assert best_k(p, 8, 1) == max(range(9), key=lambda k: every[k, 1])
+
+
+def test_the_predictor_takes_in_the_measured_acceptance():
+    p = ring((10.0, 10.0), (20.0, 20.0), step=5.0, rate=0.5)
+    predictor = Predictor(p)
+    before = predictor.tokens_per_s(4)
+    for _ in range(50):
+        predictor.observe(4, 4)  # every draft kept
+    assert predictor.tokens_per_s(4) > 1.8 * before
+    assert predictor.tokens_per_s(4) == pytest.approx(stream_tokens_per_s(predictor.pipeline(), 4))
+
+
+def test_a_run_prints_its_prediction_and_logs_it_beside_every_round(tiny_qwen, tmp_path, capsys):
+    """The whole entry in process (both ranks timed: model.split=auto): the start-up line, then per decode round the
+    predicted and measured tokens/s (summary.json's rounds, the TensorBoard scalars), and the output JSON's stats."""
+    from tests.support.tiny_models import ids_arg, run_pair
+    out = run_pair(f"model.target={tiny_qwen}", "model.dtype=float32", "model.split=auto", "draft.kind=model",
+                   f"draft.model={tiny_qwen}", "draft.dtype=float32", "draft.quant=none", "spec.k=3",
+                   f"prompt_ids={ids_arg([11, 42, 7, 250, 3])}", "gen.max_new_tokens=12", f"log.dir={tmp_path}")
+    err = capsys.readouterr().err
+    assert "[predicted: " in err and "tokens/s for one stream (K=3" in err and "TTFT of a 2048-token prompt" in err
+    stats = out["stats"]
+    assert stats["predicted_tokens_per_s"] > 0 and stats["predicted_ttft_s"] > 0
+    (summary,) = tmp_path.glob("*/summary.json")
+    rounds = json.loads(summary.read_text())["rounds"]
+    assert all(r["predicted_tokens_per_s"] > 0 and r["measured_tokens_per_s"] > 0 for r in rounds[1:]), rounds
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(summary.parent))
+    events.Reload()
+    assert len(events.Scalars("round/predicted_tokens_per_s")) == len(rounds) - 1
+    assert events.Scalars("run/predicted_tokens_per_s")[0].value == pytest.approx(stats["predicted_tokens_per_s"])
+
+
+def test_a_drafter_step_over_more_rows_costs_what_draft_quant_auto_timed():
+    """auto timed a step at 50 ms for one row, 80 ms for four: each row more 10 ms, so a round of 2 drafts for four
+    streams prepares in 2 x 80 + rank 0's slice (10 ms); without auto's timings the model keeps its own."""
+    from launch.prediction import with_draft_rows
+    p = ring((10.0, 10.0), step=50.0)
+    four = with_draft_rows(p, SimpleNamespace(step_ms={1: 50.0, 4: 80.0}))
+    assert four.draft.row_ms == pytest.approx(10.0)
+    assert round_parts(four, 2, rows=4).prep_ms == pytest.approx(2 * 80.0 + 10.0)
+    assert with_draft_rows(p, None) is p and with_draft_rows(p, SimpleNamespace(step_ms={1: 50.0})) is p
+
+
+def test_a_session_predicts_the_ttft_of_prompts_admitted_together():
+    """Session.predict_ttft on the case above: A admitted alone predicts 0.15 s; B, admitted before A's first round
+    went out, predicts 0.25 s and holds A's back by its own prefill (0.05 s): 0.2 s, as the queue runs."""
+    from speculative.session import Session
+
+    def stream(tokens):
+        return SimpleNamespace(gen=SimpleNamespace(rounds=[], prompt_ids=[1] * tokens, reused=0, predicted_ttft_s=0.0),
+                               chain=[], k_now=0)
+    session = SimpleNamespace(live=[], predictor=Predictor(ring((0.0, 0.0), (0.0, 0.0), token_ms=0.1), chunk=500))
+    a, b = stream(1000), stream(1000)
+    Session.predict_ttft(session, a, 1000)
+    session.live.append(a)
+    Session.predict_ttft(session, b, 1000)
+    assert (a.gen.predicted_ttft_s, b.gen.predicted_ttft_s) == pytest.approx((0.2, 0.25))
+    a.gen.rounds.append("answered")  # once A's first round is in, a newcomer neither waits for it nor holds it back
+    c = stream(1000)
+    Session.predict_ttft(session, c, 1000)
+    assert (a.gen.predicted_ttft_s, c.gen.predicted_ttft_s) == pytest.approx((0.2, 0.15))
