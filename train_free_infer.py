@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def rank_zero(cfg: TandemConfig, next, replies=None, listener=None, ranks: int = 2) -> dict | None:
     """Rank 0: its Session (launch.ranks.first_rank), then one answer to the prompt (returned as the output JSON),
-    or, with serve.port, the HTTP API on `listener` (the port bound at start) until a signal."""
+    or, with serve.port, the HTTP API on `listener` (the port bound at start: a server.Listening) until a signal."""
     first = lives.first_rank(cfg, next, replies=replies, ranks=ranks)
     if cfg.serve.port is None:
         return lives.answer_once(first)
@@ -107,10 +107,12 @@ def serving_port(cfg: TandemConfig, rank: int, ranks: int):
     and before any weight loads; a failure there is refused (`_refuse`). None when not serving."""
     if rank != 0 or cfg.serve.port is None or cfg.plan_only:
         return None
-    from launch.serve.server import load_api_key, reserve_port
+    from launch.serve.server import load_api_key, open_port
+    from launch.serve.via_relay import api_relay
     try:
         load_api_key(cfg)
-        return reserve_port(cfg)
+        api_relay(cfg)  # serve.via_relay: the relay, session and token found now, not after the weights load
+        return open_port(cfg)  # under torchrun with restarts: the front's port (launch/serve/front.py)
     except EXPECTED as e:
         _refuse(cfg, rank, ranks, e)
 

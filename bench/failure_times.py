@@ -3,6 +3,10 @@
     .venv/bin/python bench/failure_times.py relay-kill      # a rank SIGKILLed: time until the other's recv fails, through the relay
     .venv/bin/python bench/failure_times.py health-10mb     # /health while a 10 MB body is refused (and, limit raised, tokenized)
     .venv/bin/python bench/failure_times.py sigterm-stream  # SIGTERM (or --signal SIGINT) to torchrun's group mid-stream: exit times
+    .venv/bin/python bench/failure_times.py restart --model tiny --victim 1 --kills 2
+        # a served launch under torchrun --max_restarts: a rank SIGKILLed mid-stream, each time: the stream's end, the
+        # time from the kill to the first answer again, and what every request sent meanwhile got (issue 44);
+        # --model embedded (the fetched pair, configs/default.yaml) or smollm2 (configs/smollm2.yaml)
 
 Each prints one line per measurement; the figures depend on the host's load (quote them with it).
 """
@@ -121,10 +125,74 @@ def sigterm_stream(work: Path, sig: signal.Signals) -> None:
           f"torchrun exited {proc.returncode} after {exit_s:.2f} s")
 
 
+MODELS = {"embedded": [], "smollm2": ["config=configs/smollm2.yaml"]}
+
+
+def restart(work: Path, model: str, victim: int, kills: int) -> None:
+    from bench.ports import free_port
+    from tests.support.serve_harness import launch_served, rank_pid, serve_args, wait_healthy
+    from tests.support.tiny_models import kill_launch
+    port = free_port()
+    if model == "tiny":
+        proc = launch_served(*tiny_chat_models(work), port, 2, torchrun=(f"--max_restarts={kills}",))
+    else:  # the model's own config; the port and the restarts as for the tiny one
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--max_restarts={kills}",
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO / "train_free_infer.py"),
+               *MODELS[model], f"serve.port={port}"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                start_new_session=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t = time.monotonic()
+        wait_healthy(url, proc, timeout_s=900)
+        print(f"{model}: serving after {time.monotonic() - t:.1f} s (start-up)")
+        for kill in range(kills):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "def f(x):", "max_tokens": 400, "stream": True}),
+                         headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            response.readline()
+            pid = rank_pid(proc, victim)
+            t0 = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            events = [raw.decode().strip() for raw in response if raw.strip()]
+            stream_s = time.monotonic() - t0
+            statuses, back_s = probe_until_answered(port, t0)
+            print(f"kill {kill + 1}: rank {victim} SIGKILLed mid-stream; the stream ended after {stream_s:.2f} s with "
+                  f"{events[-2][:160] if len(events) > 1 else events}; first answer again after {back_s:.1f} s; "
+                  f"requests meanwhile: {dict(sorted(statuses.items()))} (lost silently: {statuses.get('no answer', 0)})")
+            while rank_pid(proc, victim) in (None, pid):
+                time.sleep(0.1)
+    finally:
+        kill_launch(proc)
+
+
+def probe_until_answered(port: int, t0: float, every_s: float = 0.25, limit_s: float = 900) -> tuple[dict, float]:
+    """A small completion every `every_s` until one is answered 200: how many got each status ('no answer': the
+    connection failed or timed out, which a client sees as a hang or a reset), and when the 200 came."""
+    statuses: dict = {}
+    while time.monotonic() - t0 < limit_s:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "hi", "max_tokens": 4}),
+                         headers={"Content-Type": "application/json"})
+            status = conn.getresponse().status
+        except OSError:
+            status = "no answer"
+        statuses[status] = statuses.get(status, 0) + 1
+        if status == 200:
+            return statuses, time.monotonic() - t0
+        time.sleep(every_s)
+    return statuses, float("inf")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["relay-kill", "health-10mb", "sigterm-stream"])
+    ap.add_argument("what", choices=["relay-kill", "health-10mb", "sigterm-stream", "restart"])
     ap.add_argument("--signal", default="SIGTERM", choices=["SIGTERM", "SIGINT"])
+    ap.add_argument("--model", default="tiny", choices=["tiny", *MODELS], help="restart: the model served")
+    ap.add_argument("--victim", type=int, default=1, choices=[0, 1], help="restart: the rank killed")
+    ap.add_argument("--kills", type=int, default=2, help="restart: how many times (torchrun gets as many restarts)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -132,6 +200,8 @@ def main() -> None:
             relay_kill(work)
         elif a.what == "health-10mb":
             health_10mb(work)
+        elif a.what == "restart":
+            restart(work, a.model, a.victim, a.kills)
         else:
             sigterm_stream(work, signal.Signals[a.signal])
 

@@ -132,6 +132,10 @@ class ServeConfig:
     max_concurrent: int | None = None  # requests served at once, each in its own KV slot on every stage (1..64); null = as many as every rank's model.max_memory holds, at most 8
     max_queue: int = 64  # requests waiting beyond this are refused with 429
     max_body_bytes: int = 1048576  # a request body beyond this is refused with 413 before it is read
+    retry_window_s: float = 0.0  # under torchrun --max_restarts: a request that comes while the ranks restart waits up to this for the server, then 503 + Retry-After; 0 = the 503 at once
+    via_relay: bool = False  # rank 0 also serves the API through the relay: clients reach it at `tandem-relay --api-port P` (needs api_key_file)
+    ssl_certfile: str | None = None  # serve HTTPS (uvicorn's TLS) with this certificate chain (PEM); with ssl_keyfile; through the relay it is end to end
+    ssl_keyfile: str | None = None  # the certificate's private key (PEM)
 
 
 @dataclass
@@ -223,6 +227,8 @@ def load_config(overrides: list[str], config_file: str | Path | None = None, *, 
     cfg.model.hub_cache = _expand(cfg.model.hub_cache)
     cfg.transport.secret_file = _expand(cfg.transport.secret_file)
     cfg.serve.api_key_file = _expand(cfg.serve.api_key_file)
+    cfg.serve.ssl_certfile = _expand(cfg.serve.ssl_certfile)
+    cfg.serve.ssl_keyfile = _expand(cfg.serve.ssl_keyfile)
     cfg.cache.dir = _expand(cfg.cache.dir)
     cfg.transport.relay_token_file = _expand(cfg.transport.relay_token_file)
     # YAML 1.1 reads a bare on/off as a boolean, which omegaconf then stores in this str field as True/False
@@ -369,7 +375,23 @@ def validate(cfg: TandemConfig) -> None:
         raise ConfigError(f"serve.port={cfg.serve.port} is not a TCP port (0..65535)")
     if cfg.serve.api_key is not None and cfg.serve.api_key_file is not None:
         raise ConfigError("give serve.api_key_file or serve.api_key, not both")
+    _check_exposed_api(cfg.serve)
     _check_room(cfg)
+
+
+def _check_exposed_api(serve: ServeConfig) -> None:
+    """serve.via_relay exposes the API to whoever reaches the relay: only with a key; TLS files come in pairs."""
+    if serve.via_relay and serve.port is None:
+        raise ConfigError("serve.via_relay=true serves the API through the relay: give serve.port=PORT too")
+    if serve.via_relay and serve.api_key_file is None and serve.api_key is None:
+        raise ConfigError("serve.via_relay=true makes the API reachable by anyone who reaches the relay: set "
+                          "serve.api_key_file=FILE (create it: python -c 'import secrets; print(secrets.token_urlsafe(32))' > FILE)")
+    if (serve.ssl_certfile is None) != (serve.ssl_keyfile is None):
+        raise ConfigError("give serve.ssl_certfile and serve.ssl_keyfile together (uvicorn's TLS needs both)")
+    for key in ("ssl_certfile", "ssl_keyfile"):
+        path = getattr(serve, key)
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(f"serve.{key}={path} is not a file")
 
 
 def _check_prompt(cfg: TandemConfig) -> None:
@@ -465,7 +487,7 @@ BOUNDS = [("model.max_len", 1, MAX_TOKENS), ("draft.max_len", 1, MAX_TOKENS), ("
           ("spec.k", 0, 1024), ("draft.top_k", 1, 2**20), ("draft.ngram_max", 1, 1024), ("draft.ngram_min", 1, 1024),
           ("draft.lookup_min", 1, 1024), ("draft.lookup_k", 1, 1024),
           ("gen.max_new_tokens", 1, MAX_TOKENS), ("serve.max_concurrent", 1, 64), ("serve.max_queue", 0, 2**20),
-          ("serve.max_body_bytes", 1, 2**31),
+          ("serve.max_body_bytes", 1, 2**31), ("serve.retry_window_s", 0, 3600),
           ("transport.timeout_s", 0.001, 7 * 86400), ("transport.reconnect_s", 0, 7 * 86400),
           ("transport.emulate_delay_ms", 0, 3600_000), ("transport.emulate_mbps", 0, 10**9),
           ("cache.min_tokens", 1, MAX_TOKENS), ("cache.block_tokens", 1, MAX_TOKENS)]

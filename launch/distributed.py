@@ -91,14 +91,36 @@ def open_channel(cfg: TandemConfig, rank: int) -> Channel:
 def _init_gloo(settings, rank: int) -> None:
     import torch.distributed as dist
     endpoint = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    timeout = timedelta(seconds=settings.timeout_s)
     try:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=settings.timeout_s))
+        store = attempt_store(timeout)
+        if store is None:
+            dist.init_process_group("gloo", timeout=timeout)
+        else:
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     except Interrupted:  # Ctrl-C while waiting for the other rank: that is the cause, not the group
         raise
     except Exception as e:  # noqa: BLE001 - torch raises several types here; all mean the same to a user
         raise LaunchError(f"rank {rank} could not form the gloo group via {endpoint} within {settings.timeout_s:.0f} s "
                           f"({one_line(e, 200, first=True)}); "
                           "is the other rank running, and can each host reach the other? If not, use transport.kind=relay") from None
+
+
+def attempt_store(timeout: timedelta):
+    """The store this attempt's gloo group meets in, under torchrun with one agent: the agent's store, its keys
+    prefixed by TORCHELASTIC_RESTART_COUNT. torchrun's static rendezvous keeps ONE store for every restart, and
+    the workers' keys are not prefixed (torch assumes a fresh store per attempt): a restarted rank read the last
+    attempt's address of rank 0 and failed with "Connection refused" in seconds, or met, by luck of timing.
+    With one agent every worker of an attempt has the same count; with several (--nnodes > 1) the agents count
+    their own restarts (c10d restarts a healthy node's workers without counting), so the store is left as it is
+    (torch's default, None here); across hosts a restart is the tandem-relay rendezvous's (a store per round)."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("GROUP_WORLD_SIZE") != "1":
+        return None
+    import torch.distributed as dist
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"tandem/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def close_channel(channel: Channel, *more: Channel) -> None:

@@ -10,7 +10,9 @@ links, whatever the ranks per host (`local_peers`).
 netbridge never sees the config: it takes these values. Under torchrun's tandem-relay rendezvous the relay
 address and session default to the rendezvous endpoint and --rdzv_id (launch/torchrun/relay_rendezvous.py sets
 TANDEM_RELAY; torchrun sets TORCHELASTIC_RUN_ID); the relay token file defaults to TANDEM_RELAY_TOKEN_FILE and
-the pairing secret's to TANDEM_SECRET_FILE.
+the pairing secret's to TANDEM_SECRET_FILE. Under that rendezvous the link session is <session>/<round>
+(TANDEM_RELAY_ROUND, new each rendezvous round): the ranks of a restart pair afresh instead of meeting the
+last attempt's half-closed links, which the secure session would refuse as "restarted".
 """
 from __future__ import annotations
 
@@ -54,6 +56,8 @@ def transport_settings(t) -> TransportSettings:
     session = t.session or os.environ.get("TORCHELASTIC_RUN_ID")
     if not session:
         raise PeerError("transport.kind=relay needs transport.session=ID, the same on both ranks (or torchrun --rdzv_id)")
+    if os.environ.get("TANDEM_RELAY_ROUND"):  # a torchrun restart's ranks must not resume the last attempt's links
+        session = f"{session}/{os.environ['TANDEM_RELAY_ROUND']}"
     try:
         token = auth.load_secret(t.relay_token, t.relay_token_file or os.environ.get("TANDEM_RELAY_TOKEN_FILE"),
                                  what=auth.RELAY_TOKEN)

@@ -45,6 +45,9 @@ SESSION_RE = re.compile(rb"[A-Za-z0-9._:@/+=-]{1,128}")
 
 # roles: a rank's data connection, a proxied connection to a rendezvous store, a torchrun agent joining
 ROLE_DATA, ROLE_STORE, ROLE_RDZV = 1, 2, 3
+# the dial-back (netbridge.backend): a process behind the NAT registering a service (session = its name), and the
+# connection it dials back for one client of that service (session = the connection id the relay gave)
+ROLE_SERVICE, ROLE_BACKEND = 4, 5
 ANY_RANK = 255  # ROLE_RDZV: "give me any free node rank"
 
 # statuses; everything but REFUSED, SHED and SOURCE_LIMIT is only ever sent to a client whose MAC was right
@@ -140,7 +143,7 @@ def verify_claim(secret: bytes, relay_nonce: bytes, claim: bytes):
 def _sane(role: int, rank: int, world: int) -> bool:
     if role == ROLE_DATA:
         return world == 2 and rank < 2
-    if role == ROLE_STORE:
+    if role in (ROLE_STORE, ROLE_SERVICE, ROLE_BACKEND):
         return rank == 0 and world == 0
     if role == ROLE_RDZV:
         return 1 <= world <= 254 and (rank < world or rank == ANY_RANK)
@@ -262,8 +265,10 @@ def _refusal(status: int | None, host: str, port: int, who: str, session: str) -
                       "at the relay, until the timeout. If many nodes share one public (NAT) address, raise that limit on "
                       "the relay; otherwise something on this network is flooding it (check the relay's log)",
         MISMATCH: f"{at}: another node joined session {session!r} with a different number of nodes (--nnodes)",
-        UNKNOWN: f"{at} has no rendezvous store {session!r} (expired or the relay restarted); restart both torchruns",
-        NO_STORE: f"{at} was started with --no-store, so it cannot serve torchrun's rendezvous; restart it without that flag",
+        UNKNOWN: f"{at} knows no {session!r} for {who}: a rendezvous store whose node 0 is gone, or a dial-back that "
+                 "came too late; restart the torchruns",
+        NO_STORE: f"{at} is an older Tandem relay that refuses rendezvous without its own store; restart it without "
+                  "--no-store, or upgrade it",
     }.get(status, f"{at} answered the handshake of {who} with unknown status {status}; is it the same Tandem version?")
 
 

@@ -11,6 +11,8 @@ Every frame is a 5-byte header, then its body:
     RDZV_DONE  5  RDZV_BODY; relay -> each torchrun agent: its node rank and the run's store token
     NOTICE     6  UTF-8 text, 1..MAX_NOTICE_BYTES; relay -> a client still waiting (for PAIRED or RDZV_DONE): a
                   claim for its session was refused (e.g. a node with the wrong secret); the client warns, keeps waiting
+    DIAL       7  a connection id (ASCII); relay -> a registered service's control connection: dial back for that
+                  client (netbridge.backend); the control connection's heartbeats are answered with one
 
 Bounds: a header is judged before any of its body is read, so a claimed length never makes anyone
 allocate. The relay drops a connection on an unknown type, a heartbeat with a body, or DATA that
@@ -29,9 +31,12 @@ import threading
 import time
 
 HEADER = struct.Struct("!BI")
-DATA, HEARTBEAT, PAIRED, PEER_LEFT, RDZV_DONE, NOTICE = 1, 2, 3, 4, 5, 6
-KINDS = (DATA, HEARTBEAT, PAIRED, PEER_LEFT, RDZV_DONE, NOTICE)
-RDZV_BODY = struct.Struct("!BB16sB")  # node rank, world, store token (hex), store available
+DATA, HEARTBEAT, PAIRED, PEER_LEFT, RDZV_DONE, NOTICE, DIAL = 1, 2, 3, 4, 5, 6, 7
+KINDS = (DATA, HEARTBEAT, PAIRED, PEER_LEFT, RDZV_DONE, NOTICE, DIAL)
+RDZV_BODY = struct.Struct("!BB16sB")  # node rank, world, store token (hex), where the store is (STORE_AT_*)
+# RDZV_BODY's last field: older relays hosted the run's store themselves (1, or 0 when they could not start it);
+# this version's relay has node rank 0's agent host it and reach it through the dial-back
+STORE_AT_RELAY, STORE_AT_NODE0 = 1, 2
 # One frame's bound, for the link and for netbridge.frames alike: a 64k-token prefill of hidden size
 # 2048 in bf16.
 MAX_FRAME_BYTES = 256 * 1024 * 1024

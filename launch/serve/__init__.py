@@ -10,6 +10,7 @@
     structured.py  response_format (a grammar) and logprobs
     errors.py      ApiError, and FieldError for every request field that cannot be served
     chat.py        tandem-chat, the terminal client (standard library only)
+    front.py       under torchrun --max_restarts: the process that holds serve.port across restarts (standard library)
 
 It depends one way: errors <- tools, structured <- fields <- prompts; forms and engine on those; app on all of
 them; server on app and engine. It builds on launch/ (config, build, telemetry); nothing else in launch/ imports

@@ -13,18 +13,23 @@ import argparse
 import json
 import os
 import sys
+import time
 import urllib.error
 import urllib.request
 
+RETRY_FOR_S = 120.0  # a 503 with Retry-After (the server's ranks restarting) is retried for up to this long
 
-def stream_chat(url: str, body: dict, timeout_s: float = 600.0, api_key: str | None = None):
-    """Yield the answer's text pieces from a streamed /chat/completions; the last item is the final chunk."""
+
+def stream_chat(url: str, body: dict, timeout_s: float = 600.0, api_key: str | None = None,
+                retry_for_s: float = RETRY_FOR_S, note=None):
+    """Yield the answer's text pieces from a streamed /chat/completions; the last item is the final chunk. A 503
+    with Retry-After is tried again (open_retrying)."""
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     req = urllib.request.Request(f"{url.rstrip('/')}/chat/completions", data=json.dumps({**body, "stream": True}).encode(),
                                  headers=headers)
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+    with open_retrying(req, timeout_s, retry_for_s, note) as resp:
         for raw in resp:
             line = raw.decode("utf-8").strip()
             if not line.startswith("data: "):
@@ -40,6 +45,28 @@ def stream_chat(url: str, body: dict, timeout_s: float = 600.0, api_key: str | N
                 yield choice["delta"]["content"]
             if choice.get("finish_reason"):
                 yield chunk
+
+
+def open_retrying(req: urllib.request.Request, timeout_s: float, retry_for_s: float = RETRY_FOR_S, note=None):
+    """urlopen, again after a 503 that carries Retry-After (the front answers so while torchrun restarts the
+    ranks, launch/serve/front.py), as long as the next try starts within `retry_for_s`; any other error at once."""
+    note = note or (lambda line: print(line, file=sys.stderr, flush=True))
+    deadline = time.monotonic() + retry_for_s
+    while True:
+        try:
+            return urllib.request.urlopen(req, timeout=timeout_s)
+        except urllib.error.HTTPError as e:
+            delay = retry_after(e)
+            if delay is None or time.monotonic() + delay > deadline:
+                raise
+            note(f"[{error_message(e)}; retrying in {delay:g} s]")
+            time.sleep(delay)
+
+
+def retry_after(e: "urllib.error.HTTPError") -> float | None:
+    """A 503's Retry-After in seconds (capped at 30), None for any other answer."""
+    value = e.headers.get("Retry-After", "") if e.code == 503 else ""
+    return min(float(value), 30.0) if value.strip().isdigit() else None
 
 
 def error_message(e: "urllib.error.HTTPError") -> str:

@@ -11,10 +11,14 @@ import signal
 import socket
 import sys
 import threading
+import time
+from dataclasses import dataclass
 
 from launch.config import TandemConfig
 from launch.serve.app import KEEP_ALIVE_S, build_app, headers_within_timeout
 from launch.serve.engine import Engine
+from launch.serve.front import FrontLink, attach, restarts_allowed
+from launch.serve.via_relay import api_relay, register_api
 
 
 def reserve_port(cfg: TandemConfig) -> socket.socket:
@@ -29,6 +33,22 @@ def reserve_port(cfg: TandemConfig) -> socket.socket:
         raise LaunchError(f"cannot serve on {cfg.serve.host}:{cfg.serve.port}: {e.strerror}; pick another serve.port "
                           "(or stop what is using it)") from None
     return listener
+
+
+@dataclass
+class Listening:
+    """Where rank 0's server listens: serve.port itself, or, under torchrun with restarts, a loopback port behind
+    the front (launch/serve/front.py), which holds serve.port across restarts and carries requests to it."""
+    socket: socket.socket
+    front: FrontLink | None = None
+
+
+def open_port(cfg: TandemConfig) -> Listening:
+    """serve.port bound now (by this process, or by the front it finds or starts): see reserve_port."""
+    if restarts_allowed() == 0:
+        return Listening(reserve_port(cfg))
+    front = attach(cfg.serve.host, cfg.serve.port, cfg.serve.retry_window_s, cfg.serve.max_body_bytes, api_relay(cfg))
+    return Listening(socket.create_server(("127.0.0.1", 0)), front)
 
 
 def load_api_key(cfg: TandemConfig) -> str | None:
@@ -63,12 +83,13 @@ def open_host_warning(host: str, api_key: str | None) -> str | None:
 
 
 def serve(cfg: TandemConfig, session, tokenizer, eos_ids: set[int], vocab_size: int,
-          listener: socket.socket | None = None, model_name: str | None = None, links: tuple = ()) -> None:
+          listening: Listening | None = None, model_name: str | None = None, links: tuple = ()) -> None:
     """Serve until SIGINT/SIGTERM (raises Interrupted, once the later ranks have had their Bye), until the server is
     told to exit (returns), or until a later rank is lost (raises its PeerError)."""
     import uvicorn
-    listener = listener or reserve_port(cfg)
-    host, port = listener.getsockname()[:2]
+    listening = listening or Listening(reserve_port(cfg))
+    front = listening.front
+    host, port = (cfg.serve.host, cfg.serve.port) if front else listening.socket.getsockname()[:2]
     from pathlib import Path
     model_name = model_name or cfg.serve.model_name or Path(cfg.model.target.rstrip("/")).name  # launch.plan.Models.name
     telemetry = None
@@ -87,21 +108,55 @@ def serve(cfg: TandemConfig, session, tokenizer, eos_ids: set[int], vocab_size: 
         def handle_exit(self, sig: int, frame) -> None:  # SIGINT/SIGTERM (uvicorn's handler while it runs)
             if not signals:
                 signals.append(sig)
+                if front is not None and sig == signal.SIGTERM:
+                    # torchrun stops the workers because one failed: the requests in flight end naming it, if
+                    # the engine finds it in a moment (a dead peer's link fails at its next round)
+                    threading.Thread(target=stop_after_the_cause, args=(self, sig, frame), daemon=True).start()
+                    return
                 engine.interrupt(f"stopped by {signal.Signals(sig).name}")
             super().handle_exit(sig, frame)
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if front is not None:
+                front.register(listening.socket.getsockname()[1])
+
+    def stop_after_the_cause(server, sig: int, frame) -> None:
+        from netbridge.channel import LAST_WORDS_WAIT_S
+        deadline = time.monotonic() + LAST_WORDS_WAIT_S + 1.0  # a lost peer's PeerError waits that long for its words
+        while engine.fatal is None and engine.live and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if engine.fatal is None:
+            engine.interrupt(f"stopped by {signal.Signals(sig).name}")
+            front.tell(f"rank 0 stopped by {signal.Signals(sig).name} (torchrun stops every rank when one fails)")
+        uvicorn.Server.handle_exit(server, sig, frame)
     server = Server(uvicorn.Config(app, host=cfg.serve.host, port=cfg.serve.port, log_level="warning",
                                    lifespan="off", timeout_graceful_shutdown=2, http=headers_within_timeout(),
-                                   timeout_keep_alive=KEEP_ALIVE_S))
-    engine.on_fatal = lambda: setattr(server, "should_exit", True)
+                                   timeout_keep_alive=KEEP_ALIVE_S, ssl_certfile=cfg.serve.ssl_certfile,
+                                   ssl_keyfile=cfg.serve.ssl_keyfile))
+
+    def on_fatal() -> None:
+        if front is not None:
+            front.tell(str(engine.fatal))
+        server.should_exit = True
+    engine.on_fatal = on_fatal
     if threading.current_thread() is threading.main_thread():
         # uvicorn restores the handlers it found and re-raises the signal it caught once it has shut
         # down: finding these, that re-raise is a no-op, and the entry exits cleanly
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
     engine.thread.start()
-    print(f"[serving {model_name} on http://{host}:{port}/v1 (OpenAI-compatible); "
+    scheme = "https" if cfg.serve.ssl_certfile else "http"
+    print(f"[serving {model_name} on {scheme}://{host}:{port}/v1 (OpenAI-compatible); "
           f"Ctrl-C stops every rank]", file=sys.stderr, flush=True)
-    server.run(sockets=[listener])
+    relayed = register_api(cfg, port) if front is None else None  # a front registers it itself: it outlives us
+    if (where := api_relay(cfg)) is not None:
+        print(f"[and through the relay {where.relay}: clients use its --api-port (api:{where.session})]", file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[listening.socket])
+    finally:
+        if relayed is not None:
+            relayed.close()
     if engine.fatal is None:
         engine.stop()  # ends the live requests at their next round, then says Bye to the later ranks
     if telemetry is not None:

@@ -5,12 +5,18 @@ rank 1 to reach rank 0's host. Here every connection goes out to the relay, auth
 
 1. Each agent dials the relay (role "rendezvous", session = --rdzv_id, its node rank or "any", and
    --nnodes) and waits, sending heartbeats. When all nodes of the run have come, the relay gives each
-   its node rank and the token of a fresh TCPStore it started for this run on its own loopback.
-2. The agent starts a local store proxy on 127.0.0.1: every connection to it is carried, after the
-   same HMAC handshake (role "store", session = token), to that TCPStore on the relay.
-3. next_rendezvous() returns a TCPStore client of the proxy. The agent uses it for rank assignment
-   and the exit barrier; workers get MASTER_ADDR=127.0.0.1 / MASTER_PORT=<proxy port> with
-   TORCHELASTIC_USE_AGENT_STORE=True, so even a worker that builds a store reaches the relay's.
+   its node rank and the token of this round's store.
+2. Node rank 0's agent starts a fresh TCPStore on its own 127.0.0.1 (never exposed) and registers it at
+   the relay as service `store:<token>` through the dial-back (netbridge.backend). Every other agent
+   starts a local store proxy on 127.0.0.1: each connection to it is carried, after the same HMAC
+   handshake (role "store", session = token), to the relay, which splices it to a dial-back from node 0,
+   connected to that TCPStore. The relay forwards the bytes and never runs a store (nor imports torch).
+3. next_rendezvous() returns the store (node 0: the TCPStore itself; the others: a client of their
+   proxy). The agent uses it for rank assignment and the exit barrier; workers get MASTER_ADDR=127.0.0.1 /
+   MASTER_PORT=<the store's or the proxy's port> with TORCHELASTIC_USE_AGENT_STORE=True.
+Each next_rendezvous() (torchrun calls it again after a restart) gets a fresh store; the last round's
+store, proxy and registration are closed. The workers get TANDEM_RELAY_ROUND, the round's name: a relay
+transport's link session is <session>/<round>, so restarted ranks pair afresh. The store lives as long as node 0's agent: see docs/relay.md.
 
 The relay token (the relay's --secret-file) comes from `--rdzv_conf relay_token_file=PATH` or
 TANDEM_RELAY_TOKEN_FILE; the nodes' pairing secret is not needed here (the relay never sees it). `--rdzv_conf node_rank=0`
@@ -22,6 +28,7 @@ every 10 s (netbridge.link.WAITING_LINE_S) it says that it still waits, and for 
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
@@ -46,8 +53,9 @@ from torch.distributed.elastic.rendezvous import (
 from launch.torchrun.rendezvous import FixedGroup
 from model_parallel.lines import one_line
 from netbridge import auth
-from netbridge.link import (RDZV_BODY, RDZV_DONE, LinkClosed, LinkGarbage, LinkSocket, LinkTimeout, NoticeBoard, UnexpectedFrame,
-                            WaitingLine)
+from netbridge.backend import Backend, serve_through_relay, shut, store_service
+from netbridge.link import (RDZV_BODY, RDZV_DONE, STORE_AT_NODE0, LinkClosed, LinkGarbage, LinkSocket, LinkTimeout, NoticeBoard,
+                            UnexpectedFrame, WaitingLine)
 
 log = logging.getLogger(__name__)
 BACKEND = "tandem-relay"
@@ -58,8 +66,19 @@ HEARTBEAT_S = 5.0  # while an agent waits for the others; well inside the relay'
 DEFAULT_JOIN_TIMEOUT_S = 120
 
 
+# Set in the workers' environment: this rendezvous round's name, the same on every node of the round (a node that
+# replaces a lost one, with its torchrun's restart count at 0, gets it too) and new each round, so the ranks of a
+# restart pair in a relay session of their own, never with the old attempt's ends (launch/transport.py)
+ROUND_ENV = "TANDEM_RELAY_ROUND"
+
+
+def round_name(token: str) -> str:
+    """A digest of the round's store token: alike on every node, and the token itself stays out of session ids."""
+    return hashlib.sha256(token.encode()).hexdigest()[:8]
+
+
 class StoreProxy:
-    """127.0.0.1:<port> here -> (HMAC handshake) -> the run's TCPStore on the relay. One thread per direction."""
+    """127.0.0.1:<port> here -> (HMAC handshake) -> the relay -> node 0's TCPStore, one StorePipe a connection."""
 
     def __init__(self, endpoint: str, secret: bytes, token: str, timeout_s: float):
         self.endpoint, self.secret, self.token, self.timeout_s = endpoint, secret, token, timeout_s
@@ -67,9 +86,15 @@ class StoreProxy:
         self.listener.bind(("127.0.0.1", 0))
         self.listener.listen(16)
         self.port = self.listener.getsockname()[1]
-        self._socks: list[socket.socket] = []
+        self._pipes: list[StorePipe] = []
         self._closed = False
         threading.Thread(target=self._accept, name="tandem-store-proxy", daemon=True).start()
+
+    def _dial(self) -> socket.socket:
+        remote = auth.dial(self.endpoint, self.secret, self.token, auth.ROLE_STORE, 0, 0, self.timeout_s,
+                           what=f"the store proxy of run store {self.token}")
+        remote.settimeout(None)
+        return remote
 
     def _accept(self) -> None:
         while not self._closed:
@@ -78,43 +103,150 @@ class StoreProxy:
             except OSError:
                 return
             try:
-                remote = auth.dial(self.endpoint, self.secret, self.token, auth.ROLE_STORE, 0, 0, self.timeout_s,
-                                   what=f"the store proxy of run store {self.token}")
+                self._pipes.append(StorePipe(local, self._dial, STORE_RESUME_S))
             except auth.HandshakeError as e:
                 log.error("tandem-relay store proxy: %s", e)
                 local.close()
-                continue
-            remote.settimeout(None)
-            local.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._socks += [local, remote]
-            for a, b in ((local, remote), (remote, local)):
-                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
 
     def close(self) -> None:
         self._closed = True
-        for s in [self.listener, *self._socks]:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
+        shut(self.listener)
+        self.listener.close()
+        for pipe in self._pipes:
+            pipe.close()
 
 
-def _pump(src: socket.socket, dst: socket.socket) -> None:
-    try:
-        while True:
-            data = src.recv(1 << 16)
+# A store connection whose relay leg broke is dialed again for this long: the relay restarting (2 s down, node 0
+# re-registering its store within its backoff) is survived; node 0's store gone ends it after this.
+STORE_RESUME_S = 20.0
+
+
+class StorePipe:
+    """One local store connection carried to node 0's store. When the relay leg breaks (a relay restart), it is
+    dialed again and the local connection goes on: torchrun's agent keeps one store connection for the whole run
+    and a TCPStore client never reconnects, so otherwise the exit barrier would fail here while node 0's agent,
+    whose store lives on, waited 300 s (torch's exit_barrier_timeout) for this node. The store serves a new
+    connection only after the client's opening (TCPStore's validation and ping): the bytes the client sent before
+    the store first answered are sent again on the new leg and the answer, as long as the first, is dropped; no
+    other byte is read or kept. A request crossing at the moment of the break is lost (its caller times out);
+    the agent's store is idle while the workers run."""
+
+    def __init__(self, local: socket.socket, dial, resume_s: float):
+        self.local, self.dial, self.resume_s = local, dial, resume_s
+        self.remote = dial()
+        self.lock = threading.Lock()  # held while the relay leg is replaced, and for the opening's bookkeeping
+        self.ended = threading.Event()
+        self.opening, self.opening_answer = bytearray(), bytearray()
+        self.opened = False  # the client spoke again after the store's first answer: the opening is complete
+        local.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        threading.Thread(target=self._up, name="tandem-store-pipe", daemon=True).start()
+        threading.Thread(target=self._down, name="tandem-store-pipe", daemon=True).start()
+
+    def _up(self) -> None:
+        """local -> relay: a send that fails is repeated on the next relay leg."""
+        while (data := _recv(self.local)):
+            with self.lock:
+                if not self.opening_answer:
+                    self.opening += data
+                else:
+                    self.opened = True
+            while (remote := self._current()) is not None:
+                try:
+                    remote.sendall(data)
+                    break
+                except OSError:
+                    self._lost(remote)
+        self.close()
+
+    def _down(self) -> None:
+        """relay -> local; a relay leg that ends is replaced."""
+        while (remote := self._current()) is not None:
+            data = _recv(remote)
             if not data:
-                break
-            dst.sendall(data)
-    except OSError:
-        pass
-    finally:
-        for s in (src, dst):
+                self._lost(remote)
+                continue
+            with self.lock:
+                if not self.opened:
+                    self.opening_answer += data
             try:
-                s.shutdown(socket.SHUT_RDWR)
+                self.local.sendall(data)
             except OSError:
-                pass
+                break
+        self.close()
+
+    def _current(self) -> socket.socket | None:
+        with self.lock:
+            return None if self.ended.is_set() else self.remote
+
+    def _lost(self, remote: socket.socket) -> None:
+        """`remote` broke: dial again (once, whichever direction noticed first) until resume_s, else close."""
+        with self.lock:
+            if self.ended.is_set() or self.remote is not remote:
+                return
+            shut(remote)
+            deadline = time.monotonic() + self.resume_s
+            while self.opened and not self.ended.is_set() and time.monotonic() < deadline:
+                try:
+                    self.remote = self._reopen(self.dial())
+                    log.warning("tandem-relay store proxy: the relay leg to node 0's store broke; dialed again")
+                    return
+                except (auth.HandshakeError, OSError):
+                    self.ended.wait(0.5)
+        self.close()
+
+    def _reopen(self, remote: socket.socket) -> socket.socket:
+        """The client's opening on a new leg, the store's answer to it dropped."""
+        remote.settimeout(10.0)
+        try:
+            remote.sendall(self.opening)
+            left = len(self.opening_answer)
+            while left:
+                got = remote.recv(left)
+                if not got:
+                    raise OSError("closed during the opening")
+                left -= len(got)
+        except OSError:
+            shut(remote)
+            raise
+        remote.settimeout(None)
+        return remote
+
+    def close(self) -> None:
+        """Not under the lock: a pipe dialing again ends at once."""
+        self.ended.set()
+        shut(self.local)
+        shut(self.remote)
+
+
+def _recv(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(1 << 16)
+    except OSError:
+        return b""
+
+
+class NodeStore:
+    """Node rank 0's store of one round: a TCPStore on this host's loopback (the world reaches it only through
+    the relay's handshake), registered at the relay for the other nodes' proxies."""
+
+    def __init__(self, endpoint: str, secret: bytes, token: str, timeout_s: float):
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))  # TCPStore alone would listen on every interface
+        listener.listen(64)
+        self.port = listener.getsockname()[1]
+        try:
+            self.store = TCPStore("127.0.0.1", self.port, None, True, timedelta(seconds=timeout_s),
+                                  wait_for_workers=False, master_listen_fd=listener.fileno(), use_libuv=True)
+        except BaseException:
+            listener.close()
+            raise
+        listener.detach()  # the store owns the socket now and closes it when it goes
+        self.backend: Backend = serve_through_relay(endpoint, secret, store_service(token), ("127.0.0.1", self.port))
+
+    def close(self) -> None:
+        self.backend.close()
+        del self.store
 
 
 class RelayRendezvousHandler(FixedGroup):
@@ -142,6 +274,7 @@ class RelayRendezvousHandler(FixedGroup):
         except auth.HandshakeError as e:
             raise RendezvousError(f"{e} (torchrun: --rdzv_conf relay_token_file=PATH or TANDEM_RELAY_TOKEN_FILE)") from None
         self._proxy: StoreProxy | None = None
+        self._node_store: NodeStore | None = None
         self._closed = False
         os.environ.setdefault("TANDEM_RELAY", self.endpoint)  # workers inherit it: transport.relay's default
 
@@ -149,18 +282,35 @@ class RelayRendezvousHandler(FixedGroup):
         if self._closed:
             raise RendezvousClosedError(f"rendezvous of run {self.run_id!r} at {self.endpoint} is closed")
         rank, world, token = self._join()
-        if self._proxy is not None:
-            self._proxy.close()
-        self._proxy = StoreProxy(self.endpoint, self.secret, token, timeout_s=30.0)
+        self._close_round()
         try:
-            store = TCPStore("127.0.0.1", self._proxy.port, None, False, timedelta(seconds=self.join_timeout_s))
+            store, port = self._open_store(rank, token)
         except Exception as e:  # noqa: BLE001 - DistStoreError, RuntimeError: all mean the same here
-            raise RendezvousConnectionError(f"could not reach the rendezvous store of run {self.run_id!r} through the relay "
-                                            f"{self.endpoint} ({one_line(e, 160, first=True)})") from None
+            where = "start the rendezvous store" if rank == 0 else "reach the rendezvous store on node 0"
+            raise RendezvousConnectionError(f"could not {where} of run {self.run_id!r} through the relay {self.endpoint} "
+                                            f"({one_line(e, 160, first=True)})") from None
         log.info("tandem-relay rendezvous: run %s node rank %d of %d via %s", self.run_id, rank, world, self.endpoint)
+        os.environ[ROUND_ENV] = round_name(token)  # the workers inherit it: launch/transport.py's link session
         if self.node_rank is not None:
             os.environ["TANDEM_NODE_RANK"] = str(self.node_rank)  # the workers inherit it: their start-up line names it
-        return RendezvousInfo(store, rank, world, RendezvousStoreInfo("127.0.0.1", self._proxy.port))
+        return RendezvousInfo(store, rank, world, RendezvousStoreInfo("127.0.0.1", port))
+
+    def _open_store(self, rank: int, token: str) -> tuple[TCPStore, int]:
+        """This round's store and its port on 127.0.0.1: node 0 hosts it, the others reach it through a proxy."""
+        if rank == 0:
+            self._node_store = NodeStore(self.endpoint, self.secret, token, self.join_timeout_s)
+            return self._node_store.store, self._node_store.port
+        self._proxy = StoreProxy(self.endpoint, self.secret, token, timeout_s=30.0)
+        return TCPStore("127.0.0.1", self._proxy.port, None, False, timedelta(seconds=self.join_timeout_s)), self._proxy.port
+
+    def _close_round(self) -> None:
+        """The last round's store (node 0) or proxy: a new round has a fresh one."""
+        if self._proxy is not None:
+            self._proxy.close()
+            self._proxy = None
+        if self._node_store is not None:
+            self._node_store.close()
+            self._node_store = None
 
     def _join(self) -> tuple[int, int, str]:
         want = auth.ANY_RANK if self.node_rank is None else self.node_rank
@@ -188,9 +338,10 @@ class RelayRendezvousHandler(FixedGroup):
             raise RendezvousConnectionError(f"the relay at {self.endpoint} closed the rendezvous connection ({e.reason}); check its log") from None
         finally:
             link.close()
-        rank, world, token, has_store = RDZV_BODY.unpack(body)
-        if not has_store:
-            raise RendezvousError(f"the relay at {self.endpoint} could not start the rendezvous store (is torch installed there? see its log)")
+        rank, world, token, store_at = RDZV_BODY.unpack(body)
+        if store_at != STORE_AT_NODE0:
+            raise RendezvousError(f"the relay at {self.endpoint} is an older Tandem version (it hosts the rendezvous store "
+                                  "itself); upgrade it to this version")
         return rank, world, token.decode()
 
     def _waiting_line(self, waited_s: float) -> None:
@@ -208,9 +359,7 @@ class RelayRendezvousHandler(FixedGroup):
 
     def shutdown(self) -> bool:
         super().shutdown()
-        if self._proxy is not None:
-            self._proxy.close()
-            self._proxy = None
+        self._close_round()
         return True
 
 
@@ -220,15 +369,16 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 
 class _ExitBarrierLine(logging.Filter):
-    """The run's TCPStore lives in the relay: after a relay restart it is gone, so torchrun's exit barrier
-    (after the workers finished, whatever their outcome) fails with a DistNetworkError whose text carries
-    a page of C++ frames. The agent logs it with logger.exception; this makes it one line."""
+    """The run's TCPStore lives in node 0's agent, reached through the relay: when node 0's agent has gone (or
+    the relay is down), torchrun's exit barrier (after the workers finished, whatever their outcome) fails
+    with a DistNetworkError whose text carries a page of C++ frames. The agent logs it with
+    logger.exception; this makes it one line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and str(record.msg).startswith("Error waiting on exit barrier"):
             error = record.exc_info[1]
-            record.msg = ("tandem-relay: torchrun's exit barrier was skipped: the run's store is gone (%s; the relay "
-                          "restarted?); the workers' own exit status stands")
+            record.msg = ("tandem-relay: torchrun's exit barrier was skipped: the run's store is out of reach (%s; node "
+                          "0's agent ended, or the relay is down?); the workers' own exit status stands")
             record.args = (type(error).__name__,)
             record.exc_info, record.exc_text = None, None
         return True
@@ -282,4 +432,9 @@ def launcher_exit_status(e: BaseException) -> int | None:
     closed_pipe = 128 + signal.SIGPIPE
     if isinstance(e, ChildFailedError) and e.failures and all(f.exitcode == closed_pipe for f in e.failures.values()):
         return closed_pipe
+    from launch.torchrun.restarts import used_up_line
+    line = used_up_line(e, sys.argv[1:])
+    if line is not None:  # the ranks said why; what is left to say is that torchrun will not start them again
+        sys.stderr.write(line + "\n")
+        return 1
     return None

@@ -31,7 +31,8 @@ def peak_rss_mb() -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="tandem-relay", description="Relay both Tandem ranks dial out to (rendezvous + data).")
+    p = argparse.ArgumentParser(prog="tandem-relay", description="Relay both Tandem ranks dial out to (rendezvous + data), "
+                                "and optionally the door to a run's API (--api-port).")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=29400, help="the one port both nodes dial (default 29400; 0 = any free)")
     p.add_argument("--secret-file", default=os.environ.get("TANDEM_RELAY_TOKEN_FILE"),
@@ -57,7 +58,17 @@ def main(argv: list[str] | None = None) -> None:
                         f"once, then 1/16 of this, doubling up to it; 0 = never slowed (default {MAX_REFUSAL_DELAY_S:g})")
     p.add_argument("--emulate-delay-ms", type=float, default=0.0, help="EMULATION: one-way delay added to every forwarded byte")
     p.add_argument("--emulate-mbps", type=float, default=0.0, help="EMULATION: per-direction bandwidth cap, 0 = none")
-    p.add_argument("--no-store", action="store_true", help="data only: no torchrun rendezvous, no torch import")
+    p.add_argument("--api-port", type=int, default=None,
+                   help="accept API clients on this port and pipe each, bytes verbatim, to the server of the run whose rank 0 "
+                        "registered it (serve.via_relay=true); 0 = any free port (default: no API port)")
+    p.add_argument("--api-host", default=None, help="address of --api-port (default: --host)")
+    p.add_argument("--api-session", default=None,
+                   help="the run (its transport.session / --rdzv_id) whose API --api-port serves (default: the one run that "
+                        "registered an API; needed when several do)")
+    p.add_argument("--api-max-connections", type=int, default=256,
+                   help="API clients at once; one more is closed at once. Counted apart from --max-connections, with their "
+                        "dial-backs: a flood of API clients cannot make a rank link 'full' (default 256)")
+    p.add_argument("--no-store", action="store_true", help=argparse.SUPPRESS)  # before issue 43: the relay hosted the store
     p.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
                    help="event loop: uvloop when installed (auto), else asyncio's own")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -65,15 +76,25 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s tandem-relay %(levelname)s %(message)s", stream=sys.stderr)
     if not a.secret_file:
         p.error("--secret-file is required (or set TANDEM_RELAY_TOKEN_FILE)")
+    if a.no_store:
+        log.warning("--no-store is ignored: the relay never hosts the rendezvous store now (node 0's agent does) and never "
+                    "imports torch; drop the flag")
+    if a.api_session is not None:
+        try:
+            auth.check_session(a.api_session)
+        except auth.HandshakeError as e:
+            p.error(f"--api-session: {e}")
     try:
         secret = auth.load_secret(secret_file=a.secret_file)
     except auth.HandshakeError as e:
         p.error(str(e))
     relay = Relay(secret, a.host, a.port, max_frame_bytes=a.max_frame_bytes, handshake_timeout_s=a.handshake_timeout_s,
                   idle_timeout_s=a.idle_timeout_s, max_connections=a.max_connections, max_pending=a.max_pending,
-                  max_pending_per_source=a.max_pending_per_source, emulate_delay_ms=a.emulate_delay_ms, emulate_mbps=a.emulate_mbps, store=not a.no_store,
-                  max_refusal_delay_s=a.max_refusal_delay_s)
-    _raise_fd_limit(a.max_connections + a.max_pending + 64)
+                  max_pending_per_source=a.max_pending_per_source, emulate_delay_ms=a.emulate_delay_ms, emulate_mbps=a.emulate_mbps,
+                  max_refusal_delay_s=a.max_refusal_delay_s, api_port=a.api_port, api_host=a.api_host, api_session=a.api_session,
+                  api_max_connections=a.api_max_connections)
+    api_fds = 2 * a.api_max_connections if a.api_port is not None else 0  # each API client and its dial-back
+    _raise_fd_limit(a.max_connections + a.max_pending + api_fds + 64)
     with asyncio.Runner(loop_factory=_loop_factory(a.loop)) as runner:
         runner.run(_serve(relay, _loop_name(a.loop)))
 
@@ -117,13 +138,14 @@ async def _serve(relay: Relay, loop_name: str = "asyncio") -> None:
     extras = []
     if relay.emulating:
         extras.append(f"EMULATING delay {relay.limits.emulate_delay_ms:g} ms, {relay.limits.emulate_mbps:g} Mbit/s per direction")
-    extras.append("rendezvous store on" if relay.store_enabled else "no store")
+    if relay.api_port is not None:
+        extras.append(f"API clients on {relay.api_host}:{relay.api_port}")
     extras.append(loop_name)
     print(f"tandem-relay listening on {relay.host}:{relay.port} ({', '.join(extras)})", flush=True)
     await stop
     s = relay.stats
-    log.info("stopping: %d accepted, %d refused, %d dropped, %d shed, %d turned away, %d sessions, %.1f MB forwarded, "
-             "peak RSS %.0f MB", s["accepted"], s["refused"], s["dropped"], s["shed"], s["turned_away"], s["sessions"],
-             s["bytes"] / 1e6, peak_rss_mb())
+    log.info("stopping: %d accepted, %d refused, %d dropped, %d shed, %d turned away, %d sessions, %d API clients "
+             "(%d refused), %.1f MB forwarded, peak RSS %.0f MB", s["accepted"], s["refused"], s["dropped"], s["shed"],
+             s["turned_away"], s["sessions"], s["api"], s["api_refused"], s["bytes"] / 1e6, peak_rss_mb())
     print(f"tandem-relay peak RSS {peak_rss_mb():.1f} MB", flush=True)
     await relay.close()

@@ -8,8 +8,12 @@ sessions, rendezvous, stores) and calls the methods here.
     waiting  a data rank whose peer has not come; only heartbeats may arrive
     paired   a data rank with its peer: link frames checked and forwarded cut-through both ways
     rdzv     a torchrun agent waiting for the rest of its run; only heartbeats
-    store    a byte pipe to its run's store (store.StoreProxy), not framed
+    service  a registered service's control connection (netbridge.relay.services): heartbeats in, each
+             answered with one; DIAL out
+    spliced  one end of a Splice (a store pipe, or a service's dial-back): bytes verbatim, not framed
     done | closed
+
+A client on --api-port (ApiClient, below) has no handshake: its first bytes make it a Splice's client.
 
 Link frames after the handshake: u8 type | u32 length | body (netbridge.link). The length is checked
 against the bound before any body byte is read; a bad type, an oversized or empty DATA frame, or DATA
@@ -27,7 +31,7 @@ import time
 from typing import NamedTuple, Protocol
 
 from netbridge import auth
-from netbridge.link import HEADER, PAIRED, PEER_LEFT
+from netbridge.link import HEADER, HEARTBEAT, PAIRED, PEER_LEFT
 from netbridge.relay.emulation import EmulatedLink
 from netbridge.relay.handshake import ROLE_NAMES, Claim, Handshake, Refusal, source_of
 from netbridge.relay.scanner import LinkFrameScanner
@@ -56,16 +60,20 @@ class Host(Protocol):
     def refused(self, conn: Connection, refusal: Refusal) -> float: ...  # a claim that did not authenticate: when to answer
     def left(self, conn: Connection) -> None: ...  # a counted connection ended
     def count(self, stat: str, n: int = 1) -> None: ...
+    def api_room(self, client: ApiClient) -> bool: ...  # a place under --api-max-connections (False: closed)
+    def api_call(self, client: ApiClient): ...  # the Splice of its first bytes, or None (no API registered: closed)
+    def api_left(self, client: ApiClient) -> None: ...
 
 
 class Connection(asyncio.Protocol):
-    """One client connection: the handshake, then link frames (data, rendezvous) or a store pipe."""
+    """One client connection: the handshake, then link frames (data, rendezvous, a service's control) or one
+    end of a Splice."""
 
     def __init__(self, host: Host, limits: Limits):
         self.host, self.limits = host, limits
         self.transport = None
         self.name = self.host_name = self.source = "?"
-        self.state = "hello"  # hello | refusing | waiting | paired | rdzv | done | store | closed
+        self.state = "hello"  # hello | refusing | waiting | paired | rdzv | service | spliced | done | closed
         self.role = self.rank = self.world = 0
         self.session = ""
         self.handshake: Handshake | None = None
@@ -73,8 +81,7 @@ class Connection(asyncio.Protocol):
         self.pending = False  # in the handshake table
         self.peer: Connection | None = None
         self.out = Forwarder(self, limits)  # this client's link frames towards its peer
-        self.store_proxy = None  # store.StoreProxy, in state "store"
-        self.counted_store = False  # holds one of its store's pipe counts
+        self.splice = None  # services.Splice, in state "spliced"
         self.paused: set[str] = set()  # why reading from this client is paused
         self.silent = False  # dropped for silence (see check_timers)
         self.refusal = None  # in state "refusing": the timer that answers REFUSED
@@ -110,10 +117,13 @@ class Connection(asyncio.Protocol):
         self.last_rx = time.monotonic()
         if self.state == "hello":
             self._handshake_step(self.handshake.feed(data))
-        elif self.state == "store":
-            self.store_proxy.from_client(data)
-        elif self.state in ("waiting", "paired", "rdzv"):
+        elif self.state == "spliced":
+            self.host.count("bytes", len(data))
+            self.splice.received(self, data)
+        elif self.state in ("waiting", "paired", "rdzv", "service"):
             self._forward_frames(data)
+            if self.state == "service":
+                self.tell(HEADER.pack(HEARTBEAT, 0))  # so the process behind the NAT notices a relay that is gone
 
     def eof_received(self):
         return False  # close our side too
@@ -130,8 +140,8 @@ class Connection(asyncio.Protocol):
     def _hold_feeder(self, on: bool) -> None:
         if self.peer is not None:
             self.peer.throttle("receiver", on)
-        elif self.store_proxy is not None:
-            (self.store_proxy.pause_reading if on else self.store_proxy.resume_reading)()
+        elif self.splice is not None:
+            self.splice.full(self, on)
 
     # ---- the handshake -------------------------------------------------------------------------
     def _handshake_step(self, outcome: Claim | Refusal | None) -> None:
@@ -143,7 +153,6 @@ class Connection(asyncio.Protocol):
             if status != auth.OK:
                 self._answer_and_close(status)
                 return
-            self.counted_store = self.role == auth.ROLE_STORE
             self.transport.write(self.handshake.accept(outcome))
             self.host.joined(self)
             if outcome.rest:
@@ -197,13 +206,18 @@ class Connection(asyncio.Protocol):
         self.transport.write(answer)
         self.close_soon()
 
-    def pipe_to(self, proxy) -> None:
-        """From now on this connection is a byte pipe to its store (store.StoreProxy)."""
-        self.state = "store"
-        self.store_proxy = proxy
+    def serve_dials(self) -> None:
+        """A registered service's control connection: heartbeats in, DIAL out (through `tell`)."""
+        self.state = "service"
+
+    def splice_into(self, splice) -> None:
+        """From now on this connection is one end of `splice` (services.Splice): bytes verbatim."""
+        self.state = "spliced"
+        self.splice = splice
 
     def tell(self, data: bytes) -> None:
-        """Bytes to this client if still connected: a NOTICE, what crossed the emulated wire, the store's answer."""
+        """Bytes to this client if still connected: a NOTICE, what crossed the emulated wire, a DIAL, what the
+        other end of its Splice sent."""
         if self.is_open():
             self.transport.write(data)
 
@@ -225,7 +239,7 @@ class Connection(asyncio.Protocol):
 
     def throttle(self, reason: str, on: bool) -> None:
         """Pause reading from this client while any reason holds (a full receiver, a full emulated link, a
-        store pipe not up yet); the idle timer does not run while paused."""
+        dial-back not here yet); the idle timer does not run while paused."""
         was = bool(self.paused)
         (self.paused.add if on else self.paused.discard)(reason)
         if not self.is_open():
@@ -240,7 +254,7 @@ class Connection(asyncio.Protocol):
     def check_timers(self, now: float) -> None:
         if self.state == "hello" and now > self.deadline:
             self.drop(f"no complete handshake within {self.limits.handshake_timeout_s:.0f} s (slow or silent client)")
-        elif self.state in ("waiting", "paired", "rdzv") and not self.paused and now - self.last_rx > self.limits.idle_timeout_s:
+        elif self.state in ("waiting", "paired", "rdzv", "service") and not self.paused and now - self.last_rx > self.limits.idle_timeout_s:
             self.silent = True  # its peer is not told it left: a silent node may still come back within reconnect_s
             self.drop(f"silent for {self.limits.idle_timeout_s:.0f} s, not even heartbeats (--idle-timeout-s)")
 
@@ -268,9 +282,101 @@ class Connection(asyncio.Protocol):
             self.counted = False
             self.end_pending()
             self.host.left(self)
-            if self.store_proxy is not None:
-                self.store_proxy.close()
+            if self.splice is not None:
+                self.splice.end(self)
             self.state = "closed"
+
+
+class ApiClient(asyncio.Protocol):
+    """A client connection on --api-port: no handshake here (the API's key and TLS are end to end, between the
+    client and rank 0). Its first bytes ask the run's API service for a dial-back (an idle connection costs
+    rank 0 nothing) and make it the client of a Splice: bytes verbatim both ways, never parsed. One that sends
+    nothing within --handshake-timeout-s is closed."""
+
+    def __init__(self, host: Host, limits: Limits):
+        self.host, self.limits = host, limits
+        self.transport = None
+        self.name = self.source = "?"
+        self.session = "api"
+        self.born = time.monotonic()
+        self.splice = None
+        self.counted = False
+        self.paused: set[str] = set()
+        self.deadline = time.monotonic() + limits.handshake_timeout_s
+
+    def is_open(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.name = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self.source = source_of(peer[0]) if peer else "?"
+        if not self.host.api_room(self):
+            transport.abort()
+            return
+        self.counted = True
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            auth.tune(sock)
+        transport.set_write_buffer_limits(high=HIGH_WATER, low=HIGH_WATER // 4)
+
+    def data_received(self, data: bytes) -> None:
+        if self.splice is None:
+            self.splice = self.host.api_call(self)
+            if self.splice is None:
+                return  # closed: nobody serves the API
+        self.host.count("bytes", len(data))
+        self.splice.received(self, data)
+
+    def eof_received(self):
+        return False
+
+    def connection_lost(self, exc) -> None:
+        if self.counted:
+            self.counted = False
+            self.host.api_left(self)
+            if self.splice is not None:
+                self.splice.end(self)
+
+    def pause_writing(self) -> None:
+        if self.splice is not None:
+            self.splice.full(self, True)
+
+    def resume_writing(self) -> None:
+        if self.splice is not None:
+            self.splice.full(self, False)
+
+    def check_timers(self, now: float) -> None:
+        if self.splice is None and now > self.deadline:
+            self.drop(f"sent nothing within {self.limits.handshake_timeout_s:.0f} s (--handshake-timeout-s)")
+
+    # the Splice's end
+    def tell(self, data: bytes) -> None:
+        if self.is_open():
+            self.transport.write(data)
+
+    def throttle(self, reason: str, on: bool) -> None:
+        was = bool(self.paused)
+        (self.paused.add if on else self.paused.discard)(reason)
+        if not self.is_open():
+            return
+        if self.paused and not was:
+            self.transport.pause_reading()
+        elif was and not self.paused:
+            self.transport.resume_reading()
+
+    def close_soon(self) -> None:
+        if self.is_open():
+            self.transport.close()
+            asyncio.get_running_loop().call_later(5.0, self.transport.abort)
+
+    def drop(self, why: str | None) -> None:
+        if why:
+            log.warning("%s (API client): %s; closing it", self.name, why)
+            self.host.count("dropped")
+        if self.transport is not None:
+            self.transport.abort()
 
 
 class Forwarder:

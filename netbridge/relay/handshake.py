@@ -13,10 +13,10 @@ from typing import NamedTuple
 
 from netbridge import auth
 
-ROLE_NAMES = {auth.ROLE_DATA: "data", auth.ROLE_STORE: "store", auth.ROLE_RDZV: "rendezvous"}
+ROLE_NAMES = {auth.ROLE_DATA: "data", auth.ROLE_STORE: "store", auth.ROLE_RDZV: "rendezvous", auth.ROLE_SERVICE: "service",
+              auth.ROLE_BACKEND: "dial-back"}
 STATUS_NAMES = {auth.TAKEN: "slot already taken", auth.FULL: "relay full (--max-connections authenticated connections open)",
-                auth.MISMATCH: "node count differs", auth.UNKNOWN: "unknown store", auth.NO_STORE: "store disabled (--no-store)",
-                auth.REFUSED: "refused"}
+                auth.MISMATCH: "node count differs", auth.UNKNOWN: "unknown store or dial-back", auth.REFUSED: "refused"}
 
 
 class Claim(NamedTuple):

@@ -36,6 +36,19 @@ def test_relay_settings_default_to_the_rendezvous_and_the_environment(tmp_path, 
     assert (s.relay, s.session, s.secret) == ("rdzv.example:29400", "rdzv-id", b"pairing-secret")
 
 
+def test_each_rendezvous_round_pairs_in_a_session_of_its_own(tmp_path, monkeypatch):
+    """torchrun's restart: the new ranks' links must not be taken for the last attempt's (issue 44)."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "rdzv-id")
+    rounds = []
+    for name in ("1a2b3c4d", "5e6f7a8b"):
+        monkeypatch.setenv("TANDEM_RELAY_ROUND", name)
+        rounds.append(transport_settings(relay_config(tmp_path, session=None)).session)
+    assert rounds == ["rdzv-id/1a2b3c4d", "rdzv-id/5e6f7a8b"]
+    assert transport_settings(relay_config(tmp_path)).session == "run/5e6f7a8b"  # a given session too
+    monkeypatch.delenv("TANDEM_RELAY_ROUND")
+    assert transport_settings(relay_config(tmp_path)).session == "run"  # no tandem-relay rendezvous: as given
+
+
 def test_a_missing_relay_setting_is_one_line_naming_it(tmp_path, monkeypatch):
     for name in ("TANDEM_RELAY", "TORCHELASTIC_RUN_ID", "TANDEM_SECRET_FILE"):
         monkeypatch.delenv(name, raising=False)

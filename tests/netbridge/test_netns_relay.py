@@ -1,9 +1,10 @@
-"""Two nodes that can only dial out to the relay, in network namespaces: relay / node0 / node1.
+"""Two nodes that can only dial out to the relay, in network namespaces: relay / node0 / node1 / client.
 
-    node0 (10.N.0.2) --veth-- relay ns (10.N.0.1, 10.N.1.1; public 10.N.9.1 on lo) --veth-- node1 (10.N.1.2)
+    node0 (10.N.0.2) --veth-- relay ns (10.N.0.1, 10.N.1.1, 10.N.2.1; public 10.N.9.1 on lo) --veth-- node1 (10.N.1.2)
+                                                   `--veth-- client (10.N.2.2): an API user outside the NAT
 
-Each node has one route, to 10.N.9.1, and the relay namespace does not forward, so node0 and node1
-cannot reach each other at all: the test checks that first. Then one torchrun per node with
+Each node (and the client) has one route, to 10.N.9.1, and the relay namespace does not forward, so node0
+and node1 cannot reach each other at all, nor the client node0: the test checks that first. Then one torchrun per node with
 --rdzv_backend=tandem-relay --rdzv_endpoint=10.N.9.1:PORT and transport.kind=relay runs the real
 entry on a tiny random Qwen2; the token ids must equal single-process transformers generate().
 Needs root and `ip netns`; skipped with the reason otherwise. Namespaces are removed in a finally.
@@ -17,6 +18,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -45,7 +47,7 @@ def namespaces():
         skip("iproute2 (`ip`) is not installed")
     sfx = secrets.token_hex(2)
     net = 100 + int(sfx, 16) % 150
-    names = {k: f"tdm-{k}-{sfx}" for k in ("relay", "n0", "n1")}
+    names = {k: f"tdm-{k}-{sfx}" for k in ("relay", "n0", "n1", "cl")}
     made: list[str] = []
     try:
         for ns in names.values():
@@ -60,7 +62,7 @@ def namespaces():
         public = f"10.{net}.9.1"
         ex("relay", "ip", "addr", "add", f"{public}/32", "dev", "lo")
         ex("relay", "sysctl", "-qw", "net.ipv4.ip_forward=0")
-        for i, node in enumerate(("n0", "n1")):
+        for i, node in enumerate(("n0", "n1", "cl")):
             a, b = f"tr{sfx}{i}a", f"tr{sfx}{i}b"
             sh("ip", "link", "add", a, "type", "veth", "peer", "name", b)
             sh("ip", "link", "set", a, "netns", names["relay"])
@@ -223,3 +225,126 @@ def test_generation_survives_relay_restarts_and_link_cuts(namespaces, tiny_qwen,
     print(f"\nnetns faults: {counts['relay restarts']} relay restarts (2 s down) and {counts['link cuts']} link cuts (5 s down) "
           f"during one generation of {FAULT_TOKENS} tokens; both nodes exit 0, tokens equal generate(); {elapsed:.0f} s")
     assert counts["relay restarts"] >= FAULTS_EACH and counts["link cuts"] >= FAULTS_EACH, counts
+
+
+# ---- the API through the relay (issue 43), from a client namespace that reaches only the relay ----------------
+API_PORT = 29480  # the relay's --api-port (the namespace is fresh, so fixed is free)
+SERVE_PORT = 8000  # rank 0's own serve.port, on node0 (unreachable from the client)
+IDLE_CLIENTS = 200
+
+CLIENT = r'''
+import json, socket, sys, time
+import openai
+base, key, mode = sys.argv[1:4]
+client = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=60)
+messages = [{"role": "user", "content": "tell me about relays"}]
+
+def stream():
+    model = client.models.list().data[0].id
+    t0, ttft, pieces = time.perf_counter(), None, []
+    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0, stream=True):
+        if chunk.choices and chunk.choices[0].delta.content:
+            ttft = ttft or time.perf_counter() - t0
+            pieces.append(chunk.choices[0].delta.content)
+    return {"pieces": pieces, "ttft_s": ttft}
+
+def rounds(n=3):
+    model = client.models.list().data[0].id
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        client.completions.create(model=model, prompt="abc", max_tokens=12, temperature=0)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+if mode == "stream":
+    print(json.dumps(stream()))
+elif mode == "wrong-key":
+    try:
+        client.models.list()
+        print(json.dumps({"status": 200}))
+    except openai.APIStatusError as e:
+        print(json.dumps({"status": e.status_code}))
+elif mode == "idle":
+    host, port = base.split("//")[1].split("/")[0].rsplit(":", 1)
+    without = rounds()
+    idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(int(sys.argv[4]))]
+    with_idle = rounds()
+    print(json.dumps({"without_s": without, "with_idle_s": with_idle, "idle": len(idle)}))
+'''
+
+
+def api_client(ns: str, script: Path, base: str, key: str, mode: str, *extra: str) -> dict:
+    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, str(script), base, key, mode, *extra],
+                         capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def serve_node(names: dict, node: str, rank: int, endpoint: str, model, secrets_dir, key_file) -> subprocess.Popen:
+    """One node of a served launch (rank 0 registers its API at the relay; every rank checks the key's setting)."""
+    cmd = ["ip", "netns", "exec", names[node], sys.executable, "-m", "torch.distributed.run",
+           "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=tandem-relay", f"--rdzv_endpoint={endpoint}",
+           "--rdzv_id=netns-api", f"--rdzv_conf=node_rank={rank},join_timeout=60", "--max_restarts=0",
+           str(REPO / "train_free_infer.py"), f"model.target={model}", "model.dtype=float32", "model.max_len=512",
+           "draft.kind=none", f"serve.port={SERVE_PORT}", "serve.via_relay=true", f"serve.api_key_file={key_file}",
+           "transport.kind=relay", f"transport.secret_file={secrets_dir / 'pairing'}", "transport.timeout_s=60"]
+    env = dict(os.environ, PYTHONPATH=str(REPO), TANDEM_RELAY_TOKEN_FILE=str(secrets_dir / "token"), TOKENIZERS_PARALLELISM="false")
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                            start_new_session=True)
+
+
+def wait_for_api(names: dict, script: Path, base: str, key: str, procs, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for p in procs:
+            assert p.poll() is None, f"a node exited ({p.returncode}):\n{p.stderr.read()[-3000:]}"
+        out = subprocess.run(["ip", "netns", "exec", names["cl"], sys.executable, str(script), base, key, "wrong-key"],
+                             capture_output=True, text=True, timeout=60)
+        if out.returncode == 0 and '"status": 401' in out.stdout:  # the server answers (401: this probe's key is wrong)
+            return
+        time.sleep(1.0)
+    raise AssertionError("the API did not answer through the relay")
+
+
+@pytest.mark.slow  # a served two-node launch in namespaces: ~1 minute
+def test_a_client_outside_the_nat_streams_from_rank_0_through_a_relay_without_torch(namespaces, tmp_path):
+    """The relay runs where torch cannot be imported (rendezvous and API alike); a client namespace that reaches
+    only the relay streams a chat completion through --api-port, token for token the same as served directly on
+    node0; a wrong key is a 401 through the relay; 200 idle API clients do not slow a round."""
+    from tests.support.relay_without_torch import blocked_imports, start_relay_without_torch
+    from tests.support.serve_harness import chat_folder
+    from tests.support.tiny_models import kill_launch
+    names, public, net = namespaces
+    model = chat_folder(tmp_path / "chat-model", seed=3)
+    secrets_dir = node_secrets(tmp_path)
+    key_file = secrets_dir / "api-key"
+    key_file.write_text("api-key-" + secrets.token_hex(8) + "\n")
+    key = key_file.read_text().strip()
+    script = tmp_path / "client.py"
+    script.write_text(CLIENT)
+    with start_relay_without_torch(tmp_path, "--api-port", str(API_PORT), host="0.0.0.0", netns=names["relay"]) as relay:
+        endpoint = f"{public}:{relay.port}"
+        assert can_connect(names["cl"], public, API_PORT)[0]
+        reached, why = can_connect(names["cl"], f"10.{net}.0.2", SERVE_PORT)
+        assert not reached, f"the client can reach node0 ({why}): the test would not prove anything"
+        procs = [serve_node(names, node, rank, endpoint, model, secrets_dir, key_file) for rank, node in enumerate(("n0", "n1"))]
+        try:
+            via_relay = f"http://{public}:{API_PORT}/v1"
+            wait_for_api(names, script, via_relay, "wrong", procs)
+            relayed = api_client(names["cl"], script, via_relay, key, "stream")
+            direct = api_client(names["n0"], script, f"http://127.0.0.1:{SERVE_PORT}/v1", key, "stream")
+            assert relayed["pieces"] == direct["pieces"] and len(direct["pieces"]) > 3, (relayed, direct)
+            assert api_client(names["cl"], script, via_relay, "not-the-key", "wrong-key") == {"status": 401}
+            idle = api_client(names["cl"], script, via_relay, key, "idle", str(IDLE_CLIENTS))
+            assert idle["idle"] == IDLE_CLIENTS
+            assert idle["with_idle_s"] < 2 * idle["without_s"] + 0.5, idle  # loose: the idle sockets cost rank links nothing
+        finally:
+            for p in procs:
+                kill_launch(p)
+        log = relay.log()
+        assert blocked_imports(log) == [], log[-2000:]
+        assert "rendezvous of 2 nodes complete" in log and "service api:netns-api: registered" in log, log[-2000:]
+        print(f"\nnetns API: {len(direct['pieces'])} streamed pieces equal through the relay (TTFT {relayed['ttft_s'] * 1e3:.0f} ms "
+              f"vs {direct['ttft_s'] * 1e3:.0f} ms direct); a round {idle['without_s'] * 1e3:.0f} ms, with {IDLE_CLIENTS} idle "
+              f"API clients {idle['with_idle_s'] * 1e3:.0f} ms; relay peak RSS {relay.rss_mb():.0f} MB, torch never imported")

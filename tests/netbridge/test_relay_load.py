@@ -1,11 +1,10 @@
-"""50 sessions at once through one relay, with its rendezvous store (torch) on and off: all correct, bounded
+"""50 sessions at once through one relay: all correct, bounded
 in time and count; the relay's peak RSS is printed."""
 from __future__ import annotations
 
 import threading
 import time
 
-import pytest
 import torch
 
 from tests.support.relay_harness import pair, relay_process
@@ -13,9 +12,8 @@ from tests.support.relay_harness import pair, relay_process
 SESSIONS, ROUNDS = 50, 20
 
 
-@pytest.mark.parametrize("store", [True, False], ids=["with-store", "no-store"])
-def test_fifty_concurrent_sessions(tmp_path, store):
-    with relay_process(tmp_path, "--log-level", "warning", *(() if store else ("--no-store",))) as relay:
+def test_fifty_concurrent_sessions(tmp_path):  # one relay: it never hosts a store (nor imports torch) since issue 43
+    with relay_process(tmp_path, "--log-level", "warning") as relay:
         idle_rss = relay.rss_mb("VmRSS")
         errors: list[str] = []
         done = [0] * SESSIONS
@@ -51,7 +49,7 @@ def test_fifty_concurrent_sessions(tmp_path, store):
         for c in channels:
             c.close()
         peak = relay.rss_mb()
-        print(f"\nload ({'rendezvous store on: torch loaded' if store else '--no-store'}): {SESSIONS} sessions x {ROUNDS} "
+        print(f"\nload: {SESSIONS} sessions x {ROUNDS} "
               f"round trips in {elapsed:.1f} s; relay RSS idle {idle_rss:.1f} MB, peak {peak:.1f} MB")
         assert not errors, errors[:5]
         assert done == [ROUNDS] * SESSIONS

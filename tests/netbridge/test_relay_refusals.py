@@ -27,7 +27,7 @@ STRANGER = "127.0.0.2"
 @contextmanager
 def relay_in_thread(**kw):
     """A Relay on a free loopback port, its event loop in a daemon thread; closed at the end."""
-    relay = Relay(TOKEN, "127.0.0.1", 0, **{"store": False, "handshake_timeout_s": 1.0, **kw})
+    relay = Relay(TOKEN, "127.0.0.1", 0, **{"handshake_timeout_s": 1.0, **kw})
     loop = asyncio.new_event_loop()
     started = threading.Event()
 
@@ -167,7 +167,7 @@ def test_a_node_waiting_for_the_rendezvous_says_so_every_interval(caplog, monkey
     caplog.set_level(logging.WARNING, logger="launch.torchrun.relay_rendezvous")
     secret_file = tmp_path / "token"
     secret_file.write_bytes(TOKEN)
-    with relay_in_thread(store=True) as relay:
+    with relay_in_thread() as relay:
         params = RendezvousParameters("tandem-relay", f"127.0.0.1:{relay.port}", "job-w", 2, 2,
                                       relay_token_file=str(secret_file), join_timeout="1")
         with pytest.raises(RendezvousTimeoutError, match="not all 2 nodes of run 'job-w'"):

@@ -32,7 +32,8 @@ WORKER = textwrap.dedent("""
         got = (ch.recv("ping").tensors["x"] * 10).tolist()
         ch.send("pong", x=torch.tensor(got))
     close_channel(ch)
-    env = {k: os.environ.get(k) for k in ("RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TANDEM_RELAY")}
+    env = {k: os.environ.get(k) for k in ("RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TANDEM_RELAY",
+                                "TANDEM_RELAY_ROUND")}
     with open(sys.argv[1], "w") as f:
         json.dump({"got": got, "env": env}, f)
 """)
@@ -73,6 +74,8 @@ def test_torchrun_meets_at_the_relay_with_pinned_ranks(setup):
         assert r["env"]["MASTER_ADDR"] == "127.0.0.1" and r["env"]["TORCHELASTIC_USE_AGENT_STORE"] == "True"
         assert r["env"]["TANDEM_RELAY"] == relay.addr
     assert "rendezvous of 2 nodes complete" in relay.log()
+    rounds = {r["env"]["TANDEM_RELAY_ROUND"] for r in (a, b)}  # the relay transport's link session names it
+    assert len(rounds) == 1 and re.fullmatch(r"[0-9a-f]{8}", rounds.pop())
 
 
 @pytest.mark.slow  # a torchrun / multi-process case of several seconds: the default suite's 5 minutes (issue 39's wave)

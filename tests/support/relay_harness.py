@@ -46,14 +46,16 @@ class RelayProcess:
 
 
 @contextmanager
-def relay_process(tmp_path: Path, *extra: str, secret: bytes = TOKEN, host: str = "127.0.0.1", netns: str | None = None):
-    """`python -m netbridge.relay` on a free port; yields once it prints that it listens; SIGTERM at the end."""
+def relay_process(tmp_path: Path, *extra: str, secret: bytes = TOKEN, host: str = "127.0.0.1", netns: str | None = None,
+                  command: list[str] | None = None):
+    """`python -m netbridge.relay` (or `command`, e.g. tests/support/relay_without_torch.py's) on a free port; yields
+    once it prints that it listens; SIGTERM at the end."""
     assert secret != PAIRING, "the relay is given its token, never the nodes' pairing secret"
     secret_file = tmp_path / f"relay-secret-{secrets.token_hex(4)}"
     secret_file.write_bytes(secret + b"\n")
     secret_file.chmod(0o600)
     log_path = tmp_path / f"relay-{secrets.token_hex(4)}.log"
-    cmd = [sys.executable, "-m", "netbridge.relay", "--host", host, "--port", "0", "--secret-file", str(secret_file), *extra]
+    cmd = [*(command or [sys.executable, "-m", "netbridge.relay"]), "--host", host, "--port", "0", "--secret-file", str(secret_file), *extra]
     if netns:
         cmd = ["ip", "netns", "exec", netns, *cmd]
     with open(log_path, "w") as log_file:
@@ -165,3 +167,32 @@ def relay_ring(relay: RelayProcess, ranks: int, session: str = "ring", timeout_s
     def end(rank: int, peer: int) -> RelayChannel:
         return pairs[frozenset((rank, peer))][0 if rank < peer else 1]
     return [(end(r, (r - 1) % ranks), end(r, (r + 1) % ranks)) for r in range(ranks)]
+
+
+@contextmanager
+def relay_in_thread(port: int = 0, **kw):
+    """A netbridge.relay.Relay on loopback (`port` 0: a free one), in process, its event loop in a daemon thread;
+    closed at the end. Keywords go to Relay (api_port=0: an API port too)."""
+    import asyncio
+
+    from netbridge.relay.server import Relay
+    relay = Relay(TOKEN, "127.0.0.1", port, **{"handshake_timeout_s": 1.0, **kw})
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+
+    def run() -> None:
+        loop.run_until_complete(relay.start())
+        started.set()
+        loop.run_forever()
+    thread = threading.Thread(target=run, name="relay-loop", daemon=True)
+    thread.start()
+    assert started.wait(10), "the relay did not start"
+    relay.loop = loop
+    try:
+        yield relay
+    finally:
+        asyncio.run_coroutine_threadsafe(relay.close(), loop).result(10)
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0.05), loop).result(10)  # the cancelled sweeper ends
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

@@ -53,10 +53,11 @@ class Served:
         status, data = self.request("GET", "/health", timeout=5)
         return json.loads(data) | {"http_status": status}
 
-    def stream(self, path: str, body: dict, timeout: float = 30):
+    def stream(self, path: str, body: dict, timeout: float = 30, headers: dict | None = None):
         """A streamed request (stream=true): its connection (close it to go away) and its events' data as they come."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        conn.request("POST", path, body=json.dumps({**body, "stream": True}), headers={"Content-Type": "application/json"})
+        conn.request("POST", path, body=json.dumps({**body, "stream": True}),
+                     headers={"Content-Type": "application/json", **(headers or {})})
         response = conn.getresponse()
         assert response.status == 200, response.read()
 
@@ -147,11 +148,12 @@ def serve_args(target, draft, port):
             f"gen.max_new_tokens={MAX_LEN - 64}"]  # the disconnect tests ask for that much
 
 
-def launch_served(target, draft, port: int, ranks: int, *extra: str) -> subprocess.Popen:
-    """train_free_infer.py serving on `port` under torchrun with `ranks` ranks on this host, in a process group of
-    its own (os.killpg ends every rank); stderr piped."""
+def launch_served(target, draft, port: int, ranks: int, *extra: str, torchrun: tuple[str, ...] = ()) -> subprocess.Popen:
+    """train_free_infer.py serving on `port` under torchrun with `ranks` ranks on this host (`torchrun`: more of
+    its options), in a process group of its own (os.killpg ends every rank); stderr piped."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(REPO / "train_free_infer.py"), *serve_args(target, draft, port), *extra]
+           f"--master_port={free_port()}", *torchrun, str(REPO / "train_free_infer.py"), *serve_args(target, draft, port),
+           *extra]
     env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
                             start_new_session=True)
@@ -218,3 +220,17 @@ EIGHT_PROMPTS = [([5, 6, 7], 20), ([9, 8, 7, 6, 5, 4], 12), ([11], 24), ([30, 31
 def is_openai_error(answer) -> bool:
     return isinstance(answer, dict) and set(answer.get("error", {})) == {"message", "type", "param", "code"} \
         and bool(answer["error"]["message"])
+
+
+def rank_pid(proc: subprocess.Popen, rank: int) -> int | None:
+    """The pid of torchrun's worker with RANK=`rank` now (None between attempts): torchrun's children, by their
+    environment."""
+    from pathlib import Path
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == proc.pid \
+                    and f"RANK={rank}".encode() in (d / "environ").read_bytes().split(b"\0"):
+                return int(d.name)
+        except (OSError, IndexError, ValueError):
+            continue
+    return None
