@@ -3,10 +3,11 @@
     .venv/bin/python bench/failure_times.py relay-kill      # a rank SIGKILLed: time until the other's recv fails, through the relay
     .venv/bin/python bench/failure_times.py health-10mb     # /health while a 10 MB body is refused (and, limit raised, tokenized)
     .venv/bin/python bench/failure_times.py sigterm-stream  # SIGTERM (or --signal SIGINT) to torchrun's group mid-stream: exit times
-    .venv/bin/python bench/failure_times.py restart --model tiny --victim 1 --kills 2
+    .venv/bin/python bench/failure_times.py restart --model tiny --victim 1 --kills 2 [--transport relay]
         # a served launch under torchrun --max_restarts: a rank SIGKILLed mid-stream, each time: the stream's end, the
         # time from the kill to the first answer again, and what every request sent meanwhile got (issue 44);
-        # --model embedded (the fetched pair, configs/default.yaml) or smollm2 (configs/smollm2.yaml)
+        # --model embedded (the fetched pair, configs/default.yaml) or smollm2 (configs/smollm2.yaml);
+        # --transport relay: a loopback relay and two torchruns (one rank each) meeting at it, node N's rank killed
 
 Each prints one line per measurement; the figures depend on the host's load (quote them with it).
 """
@@ -128,43 +129,56 @@ def sigterm_stream(work: Path, sig: signal.Signals) -> None:
 MODELS = {"embedded": [], "smollm2": ["config=configs/smollm2.yaml"]}
 
 
-def restart(work: Path, model: str, victim: int, kills: int) -> None:
+def restart(work: Path, model: str, victim: int, kills: int, transport: str) -> None:
+    """gloo: one torchrun of 2 ranks; relay: a loopback relay and two torchruns of one rank each meeting there
+    (tandem-relay rendezvous, transport.kind=relay), node `victim`'s rank the one killed. torchrun gets `kills`
+    restarts either way."""
     from bench.ports import free_port
-    from tests.support.serve_harness import launch_served, rank_pid, serve_args, wait_healthy
+    from tests.support.serve_harness import launch_train_free_infer, relay_nodes, serve_args
     from tests.support.tiny_models import kill_launch
-    port = free_port()
-    if model == "tiny":
-        proc = launch_served(*tiny_chat_models(work), port, 2, torchrun=(f"--max_restarts={kills}",))
-    else:  # the model's own config; the port and the restarts as for the tiny one
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--max_restarts={kills}",
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO / "train_free_infer.py"),
-               *MODELS[model], f"serve.port={port}"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                                start_new_session=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        t = time.monotonic()
-        wait_healthy(url, proc, timeout_s=900)
-        print(f"{model}: serving after {time.monotonic() - t:.1f} s (start-up)")
-        for kill in range(kills):
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-            conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "def f(x):", "max_tokens": 400, "stream": True}),
-                         headers={"Content-Type": "application/json"})
-            response = conn.getresponse()
-            response.readline()
-            pid = rank_pid(proc, victim)
-            t0 = time.monotonic()
-            os.kill(pid, signal.SIGKILL)
-            events = [raw.decode().strip() for raw in response if raw.strip()]
-            stream_s = time.monotonic() - t0
-            statuses, back_s = probe_until_answered(port, t0)
-            print(f"kill {kill + 1}: rank {victim} SIGKILLed mid-stream; the stream ended after {stream_s:.2f} s with "
-                  f"{events[-2][:160] if len(events) > 1 else events}; first answer again after {back_s:.1f} s; "
-                  f"requests meanwhile: {dict(sorted(statuses.items()))} (lost silently: {statuses.get('no answer', 0)})")
-            while rank_pid(proc, victim) in (None, pid):
-                time.sleep(0.1)
-    finally:
-        kill_launch(proc)
+
+    def model_args(port: int) -> list[str]:  # the tiny pair's overrides, or the model's own config
+        if model == "tiny":
+            return serve_args(*tiny_chat_models(work), port)
+        return [*MODELS[model], f"serve.port={port}"]
+    if transport == "gloo":
+        port = free_port()
+        proc = launch_train_free_infer(model_args(port), 2, (f"--max_restarts={kills}",))
+        try:
+            kill_and_measure(port, proc, proc, model, victim, kills)
+        finally:
+            kill_launch(proc)
+    else:
+        with relay_nodes(work, model_args, max_restarts=kills) as (node, port):
+            nodes = [node(0), node(1)]
+            kill_and_measure(port, nodes[0], nodes[victim], f"{model} through the relay", victim, kills)
+
+
+def kill_and_measure(port: int, server, victims, label: str, victim: int, kills: int) -> None:
+    """`kills` times: a long stream started, rank `victim` (a worker of the torchrun `victims`) SIGKILLed after its
+    first event; the stream's end, the time to the first answer again and what requests meanwhile got. `server`:
+    the torchrun whose rank 0 serves on `port` (its exit ends the wait for start-up)."""
+    from tests.support.serve_harness import rank_pid, wait_healthy
+    t = time.monotonic()
+    wait_healthy(f"http://127.0.0.1:{port}", server, timeout_s=900)
+    print(f"{label}: serving after {time.monotonic() - t:.1f} s (start-up)")
+    for kill in range(kills):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "def f(x):", "max_tokens": 400, "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        response.readline()
+        pid = rank_pid(victims, victim)
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        events = [raw.decode().strip() for raw in response if raw.strip()]
+        stream_s = time.monotonic() - t0
+        statuses, back_s = probe_until_answered(port, t0)
+        print(f"kill {kill + 1}: rank {victim} SIGKILLed mid-stream; the stream ended after {stream_s:.2f} s with "
+              f"{events[-2][:160] if len(events) > 1 else events}; first answer again after {back_s:.1f} s; "
+              f"requests meanwhile: {dict(sorted(statuses.items()))} (lost silently: {statuses.get('no answer', 0)})")
+        while rank_pid(victims, victim) in (None, pid):
+            time.sleep(0.1)
 
 
 def probe_until_answered(port: int, t0: float, every_s: float = 0.25, limit_s: float = 900) -> tuple[dict, float]:
@@ -193,6 +207,8 @@ def main() -> None:
     ap.add_argument("--model", default="tiny", choices=["tiny", *MODELS], help="restart: the model served")
     ap.add_argument("--victim", type=int, default=1, choices=[0, 1], help="restart: the rank killed")
     ap.add_argument("--kills", type=int, default=2, help="restart: how many times (torchrun gets as many restarts)")
+    ap.add_argument("--transport", default="gloo", choices=["gloo", "relay"],
+                    help="restart: one torchrun of 2 ranks (gloo), or two torchruns meeting at a loopback relay")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -201,7 +217,7 @@ def main() -> None:
         elif a.what == "health-10mb":
             health_10mb(work)
         elif a.what == "restart":
-            restart(work, a.model, a.victim, a.kills)
+            restart(work, a.model, a.victim, a.kills, a.transport)
         else:
             sigterm_stream(work, signal.Signals[a.signal])
 

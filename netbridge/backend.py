@@ -145,6 +145,15 @@ class Backend:
         with self._lock:
             self._socks.difference_update(socks)
 
+    def drain(self, timeout_s: float) -> None:
+        """Wait, at most `timeout_s`, until every connection dialed back has ended (its client closed it)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._socks:
+                    return
+            time.sleep(0.05)
+
     def close(self) -> None:
         self._closed.set()
         with self._lock:

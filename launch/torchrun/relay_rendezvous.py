@@ -64,6 +64,7 @@ HEARTBEAT_S = 5.0  # while an agent waits for the others; well inside the relay'
 # The wait for the other nodes when --rdzv_conf join_timeout is not given: long enough to start torchrun on a
 # second host by hand, short enough that a node whose peer never comes says so (c10d's own default is 600 s)
 DEFAULT_JOIN_TIMEOUT_S = 120
+EXIT_LINGER_S = 10.0  # node 0's store waits this long at most, at the run's end, for the other agents to hang up
 
 
 # Set in the workers' environment: this rendezvous round's name, the same on every node of the round (a node that
@@ -244,7 +245,11 @@ class NodeStore:
         listener.detach()  # the store owns the socket now and closes it when it goes
         self.backend: Backend = serve_through_relay(endpoint, secret, store_service(token), ("127.0.0.1", self.port))
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
+        """`linger_s`: at the run's end, first wait (that long at most) for the other nodes' agents to hang up:
+        torchrun's exit barrier returns here as soon as the last node checks in, and a store closed at once
+        would cut the others' barrier wait short (a DistNetworkError and a page of C++ frames on their side)."""
+        self.backend.drain(linger_s)
         self.backend.close()
         del self.store
 
@@ -303,13 +308,13 @@ class RelayRendezvousHandler(FixedGroup):
         self._proxy = StoreProxy(self.endpoint, self.secret, token, timeout_s=30.0)
         return TCPStore("127.0.0.1", self._proxy.port, None, False, timedelta(seconds=self.join_timeout_s)), self._proxy.port
 
-    def _close_round(self) -> None:
+    def _close_round(self, linger_s: float = 0.0) -> None:
         """The last round's store (node 0) or proxy: a new round has a fresh one."""
         if self._proxy is not None:
             self._proxy.close()
             self._proxy = None
         if self._node_store is not None:
-            self._node_store.close()
+            self._node_store.close(linger_s)
             self._node_store = None
 
     def _join(self) -> tuple[int, int, str]:
@@ -359,7 +364,7 @@ class RelayRendezvousHandler(FixedGroup):
 
     def shutdown(self) -> bool:
         super().shutdown()
-        self._close_round()
+        self._close_round(linger_s=EXIT_LINGER_S)
         return True
 
 

@@ -144,7 +144,7 @@ def test_a_cut_host_to_host_link_resumes_with_the_same_answer(six_layers, drafte
         log = relay.log()
     err = check_hosts_ended(outs, procs)
     check_answer(out, six_layers, max_new)
-    assert "resumed session 'cut/ring" in err, err[-3000:]
+    assert re.search(r"resumed session 'cut/([0-9a-f]{8}/)?ring", err), err[-3000:]  # the round, under tandem-relay
     assert len(set(paired_ring_links(log, "cut"))) == 2, log[-3000:]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -137,7 +138,8 @@ def test_two_namespaces_reach_only_the_relay_and_match_generate(namespaces, tiny
         got = json.loads(out.read_text())["token_ids"]
         assert got == expected
         log = relay.log()
-        assert "rendezvous of 2 nodes complete" in log and "session netns-e2e: ranks paired" in log
+        # the ranks' link session is the run id and the rendezvous round (launch/transport.py)
+        assert "rendezvous of 2 nodes complete" in log and re.search(r"session netns-e2e/[0-9a-f]{8}: ranks paired", log)
         print(f"\nnetns: {NEW_TOKENS} tokens equal generate(); relay {endpoint} peak RSS {relay.rss_mb():.0f} MB")
 
 

@@ -5,12 +5,10 @@ a second client host (loopback accepts the whole 127/8). Every loop is bounded.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import threading
 import time
-from contextlib import contextmanager
 
 import pytest
 
@@ -19,33 +17,9 @@ from netbridge.channel import PeerError
 from netbridge.relay.refusals import LINES_PER_INTERVAL, RefusalsBySource
 from netbridge.relay.server import Relay
 from netbridge.relay_channel import RelayChannel
-from tests.support.relay_harness import PAIRING, TOKEN
+from tests.support.relay_harness import PAIRING, TOKEN, relay_in_thread
 
 STRANGER = "127.0.0.2"
-
-
-@contextmanager
-def relay_in_thread(**kw):
-    """A Relay on a free loopback port, its event loop in a daemon thread; closed at the end."""
-    relay = Relay(TOKEN, "127.0.0.1", 0, **{"handshake_timeout_s": 1.0, **kw})
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-
-    def run() -> None:
-        loop.run_until_complete(relay.start())
-        started.set()
-        loop.run_forever()
-    thread = threading.Thread(target=run, name="relay-loop", daemon=True)
-    thread.start()
-    assert started.wait(10), "the relay did not start"
-    try:
-        yield relay
-    finally:
-        asyncio.run_coroutine_threadsafe(relay.close(), loop).result(10)
-        asyncio.run_coroutine_threadsafe(asyncio.sleep(0.05), loop).result(10)  # the cancelled sweeper ends
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
 
 
 def bad_dial(relay: Relay, source: str = STRANGER) -> float:

@@ -59,5 +59,8 @@ def kill_all(procs: dict[int, subprocess.Popen]) -> None:
 
 
 def paired_ring_links(relay_log: str, run_id: str) -> list[str]:
-    """The ring links the relay carried for `run_id` (its own log: one "ranks paired" line per session pairing)."""
-    return re.findall(rf"session ({re.escape(run_id)}/ring\d+): ranks paired", relay_log)
+    """The ring links the relay carried for `run_id` (its own log: one "ranks paired" line per session pairing), as
+    `run_id/ringN`: under the tandem-relay rendezvous a link's session also names the rendezvous round
+    (`run_id/<round>/ringN`, launch.transport), which this leaves out."""
+    return [f"{run_id}/{ring}" for ring in
+            re.findall(rf"session {re.escape(run_id)}/(?:[0-9a-f]{{8}}/)?(ring\d+): ranks paired", relay_log)]

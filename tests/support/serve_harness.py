@@ -3,7 +3,8 @@ running launch.serve.server.serve (uvicorn on a loopback port) exactly as under 
 launch (seconds, not a minute). Requests go over real HTTP with http.client.
 
 Also what the serving tests share: tiny models with a tokenizer and a chat template (chat_folder), the
-overrides of the in-process server (served_args) and of one under torchrun (serve_args, wait_healthy),
+overrides of the in-process server (served_args) and of one under torchrun (serve_args, wait_healthy;
+relay_nodes: two torchruns meeting at a loopback relay),
 and the shape of OpenAI's error JSON."""
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from contextlib import contextmanager
 import pytest
 from transformers import AutoTokenizer
 
-from tests.support.tiny_models import REPO, free_port, save_tiny, save_tiny_tokenizer
+from tests.support.tiny_models import REPO, free_port, kill_launch, save_tiny, save_tiny_tokenizer
 
 
 class Served:
@@ -149,14 +150,45 @@ def serve_args(target, draft, port):
 
 
 def launch_served(target, draft, port: int, ranks: int, *extra: str, torchrun: tuple[str, ...] = ()) -> subprocess.Popen:
-    """train_free_infer.py serving on `port` under torchrun with `ranks` ranks on this host (`torchrun`: more of
-    its options), in a process group of its own (os.killpg ends every rank); stderr piped."""
+    """train_free_infer.py serving the tiny pair on `port` under torchrun with `ranks` ranks on this host
+    (`torchrun`: more of its options), in a process group of its own (os.killpg ends every rank); stderr piped."""
+    return launch_train_free_infer([*serve_args(target, draft, port), *extra], ranks, torchrun)
+
+
+def launch_train_free_infer(overrides: list[str], ranks: int, torchrun: tuple[str, ...] = ()) -> subprocess.Popen:
+    """train_free_infer.py with these config overrides, as launch_served starts it."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", *torchrun, str(REPO / "train_free_infer.py"), *serve_args(target, draft, port),
-           *extra]
+           f"--master_port={free_port()}", *torchrun, str(REPO / "train_free_infer.py"), *overrides]
     env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
                             start_new_session=True)
+
+
+@contextmanager
+def relay_nodes(tmp_path, model_args, *extra: str, relay_args: tuple[str, ...] = (), max_restarts: int = 2):
+    """(a function starting node `rank` of a served 2-node launch through a relay on loopback, its serve.port):
+    one torchrun of one rank per node, meeting at the relay (tandem-relay rendezvous, transport.kind=relay,
+    --max_restarts); `model_args(port)`: the overrides naming the model and serve.port (serve_args for the tiny
+    pair). Every torchrun started is killed at the end, then the relay."""
+    from tests.support.relay_harness import PAIRING, TOKEN, relay_process
+    token, pairing = tmp_path / "token", tmp_path / "pairing"
+    token.write_bytes(TOKEN)
+    pairing.write_bytes(PAIRING)
+    port, started = free_port(), []
+
+    def node(rank: int):
+        rdzv = ("--nnodes=2", "--rdzv_backend=tandem-relay", f"--rdzv_endpoint={relay.addr}", "--rdzv_id=serve-restarts",
+                f"--rdzv_conf=node_rank={rank},join_timeout=120,relay_token_file={token}",
+                f"--max_restarts={max_restarts}")
+        relay_overrides = ["transport.kind=relay", f"transport.relay_token_file={token}", f"transport.secret_file={pairing}"]
+        started.append(launch_train_free_infer([*model_args(port), *relay_overrides, *extra], 1, rdzv))
+        return started[-1]
+    with relay_process(tmp_path, *relay_args) as relay:
+        try:
+            yield node, port
+        finally:
+            for p in started:
+                kill_launch(p)  # a stopped process (SIGSTOP) dies of SIGKILL too
 
 
 def wait_healthy(url: str, proc, timeout_s: float = 180) -> None:

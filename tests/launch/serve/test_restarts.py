@@ -7,13 +7,14 @@ import os
 import signal
 import time
 import urllib.request
-from contextlib import contextmanager
+from functools import partial
 
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from launch.torchrun.restarts import used_up_line
-from tests.support.serve_harness import Served, is_openai_error, launch_served, rank_pid, wait_healthy
+from tests.support.serve_harness import (Served, is_openai_error, launch_served, rank_pid, relay_nodes, serve_args,
+                                         wait_healthy)
 from tests.support.tiny_models import free_port, kill_launch, reference_greedy
 
 
@@ -89,31 +90,6 @@ def test_restarts_used_up_end_in_one_line_per_rank(models):
         urllib.request.urlopen(f"{served.url}/health", timeout=2)
 
 
-@contextmanager
-def relay_nodes(models, tmp_path, *extra: str, relay_args: tuple[str, ...] = ()):
-    """(a function starting node `rank` of a served 2-node launch through a relay on loopback, its serve.port):
-    one torchrun of one rank per node, meeting at the relay (tandem-relay rendezvous, transport.kind=relay,
-    --max_restarts=2); every torchrun started is killed at the end."""
-    from tests.support.relay_harness import PAIRING, TOKEN, relay_process
-    token, pairing = tmp_path / "token", tmp_path / "pairing"
-    token.write_bytes(TOKEN)
-    pairing.write_bytes(PAIRING)
-    port, started = free_port(), []
-
-    def node(rank: int):
-        rdzv = ("--nnodes=2", "--rdzv_backend=tandem-relay", f"--rdzv_endpoint={relay.addr}", "--rdzv_id=serve-restarts",
-                f"--rdzv_conf=node_rank={rank},join_timeout=120,relay_token_file={token}", "--max_restarts=2")
-        started.append(launch_served(*models, port, 1, "transport.kind=relay", f"transport.relay_token_file={token}",
-                                     f"transport.secret_file={pairing}", *extra, torchrun=rdzv))
-        return started[-1]
-    with relay_process(tmp_path, *relay_args) as relay:
-        try:
-            yield node, port
-        finally:
-            for p in started:
-                kill_launch(p)  # a stopped process (SIGSTOP) dies of SIGKILL too
-
-
 @pytest.mark.slow
 def test_through_the_relay_a_lost_node_rejoins_and_the_api_comes_back(models, tmp_path):
     """Two torchruns (one rank each) meeting at the relay: node 1's rank SIGKILLed mid-stream, both restart, meet in
@@ -125,7 +101,7 @@ def test_through_the_relay_a_lost_node_rejoins_and_the_api_comes_back(models, tm
     key.write_text("k-44\n")
     api = Served(free_port())  # the relay's --api-port
     auth_header = {"Authorization": "Bearer k-44"}
-    with relay_nodes(models, tmp_path, "serve.via_relay=true", f"serve.api_key_file={key}",
+    with relay_nodes(tmp_path, partial(serve_args, *models), "serve.via_relay=true", f"serve.api_key_file={key}",
                      relay_args=("--api-port", str(api.port))) as (node, port):
         started = time.monotonic()
         nodes = [node(0), node(1)]
@@ -152,7 +128,8 @@ def test_a_replacement_node_takes_over_and_the_lost_one_coming_back_cannot_break
     target, _ = models
     # the frozen rank's link is seen dead after 3 missed heartbeats (2 s each at transport.timeout_s=12), then
     # re-dialed for transport.reconnect_s: rank 0 gives up on it ~14 s after the freeze
-    with relay_nodes(models, tmp_path, "transport.timeout_s=12", "transport.reconnect_s=8") as (node, port):
+    with relay_nodes(tmp_path, partial(serve_args, *models), "transport.timeout_s=12",
+                     "transport.reconnect_s=8") as (node, port):
         started = time.monotonic()
         node0, old1 = node(0), node(1)
         served = Served(port)
