@@ -164,7 +164,7 @@ def kill_and_measure(port: int, server, victims, label: str, victim: int, kills:
     print(f"{label}: serving after {time.monotonic() - t:.1f} s (start-up)")
     for kill in range(kills):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "def f(x):", "max_tokens": 400, "stream": True}),
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "def f(x):", "max_tokens": 200, "stream": True}),
                      headers={"Content-Type": "application/json"})
         response = conn.getresponse()
         response.readline()

@@ -11,6 +11,8 @@ KV slots.
 """
 from __future__ import annotations
 
+import os
+
 import sys
 from dataclasses import asdict
 
@@ -53,7 +55,7 @@ def handshake(cfg: TandemConfig, models: Models, prev, next, rank: int, ranks: i
                        layer_token_ms=h.layer_token_ms, draft_step_ms=h.draft_step_ms, **h.prefill_ms) for h in hellos]
     cuts = next_given(hellos)
     plan = settle(cfg, models, rank, every, source, cuts, [h.slots for h in hellos], ring_links(hellos))
-    ring = f"[{ring_text(plan.links)}]\n" if rank == 0 else ""
+    ring = f"[{ring_text(plan.links, int(os.environ.get('GROUP_WORLD_SIZE', 1)))}]\n" if rank == 0 else ""
     sys.stderr.write(f"[{describe(plan)}]\n{ring}")  # one write: the ranks share a terminal
     sys.stderr.flush()
     return plan

@@ -388,14 +388,17 @@ def drafter_place(asked: str, device: str, target: str, local_ranks: int) -> str
     return f"the drafter on {device}, memory of its own ({given}): rank 0's budget holds its layers only"
 
 
-def ring_text(links: tuple[LinkProbe, ...]) -> str:
+def ring_text(links: tuple[LinkProbe, ...], hosts: int = 2) -> str:
     """Rank 0's line on the ring's links: how many cross between hosts (each round crosses every link once) and
-    their round trips, and how many stay on one host."""
+    their round trips, and how many stay on one host. `hosts` 1 (one torchrun): every link is on this host, even
+    those transport.kind carries (one host emulating several)."""
     far = [link for link in links if link.kind != "local"]
     near = [link for link in links if link.kind == "local"]
 
     def rtts(group):
         return "/".join(f"{link.rtt_ms:.1f}" for link in group)
+    if hosts < 2 and far:
+        return f"ring of {len(links)} links, all on this host ({far[0].kind}, RTT {rtts(far)} ms)"
     parts = [f"{len(far)} between hosts ({far[0].kind}, RTT {rtts(far)} ms)"] if far else []
     parts += [f"{len(near)} on one host (direct, RTT {rtts(near)} ms)"] if near else []
     return f"ring of {len(links)} links: {', '.join(parts)}; a round crosses between hosts {len(far)} times"

@@ -204,6 +204,8 @@ def test_start_up_lines_name_each_link_and_the_drafters_place():
     relay, local = LinkProbe("relay", 81.25, 20, 19.5), LinkProbe("local", 0.12, 900, 1200)
     assert ring_text((local, relay, local, relay)) == ("ring of 4 links: 2 between hosts (relay, RTT 81.2/81.2 ms), "
                                                        "2 on one host (direct, RTT 0.1/0.1 ms); a round crosses between hosts 2 times")
+    # one torchrun: the links transport.kind carries stay on this host too
+    assert ring_text((relay, relay), hosts=1) == "ring of 2 links, all on this host (relay, RTT 81.2/81.2 ms)"
     assert drafter_place("auto", "cuda:0", "cuda:0", 2).startswith("the drafter beside rank 0's layers on cuda:0")
     assert "where rank 1 of this host holds its layers" in drafter_place("cuda:1", "cuda:1", "cuda:0", 2)
     assert "memory of its own" in drafter_place("cuda:1", "cuda:1", "cuda:0", 1)
