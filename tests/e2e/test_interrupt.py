@@ -15,6 +15,7 @@ import pytest
 from tests.support.tiny_models import REPO, free_port, ids_arg, kill_launch, save_tiny
 
 
+@pytest.mark.slow  # a torchrun launch of 6-10 s: the default suite keeps under 5 minutes
 @pytest.mark.parametrize("sig", [signal.SIGINT])
 def test_ctrl_c_mid_generation_names_the_signal_on_both_ranks(tmp_path, sig):
     folder = save_tiny(tmp_path / "target", "qwen2", seed=1)

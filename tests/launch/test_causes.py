@@ -110,6 +110,7 @@ def test_a_check_only_rank_0_makes_reaches_every_rank_at_once(tmp_path, monkeypa
     assert len(lines) == 2 and all(needle in line for line in lines), lines
 
 
+@pytest.mark.slow  # a torchrun launch of 6-10 s: the default suite keeps under 5 minutes
 def test_a_rank_that_fails_while_its_peer_sends_is_named_by_its_cause(tmp_path):
     """gloo: a send completes only when the peer receives, so rank 0, sending its prompt while rank 1 fails to
     load, never reads rank 1's Error frame; rank 1's cause reaches it through torchrun's store instead."""

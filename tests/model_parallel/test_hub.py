@@ -200,6 +200,7 @@ def test_an_existing_local_folder_wins_over_a_hub_id(repos, tmp_path, monkeypatc
     assert folder == "org/tiny" and "local folder" in line and not (tmp_path / "cache").exists()
 
 
+@pytest.mark.slow  # a torchrun launch of 6-10 s: the default suite keeps under 5 minutes
 def test_torchrun_reads_the_hub_environment(hub, repos, tmp_path):
     """The real entry under torchrun, configured only by huggingface_hub's environment: HF_ENDPOINT to the
     stand-in, HF_HUB_CACHE to one cache both ranks of this host share (each adds its ranges in turn)."""

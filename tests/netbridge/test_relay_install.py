@@ -190,6 +190,7 @@ def rendezvous(addr: str, tmp_path: Path, run_id: str, monkeypatch) -> None:
             h.shutdown()
 
 
+@pytest.mark.slow  # a torchrun launch of 6-10 s: the default suite keeps under 5 minutes
 def test_a_relay_that_cannot_import_torch_pairs_two_nodes_and_their_rendezvous(tmp_path, monkeypatch):
     """A relay subprocess, a 4 MB exchange and a rendezvous: about 0.5 s, so in the default run."""
     with start_relay_without_torch(tmp_path, "--handshake-timeout-s", "2") as relay:
