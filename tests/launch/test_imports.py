@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.imports import dotted_imports
 from tests.support.tiny_models import REPO
 
 LIBRARIES = ("speculative", "kvcache", "model_parallel", "netbridge")
@@ -38,16 +39,7 @@ def modules_of(path: Path) -> set[str]:
 def modules_of_at(path: Path, root: Path) -> set[str]:
     """The full dotted names of every module `path` (under `root`) imports (a relative import resolved against
     its package; `from a import b` gives a.b as well, since b may be a module)."""
-    package = ".".join(path.relative_to(root).parent.parts)
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package if node.level else ""
-            module = ".".join(p for p in (base, node.module) if p)
-            found |= {module} | {f"{module}.{alias.name}" for alias in node.names}
-    return found
+    return dotted_imports(path, ".".join(path.relative_to(root).parent.parts))
 
 
 def under(name: str, package: str) -> bool:

@@ -4,7 +4,6 @@ module the relay imports; and the relay runs, pairs nodes and forwards in a proc
 (tests/support/relay_without_torch.py) and from a fresh venv with only `pip install ./relay` (slow)."""
 from __future__ import annotations
 
-import ast
 import json
 import os
 import shutil
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.imports import dotted_imports
 from tests.support.relay_harness import PAIRING, TOKEN, pair, relay_process, run_in_thread
 from tests.support.relay_without_torch import (RELAY_PYPROJECT, blocked_imports, blocking_python, relay_distribution_requires,
                                                 start_relay_without_torch)
@@ -40,16 +40,7 @@ def imports_of(root: Path, name: str) -> set[str]:
     """Dotted names of every module `name`'s source imports, at any level (module, function, try/except):
     a relative import resolved, and `from a import b` as a.b too (b may be a module)."""
     path = module_file(root, name)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package if node.level else ""
-            module = ".".join(p for p in (base, node.module) if p)
-            found |= {module} | {f"{module}.{alias.name}" for alias in node.names}
-    return found
+    return dotted_imports(path, name if path.name == "__init__.py" else name.rpartition(".")[0])
 
 
 def closure(root: Path, *entries: str) -> dict[str, set[str]]:
