@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/concurrent_bench.py            # 0 and 40 ms, 1/2/4/8 clients (about 25 minutes on 2 cores)
     .venv/bin/python bench/concurrent_bench.py --quick    # smoke: 0 ms, 1/2 clients, 12 tokens (about 4 minutes)
+    .venv/bin/python bench/concurrent_bench.py --delays 40 --clients 4 8 --sequential 0 --no-check log.dir=/tmp/l
+        # an A/B pass: steps 1 and 3 left out; log.dir's trace.json has every round of every rank
 
 For each delay: `torchrun --nproc_per_node=2 train_free_infer.py serve.port=PORT serve.max_concurrent=8
 transport.emulate_delay_ms=D` with the default config (the embedded 0.5B drafter / 1.5B target, bf16; the
@@ -14,6 +16,7 @@ one warm-up request:
      others ("identical"). A correctness canary, not a timing.
 Every request has its own prompt (short coding questions, none repeated across steps 1-2), so no step
 reuses another's prompt from the slots' caches (the chat template's shared system prefix is reused by all).
+Each answer's `tandem` fields (the server's TTFT, queue wait, tokens per round) go into --json beside them.
 Figures, all client-measured: aggregate tok/s = every completion token / (last done - first sent);
 per-stream tok/s = a request's completion tokens / (its done - its sent), mean and min; TTFT = sent ->
 first streamed text, p50 / p95 (linear interpolation); x1 = aggregate over N=1's; x seq = over one at a time.
@@ -143,6 +146,7 @@ def stream_chat(url: str, prompt: str, max_tokens: int, timeout_s: float) -> dic
                 r["text"] += piece
             if chunk["choices"][0]["finish_reason"]:
                 r["token_ids"] = chunk["tandem"]["token_ids"]
+                r["tandem"] = {k: v for k, v in chunk["tandem"].items() if k != "token_ids"}  # the server's figures
     except (OSError, ValueError, KeyError) as e:
         r["error"] = f"{type(e).__name__}: {e}"[:200]
     r["done"] = time.perf_counter()
@@ -175,6 +179,8 @@ def one_at_a_time(url: str, prompts: list[str], max_tokens: int, timeout_s: floa
 
 def figures(results: list[dict]) -> dict:
     """Aggregate, per-stream and TTFT figures of one step (client-measured)."""
+    if not results:
+        return {"error": "skipped (--sequential 0)"}
     bad = [r for r in results if "error" in r]
     if bad:
         return {"error": f"{len(bad)} of {len(results)} failed: {bad[0]['error']}"}
@@ -203,7 +209,7 @@ def bench_delay(delay_ms: float, a, log_dir: Path) -> dict:
             step = together(served.url, prompts, a.max_tokens, a.request_timeout + 60 * n)
             steps.append({"clients": n, **figures(step), "results": step})
             print(f"  {delay_ms:g} ms, {n} clients: {steps[-1].get('aggregate', float('nan')):.2f} tok/s", flush=True)
-        for step in steps:  # the canary: each request again, alone
+        for step in steps if a.check else []:  # the canary: each request again, alone
             alone = one_at_a_time(served.url, [r["prompt"] for r in step["results"]], a.max_tokens, a.request_timeout)
             step["identical"] = [not ("error" in r or "error" in s) and r["text"] == s["text"]
                                  and r["token_ids"] == s["token_ids"] for r, s in zip(step["results"], alone)]
@@ -262,13 +268,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=None, help="answer length (48; --quick 12)")
     ap.add_argument("--launch-timeout", type=float, default=600, help="seconds for the launch to answer /health")
     ap.add_argument("--request-timeout", type=float, default=600, help="seconds for one request (per read)")
+    ap.add_argument("--sequential", type=int, default=None, help="requests of the one-at-a-time step (8; --quick: "
+                    "the most clients; 0: skip it)")
+    ap.add_argument("--no-check", dest="check", action="store_false", help="leave out step 3 (the canary)")
     ap.add_argument("--json", default=None, help="write every figure and answer here")
     ap.add_argument("overrides", nargs="*", help="key=value for the launch (e.g. spec.k=4)")
     a = ap.parse_args(argv)
     a.delays = a.delays if a.delays is not None else ([0.0] if a.quick else [0.0, 40.0])
     a.clients = a.clients or ([1, 2] if a.quick else [1, 2, 4, 8])
     a.max_tokens = a.max_tokens or (12 if a.quick else 48)
-    a.sequential = max(a.clients) if a.quick else 8
+    if a.sequential is None:
+        a.sequential = max(a.clients) if a.quick else 8
     if a.sequential + sum(a.clients) > len(PROMPTS):
         raise SystemExit(f"{a.sequential} + {sum(a.clients)} requests need more than the {len(PROMPTS)} prompts")
     log_dir = Path(tempfile.mkdtemp(prefix="concurrent-bench-"))

@@ -14,11 +14,11 @@ from __future__ import annotations
 import os
 
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from launch.config import ConfigError, TandemConfig
-from launch.plan import (Models, Plan, asked_slots, describe, given_cuts, rank_costs, rank_speed, ring_text, settle,
-                         split_text, timed, with_draft_format)
+from launch.plan import (Models, Plan, asked_slots, describe, given_cuts, rank_costs, rank_layer_ms, rank_speed,
+                         ring_text, settle, split_text, timed, with_draft_format)
 from model_parallel.split import RankCosts
 from netbridge import protocol
 from netbridge.channel import PeerError
@@ -31,7 +31,9 @@ def handshake(cfg: TandemConfig, models: Models, prev, next, rank: int, ranks: i
     `next`: to the rank after; one channel both ways with two ranks). With model.split=auto each rank times
     its share on its own device: all at once with spec.overlap (in a round the ranks then work at the same
     time, so ranks that share a host's cores time what they will meet there), else in turns, each after the
-    Hellos of the ranks before it have come (as a round without overlap runs them one after another). First
+    Hellos of the ranks before it have come (as a round without overlap runs them one after another); with
+    spec.overlap each also times a layer again in its turn, alone: the two say how much the ranks slow each other
+    when they compute at once (ranks sharing a host's cores; ~1 on hosts of their own; speculative.cost_model). First
     each rank measures its link on to the next rank (netbridge.link_probe); the Plan carries every link's."""
     given = given_cuts(cfg, models.target.num_layers, ranks)
     models = with_draft_format(cfg, models)  # rank 0, draft.quant=auto: each format's draft step timed now
@@ -49,6 +51,8 @@ def handshake(cfg: TandemConfig, models: Models, prev, next, rank: int, ranks: i
             raise ConfigError(message)
         if auto and not together:  # in turns: the ranks before this one are done timing
             costs = timed(costs, rank_speed(cfg, models, rank, ranks))
+        elif auto:  # and alone (the others wait for the Hellos meanwhile): what sharing a host's cores costs
+            costs = replace(costs, alone_layer_ms=rank_layer_ms(cfg, models, rank, ranks))
         return hello(cfg, models, costs, given, link)
     hellos = gather(prev, next, rank, ranks, mine)
     every = [RankCosts(h.budget, h.fixed_bytes, h.layer_bytes, h.layer_ms, h.fixed_ms, *h.slot_bytes,
@@ -88,7 +92,8 @@ def hello(cfg: TandemConfig, models: Models, costs: RankCosts, given: list[int] 
                  prefill_ms={name: getattr(costs, name) for name in PREFILL_MS})
 
 
-PREFILL_MS = ("attend_ms", "draft_token_ms", "draft_attend_ms")  # RankCosts' fields a Hello carries in prefill_ms
+# RankCosts' fields a Hello carries in prefill_ms
+PREFILL_MS = ("attend_ms", "draft_token_ms", "draft_attend_ms", "alone_layer_ms")
 
 
 def ring_links(hellos: list[Hello]) -> tuple[LinkProbe, ...]:

@@ -226,6 +226,13 @@ def rank_speed(cfg: TandemConfig, models: Models, rank: int, ranks: int):
     return time_rank(target, drafter)
 
 
+def rank_layer_ms(cfg: TandemConfig, models: Models, rank: int, ranks: int) -> float:
+    """One of this rank's target layers over a block of K+1, timed by itself (model_parallel.split.time_layer)."""
+    from model_parallel.split import Timed, time_layer
+    return time_layer(Timed(models.target, cfg.spec.k + 1, this_device(), DTYPES[cfg.model.dtype],
+                            quantizer(cfg, "model")))
+
+
 def timed(costs: RankCosts, speed) -> RankCosts:
     """`costs` with rank_speed's figures (a model_parallel.split.Speed: its fields are RankCosts')."""
     return replace(costs, **asdict(speed))
@@ -362,8 +369,10 @@ def describe(plan: Plan) -> str:
         line += "ms per round not timed (model.split was given)"
     else:
         drafting = f", the drafter's {draft_steps(cfg)} steps" if rank == 0 and drafts_with_model(cfg) else ""
+        alone = (f" with every rank at once; {mine.alone_layer_ms:.1f} ms a layer alone"
+                 if mine.alone_layer_ms > 0 else "")
         line += (f"estimated {mine.ms_for(n):.0f} ms per round ({n} x {mine.layer_ms:.1f} ms per layer over blocks of "
-                 f"{cfg.spec.k + 1}, {mine.fixed_ms:.0f} ms besides{drafting}; timed here)")
+                 f"{cfg.spec.k + 1}, {mine.fixed_ms:.0f} ms besides{drafting}; timed here{alone})")
     if rank == 0 and drafts_with_model(cfg):
         line += "; " + drafter_place(cfg.draft.device, plan.draft_device, plan.device,
                                      int(os.environ.get("LOCAL_WORLD_SIZE", plan.ranks)))

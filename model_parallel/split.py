@@ -47,6 +47,7 @@ class RankCosts:
     attend_ms: float = 0.0  # one layer's ms per token per earlier token (a long prompt's attention; 0: not timed)
     draft_token_ms: float = 0.0  # rank 0: the drafter's ms per token more than a step (catch-up; a row more)
     draft_attend_ms: float = 0.0  # rank 0: the drafter's attention ms per token per earlier token
+    alone_layer_ms: float = 0.0  # spec.overlap: layer_ms timed again while the other ranks idle (0: not timed)
 
     def at(self, slots: int) -> RankCosts:
         """These costs with `slots` KV slots (serve.max_concurrent): each slot its own cache on every layer."""
@@ -350,6 +351,16 @@ def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WIN
                         draft_token_ms=layers * draft_token, draft_attend_ms=layers * draft_attend)
     _release(target, drafter)
     return speed
+
+
+def time_layer(target: Timed, window_s: float = WINDOW_S) -> float:
+    """One target layer over the round's block, as time_rank's layer_ms, timed by itself (no head, drafter or
+    probes): the handshake's second timing, alone, beside the one with every rank at once."""
+    runs: dict = {}
+    add_runs(runs, "target", replace(target, head=False))
+    ms = median_ms(runs, window_s)
+    _release(target)
+    return layer_and_call_ms({n: ms["target", n] for n in STAGE_SIZES})[0]
 
 
 def add_runs(runs: dict, name, model: Timed, rows: int = 1) -> float:

@@ -61,7 +61,18 @@ class BlockMaker:
             prepared_ms, prepared = prepared_ms + block.prepared_ms, prepared + 1
             if s.sent < depth:
                 send([block])
+        if s.chain and s.chain[-1].drafts.looked_up:
+            t0 = time.perf_counter()
+            self.take_in_lookups(s)
+            prepared_ms += _ms(t0)
         return prepared_ms, prepared
+
+    def take_in_lookups(self, s: Stream) -> None:
+        """The model drafter takes in the chain's looked-up tokens now, in the wait (draft.kind=hybrid): a lookup
+        never went through it, so where a copy diverges the next round would first run it over the whole copy,
+        in line, while the later ranks idle. On a bet that fails, commit() rewinds it to what was kept."""
+        context = s.committed[:s.chain[0].start] + [t for block in s.chain for t in block.fed]
+        self.drafter.catch_up(context[:-1], slot=s.slot)  # the last token is fed by the next drafting step
 
     def bet(self, s: Stream, tip: Block, k_next: int) -> Block | None:
         """Draft the guess plus k_next tokens after the tip's drafts and run stage 0 over them: on a hit the

@@ -19,7 +19,8 @@ A round of K drafts for `rows` streams (round_parts):
 A round commits tokens_per_round(K) = 1 + sum_j prod_{i<=j} a_i tokens per stream.
 
 One stream with D rounds on the way (stream_tokens_per_s; spec.overlap, spec.in_flight): rank 0 sends blocks
-prepared on a bet (every draft and the drafter's guess of the next token kept: chance h = bet_holds(K)); a
+prepared on a bet (every draft and the drafter's guess of the next token kept: chance h = bet_holds(K), counted
+from the bets once rounds are sent on them, Predictor); a
 chain of blocks leaves rank 0 every delta = max(prep, busiest later resource, trip / D) and breaks with chance
 1 - h. Kept rounds per ms the pipe allows: 1 / (h delta + (1 - h)(trip + prep)); rank 0 allows
 1 / (prep (1 + (1 - h) w)), w the blocks thrown away at a lost bet (D under overlap, D - 1 without). The rate
@@ -31,10 +32,18 @@ tokens per cycle (no bets while several streams fill the pipe).
 
 TTFT of a P-token prompt (ttft_s): the prompt crosses in chunks of `chunk` tokens, pipelined: rank 0 runs its
 slice over chunk j+1 (and the drafter takes chunk j in) while chunk j crosses a link or a later rank; a link's
-transfer occupies it, its latency does not. The first token comes back on the reply link after the last chunk.
+transfer occupies it, its latency does not. The first token comes back on the reply link after the last chunk,
+which the first round carries with no drafts (the token they would follow is not known yet).
 A chunk after c cached tokens costs its block plus attention, attend_ms x tokens x (c + tokens / 2) (on a CPU
 that is most of a 2k prompt's cost for a small model); the drafter takes every chunk in too. Prompts that came
 together queue: the engine prefills each on admission, then sends the first rounds in turn (`ahead`).
+
+Ranks that compute at once slow each other where they share a host (its cores, its memory bandwidth): each rank
+times a layer at start-up with every rank at once and again alone (launch/handshake.py), and the ratio is its
+slowdown s (Pipeline.together; about 1 on a host of its own). One stream's ranks take turns: the costs alone. A
+full pipe has every rank at work at once, each slowed while the others work (shared_ms: w + (s - 1) x min(w, the
+others' work), the others' counted whatever host they are on): G >= 2 batches cycle in G x the busiest so slowed,
+and a chain of bets leaves rank 0 every max(prep, later rank) so slowed (trip / D unchanged: a wire shares nothing).
 
 Besides the forwards timed, each round costs the engine's own work (ENGINE_*: committing, sampling, verifying,
 replying), and a drafter step with more rows costs one more token's worth per row (DraftCost.row_ms).
@@ -58,6 +67,7 @@ REPLY_BYTES_PER_ROW = 128  # a reply per stream: the verdict and its token ids
 # and replies; each draft step samples its token besides the drafter's forward.
 ENGINE_RANK0_MS, ENGINE_LAST_MS, ENGINE_STEP_MS = 0.8, 0.5, 0.3
 PRIOR_ACCEPTANCE = 0.5  # a draft's chance to be kept before any is measured (pooled: (kept + 1) / (tried + 2))
+BET_PRIOR_WEIGHT = 1.0  # the bets measured lean on the position rates' product as on this many bets (Predictor)
 
 
 def _at(points: dict[int, float], n: int) -> float:
@@ -179,6 +189,13 @@ class Pipeline:
     acceptance: Acceptance = Acceptance()
     hidden_bytes: int = 0
     overlap: bool = True
+    # per rank: how much slower its work runs while the other ranks compute at once (its start-up timing all at
+    # once over the same timed alone: ranks sharing a host's cores or memory slow each other; ~1 on a host of its
+    # own); () or a missing rank: 1. Only a full pipe pays it (several batches, rounds sent on a bet).
+    together: tuple[float, ...] = ()
+
+    def slowdown(self, r: int) -> float:
+        return self.together[r] if r < len(self.together) else 1.0
 
     def link_bytes(self, i: int, rows: int, tokens: int) -> float:
         """The bytes a block of rows x tokens puts on link i."""
@@ -193,6 +210,9 @@ class RoundParts:
     trip_ms: float  # send -> reply: the links and the later ranks in turn
     busiest_ms: float  # the most one resource spends on the round (rank 0's prep, a later rank, a link's transfer)
     later_busiest_ms: float  # ... of the resources after rank 0
+    full_prep_ms: float  # rank 0's prep while every rank computes at once (Pipeline.together)
+    full_busiest_ms: float  # busiest_ms, every rank computing at once
+    full_later_busiest_ms: float  # later_busiest_ms, every rank computing at once
 
 
 @dataclass(frozen=True)
@@ -221,7 +241,16 @@ def round_parts(p: Pipeline, k: int, rows: int = 1) -> RoundParts:
     wires = [link.transfer_ms(p.link_bytes(i, rows, tokens)) for i, link in enumerate(p.links)]
     trip = sum(later) + sum(link.one_way_ms for link in p.links) + sum(wires)
     later_busiest = max([*later, *wires, 0.0])
-    return RoundParts(prep, trip, max(prep, later_busiest), later_busiest)
+    full = shared_ms(p, [prep, *later])
+    full_prep, full_later = full[0], max([*full[1:], *wires, 0.0])
+    return RoundParts(prep, trip, max(prep, later_busiest), later_busiest, full_prep, max(full_prep, full_later),
+                      full_later)
+
+
+def shared_ms(p: Pipeline, works: list[float]) -> list[float]:
+    """Each rank's work per round (alone) in a full pipe: slowed by its Pipeline.together while the others work
+    too, which is at most as long as they do: work + (slowdown - 1) x min(work, the others' work)."""
+    return [w + (p.slowdown(r) - 1) * min(w, sum(works) - w) for r, w in enumerate(works)]
 
 
 def round_ms(p: Pipeline, k: int, rows: int = 1) -> float:
@@ -246,10 +275,10 @@ def kept_rounds_per_ms(p: Pipeline, k: int, depth: int) -> float:
     if k == 0 or (not p.overlap and depth == 1):
         return 1.0 / max(prep + trip, 1e-9)
     h = p.acceptance.bet_holds(k)
-    delta = max(prep, parts.later_busiest_ms, trip / depth)
+    delta = max(parts.full_prep_ms, parts.full_later_busiest_ms, trip / depth)  # a chain: the ranks work at once
     wire = 1.0 / max(h * delta + (1 - h) * (trip + prep), 1e-9)
     thrown = depth if p.overlap else depth - 1
-    rank0 = 1.0 / max(prep * (1 + (1 - h) * thrown), 1e-9)
+    rank0 = 1.0 / max(parts.full_prep_ms * (1 + (1 - h) * thrown), 1e-9)
     return min(wire, rank0)
 
 
@@ -264,7 +293,8 @@ def aggregate_tokens_per_s(p: Pipeline, k: int, streams: int, batches: int = 1) 
         return stream_tokens_per_s(p, k, 1)
     batches = min(batches, streams)
     parts = round_parts(p, k, math.ceil(streams / batches))
-    cycle = max(batches * parts.busiest_ms, parts.prep_ms + parts.trip_ms)
+    busiest = parts.full_busiest_ms if batches > 1 else parts.busiest_ms  # several batches: every rank at once
+    cycle = max(batches * busiest, parts.prep_ms + parts.trip_ms)
     return 1000.0 * streams * tokens_per_round(p.acceptance, k) / max(cycle, 1e-9)
 
 
@@ -282,35 +312,33 @@ def rank0_prefill_ms(p: Pipeline, prompt_tokens: int, chunk: int) -> float:
                for size, context in chunks(prompt_tokens, chunk)[:-1])
 
 
-def ttft_s(p: Pipeline, prompt_tokens: int, chunk: int, k: int = 0, ahead: tuple[int, ...] = ()) -> float:
+def ttft_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] = ()) -> float:
     """Time to first token of a `prompt_tokens` prompt (nothing cached) crossing in chunks of `chunk`, pipelined
-    across the ranks; the last chunk goes with the first round (the drafter's catch-up on it and K drafts first),
-    whose reply carries the token. A chunk's cost grows with the context it attends over. `ahead`: prompts
-    admitted before it and still unanswered: the engine prefills each at admission, then sends the first rounds
-    in that order, so theirs go first."""
+    across the ranks; the last chunk goes with the first round, whose reply carries the token (it drafts nothing
+    at any K: the drafter takes that chunk in while the round is on the way). A chunk's cost grows with the
+    context it attends over. `ahead`: prompts admitted before it and still unanswered: the engine prefills each at
+    admission, then sends the first rounds in that order, so theirs go first."""
     prompts = [*ahead, prompt_tokens]
     items = [(size, context, False) for n in prompts for size, context in chunks(n, chunk)[:-1]]
     items += [(*chunks(n, chunk)[-1], True) for n in prompts]
     free = [0.0] * (2 * len(p.ranks))  # when each resource is next free: rank 0, link 0, rank 1, link 1, ...
     done = 0.0
     for size, context, first_round in items:
-        tokens = size + (k if first_round else 0)
         ready = 0.0
         for r, rank in enumerate(p.ranks):
-            work = rank.chunk_ms(tokens, context)
-            drafting = 0.0
-            if r == 0:  # the drafter takes the chunk in; a first round's K drafts follow
-                drafting = p.draft.prefill_ms(size, context) + (p.draft.round_ms(k) if first_round else 0.0)
+            work = rank.chunk_ms(size, context)
+            # rank 0 sends a Prefill chunk before the drafter takes it in; a first round drafts nothing (its
+            # token is not known yet) and goes at once: the drafter takes its chunk in later, in the wait
+            drafting = p.draft.prefill_ms(size, context) if r == 0 and not first_round else 0.0
             start = max(ready, free[2 * r])
-            # rank 0 sends a Prefill chunk before the drafter takes it in; a first round's drafts come first
-            sent = start + work + (drafting if first_round else 0.0)
+            sent = start + work
             free[2 * r] = start + work + drafting
             is_reply = r == len(p.ranks) - 1
             if is_reply and not first_round:
                 break  # a Prefill message has no reply
             link = p.links[r]
             wire = max(sent, free[2 * r + 1])
-            free[2 * r + 1] = wire + link.transfer_ms(p.link_bytes(r, 1, tokens))
+            free[2 * r + 1] = wire + link.transfer_ms(p.link_bytes(r, 1, size))
             ready = free[2 * r + 1] + link.one_way_ms
         if first_round:
             done = ready
@@ -350,7 +378,7 @@ def predict(p: Pipeline, settings: Settings, streams: int = 1, prompt_tokens: in
     """The figures at `settings`: one stream, `streams` streams together, TTFT of a `prompt_tokens` prompt."""
     return Prediction(stream_tokens_per_s(p, settings.k, settings.depth),
                       aggregate_tokens_per_s(p, settings.k, streams, settings.batches),
-                      ttft_s(p, prompt_tokens, chunk, settings.k), prompt_tokens, settings, streams)
+                      ttft_s(p, prompt_tokens, chunk), prompt_tokens, settings, streams)
 
 
 def with_acceptance(p: Pipeline, acc: Acceptance) -> Pipeline:
@@ -378,44 +406,67 @@ def from_rank_costs(costs, layer_counts: list[int], links: list[LinkCost], block
     """The Pipeline of a placement: `costs` every rank's model_parallel.split.RankCosts (layer_ms, fixed_ms,
     layer_token_ms, draft_step_ms: duck-typed), `layer_counts` its layers per rank, `links` one per rank (link i:
     rank i -> i+1, the last the reply), `block_tokens` the block timed (K+1), `draft_steps` the drafter's steps
-    rank 0's fixed_ms holds (K+1 with a model drafter, else 0)."""
+    rank 0's fixed_ms holds (K+1 with a model drafter, else 0). Where a rank was also timed alone (alone_layer_ms,
+    spec.overlap), its round's costs are the ones alone (one stream's ranks take turns) and the ratio of the two
+    its slowdown in a full pipe (Pipeline.together); a prefill's slopes stay as timed at once (its chunks are)."""
+    slow = [together_over_alone(c) for c in costs]
     step = getattr(costs[0], "draft_step_ms", 0.0)
     ranks = []
     for r, (c, n) in enumerate(zip(costs, layer_counts)):
-        fixed = c.fixed_ms - (draft_steps * step if r == 0 else 0.0) + engine_ms(r, len(costs))
-        ranks.append(rank_cost(n, c.layer_ms, max(fixed, 0.0), block_tokens, getattr(c, "layer_token_ms", 0.0),
-                               attend_ms=getattr(c, "attend_ms", 0.0)))
+        fixed = (c.fixed_ms - (draft_steps * step if r == 0 else 0.0)) / slow[r] + engine_ms(r, len(costs))
+        ranks.append(rank_cost(n, c.layer_ms / slow[r], max(fixed, 0.0), block_tokens,
+                               getattr(c, "layer_token_ms", 0.0), attend_ms=getattr(c, "attend_ms", 0.0)))
     draft = DraftCost()
     if draft_steps:  # another row in a step costs what another token does (one more row of each matrix product)
         token = getattr(costs[0], "draft_token_ms", 0.0)
         attend = getattr(costs[0], "draft_attend_ms", 0.0)
-        draft = DraftCost(step + ENGINE_STEP_MS, token, token, 1 if overlap else 0, attend)
-    return Pipeline(tuple(ranks), tuple(links), draft, acceptance, hidden_bytes, overlap)
+        draft = DraftCost(step / slow[0] + ENGINE_STEP_MS, token, token, 1 if overlap else 0, attend)
+    return Pipeline(tuple(ranks), tuple(links), draft, acceptance, hidden_bytes, overlap, tuple(slow))
+
+
+def together_over_alone(costs) -> float:
+    """A rank's layer timed with every rank computing at once over the same timed alone (at least 1; 1 when not
+    timed alone): what sharing a host (cores, memory bandwidth) costs it in a full pipe."""
+    alone = getattr(costs, "alone_layer_ms", 0.0)
+    return max(1.0, costs.layer_ms / alone) if alone > 0 else 1.0
 
 
 class Predictor:
     """A run's predictions as it goes: the start-up Pipeline, its acceptance measured from the decode rounds
     (per position, leaning on the prior while few are measured), so the prediction beside each measured round
-    follows what the drafter really achieves and what is left is the costs' drift."""
+    follows what the drafter really achieves and what is left is the costs' drift.
+
+    The chance a bet holds (spec.overlap, spec.in_flight) is counted from the bets themselves where rounds were
+    sent on one: the product of K + 1 shrunk position rates reads far below a drafter that is always right (each
+    rate leans toward the pooled one, itself toward 1/2: after six rounds of every draft kept, 0.985 a position
+    and 0.93 for five), so it serves only as the prior, weighing BET_PRIOR_WEIGHT bets."""
 
     def __init__(self, pipeline: Pipeline, chunk: int = 512, batches_max: int = 8):
         self.start, self.chunk, self.batches_max = pipeline, chunk, batches_max
         self.tried: list[int] = [0]
         self.kept: list[int] = [0]
+        self.bets = self.bets_held = self.bet_k = 0  # rounds that settled a bet, those that held, their last K
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        """A decode round's drafts and how many were kept."""
+    def observe(self, drafted: int, accepted: int, bet: bool | None = None) -> None:
+        """A decode round's drafts, how many were kept, and whether the block sent on a bet about it held
+        (None: none was)."""
         while len(self.tried) < drafted + 1:
             self.tried.append(0)
             self.kept.append(0)
         tally(self.tried, self.kept, drafted, accepted)
+        if bet is not None:  # (a first round's bet is on its token alone: K = 0)
+            self.bets, self.bets_held, self.bet_k = self.bets + 1, self.bets_held + bool(bet), drafted
 
     def pipeline(self) -> Pipeline:
         if sum(self.tried) == 0:
             return self.start
         measured = Acceptance.from_counts(self.tried, self.kept)
         prior = self.start.acceptance.prior  # positions not yet tried: the pooled rate
-        return with_acceptance(self.start, replace(measured, prior=measured.prior if measured.rates else prior))
+        acc = replace(measured, prior=measured.prior if measured.rates else prior)
+        if self.bets:
+            guess = acc.bet_holds(self.bet_k)
+            acc = replace(acc, hold=(self.bets_held + BET_PRIOR_WEIGHT * guess) / (self.bets + BET_PRIOR_WEIGHT))
+        return with_acceptance(self.start, acc)
 
     def tokens_per_s(self, k: int, depth: int = 1, streams: int = 1) -> float:
         """One stream's tokens/s now: alone at `depth` rounds on the way, or its share of `streams` together."""
@@ -424,8 +475,8 @@ class Predictor:
             return stream_tokens_per_s(p, k, depth)
         return aggregate_tokens_per_s(p, k, streams, best_batches(p, k, streams, self.batches_max)) / streams
 
-    def ttft_s(self, prompt_tokens: int, k: int = 0, ahead: tuple[int, ...] = ()) -> float:
-        return ttft_s(self.pipeline(), prompt_tokens, self.chunk, k, ahead)
+    def ttft_s(self, prompt_tokens: int, ahead: tuple[int, ...] = ()) -> float:
+        return ttft_s(self.pipeline(), prompt_tokens, self.chunk, ahead)
 
     def admission_ms(self, prompt_tokens: int) -> float:
         """What admitting a prompt adds to the TTFT of every stream whose first round is not yet sent."""

@@ -12,9 +12,11 @@ out, so the oldest batch's streams are the next drafted for: round-robin.
 
 How many batches (G, `BatchCount`), from the pipeline's cost model (speculative.cost_model.best_batches): a batched
 forward costs about as much as a lone one (weights read once for all rows), so splitting the streams into G batches
-multiplies each rank's work per cycle by G, and pays only when it fills time the pipe would otherwise idle: G
-batches cycle in max(G x the busiest resource, one batch's prep + trip). The most batches that do not lengthen the
-cycle are taken. On a CPU where rank 0's drafter dominates that is 1; over a WAN with fast GPUs, several.
+multiplies each rank's work per cycle by up to G (less where the rows cost compute: each rank's work is measured per
+batch size), and pays only when it fills time the pipe would otherwise idle: G batches cycle in max(G x the busiest
+resource, one batch's prep + trip). The most batches that do not lengthen the cycle are taken. On a CPU where a
+bf16 drafter dominates that is 1; with an NF4 one, whose 8-row step costs ~1.8x one row's, 2 may pay; over a WAN
+with fast GPUs, several.
 """
 from __future__ import annotations
 
@@ -36,45 +38,67 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class BatchCount:
-    """G, the batches on the way (see above): given, or (None) from measured costs, 1 until there are some."""
+    """G, the batches on the way (see above): given, or (None) from measured costs, 1 until there are some.
+
+    Each rank's work per batch is measured at every batch size seen (a moving average per size) and read as a line
+    in the rows, fixed + row_ms x rows: a batched forward reads the weights once, but its compute grows with the
+    rows (on a CPU a quantized drafter's step over 8 rows costs ~1.8x one row's), so G batches of 1/G of the
+    streams each cost less than G whole ones. Sizes come and go as streams start and end; one size seen: flat."""
 
     def __init__(self, given: int | None = None, smoothing: float = 0.2, most: int = 8):
         self.given, self.smoothing, self.most = given, smoothing, most
-        self.rank0 = self.trip = None  # ms, moving averages: rank 0's work per batch, the wire's part of a round
-        self.stages: list[float] = []  # each later rank's work per batch (the middle ranks', then the last's)
+        self.trip = None  # ms, moving average: the wire's part of a round
+        self.rank0: dict[int, float] = {}  # rows -> rank 0's work per batch of that many rows (moving averages)
+        self.stages: dict[int, list[float]] = {}  # rows -> each later rank's work per batch (middle ranks', the last's)
 
     def pipeline(self) -> cost_model.Pipeline:
         """The cost model of what was measured: rank 0's work, each later rank's, the wire as one link."""
-        ranks = (cost_model.RankCost(self.rank0), *(cost_model.RankCost(ms) for ms in self.stages))
-        links = (cost_model.LinkCost(self.trip), *(cost_model.LinkCost() for _ in self.stages))
+        n = len(next(iter(self.stages.values())))
+        ranks = (rows_line(self.rank0), *(rows_line({b: ms[i] for b, ms in self.stages.items()}) for i in range(n)))
+        links = (cost_model.LinkCost(self.trip), *(cost_model.LinkCost() for _ in range(n)))
         return cost_model.Pipeline(ranks, links, acceptance=cost_model.Acceptance(), overlap=False)
 
     def now(self, streams: int | None = None) -> int:
         """G for `streams` live streams (None: as many as G may be)."""
         if self.given is not None:
             return self.given
-        if None in (self.rank0, self.trip) or not self.stages:
+        if self.trip is None or not self.rank0 or not self.stages:
             return 1
         return cost_model.best_batches(self.pipeline(), 0, streams or self.most, self.most)
 
-    def observe(self, record, waited_ms: float) -> None:
+    def observe(self, record, waited_ms: float, alone: bool = True) -> None:
         """A fresh block's round (not a first round, not a bet). The trip is read only from rounds whose reply
-        rank 0 waited for: one read late (rank 0 busy with another batch) holds rank 0's work besides the trip."""
+        rank 0 waited for: one read late (rank 0 busy with another batch) holds rank 0's work besides the trip;
+        and only from rounds sent into an empty pipe (`alone`): one sent behind another batch may wait at a later
+        rank busy with it, and that wait read as trip makes more batches look free, which lengthens the wait."""
         if record.from_ahead:
             return
-        s = self.smoothing
-        self.rank0 = ema(self.rank0, record.draft_ms + record.stage0_ms, s)
+        s, rows = self.smoothing, record.batch
+        self.rank0[rows] = ema(self.rank0.get(rows), record.draft_ms + record.stage0_ms, s)
         stages = [*record.middle_ms, record.last_ms]
-        if len(stages) != len(self.stages):
-            self.stages = stages
-        self.stages = [ema(old, new, s) for old, new in zip(self.stages, stages)]
-        if waited_ms > 1.0:
+        if any(len(old) != len(stages) for old in self.stages.values()):
+            self.stages = {}
+        old = self.stages.get(rows, stages)
+        self.stages[rows] = [ema(o, new, s) for o, new in zip(old, stages)]
+        if waited_ms > 1.0 and alone:
             self.trip = ema(self.trip, record.network_ms, s)
 
 
+def rows_line(by_rows: dict[int, float]) -> cost_model.RankCost:
+    """A resource's ms per batch as fixed + row_ms x rows, least squares through the sizes measured (never falling
+    with the rows, never below zero); one size: the same at any size."""
+    if len(by_rows) == 1:
+        return cost_model.RankCost(next(iter(by_rows.values())))
+    xs, ys = list(by_rows), list(by_rows.values())
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs))
+    return cost_model.RankCost(max(0.0, my - slope * mx), row_ms=slope)
+
+
 class Scheduler:
-    def __init__(self, count: int, batches_on_the_way: int | None = None, depth=None):
+    def __init__(self, count: int, batches_on_the_way: int | None = None, depth=None, prefill_chunk: int = 512):
         self.count = count
+        self.prefill_chunk = prefill_chunk  # the most tokens a batch of first rounds carries, padding included
         self.batch_count = BatchCount(batches_on_the_way)
         self.in_flight = depth or FixedDepth(1)  # spec.in_flight: rounds of a lone stream on the way (speculative.in_flight)
         self.held: list[list[int]] = [[] for _ in range(count)]  # per slot: the tokens its caches hold, in order
@@ -105,17 +129,36 @@ class Scheduler:
         self.held = [[] for _ in range(self.count)]
 
     def batches(self, ready: list, waiting: int) -> list[list]:
-        """The batches to send now of the `ready` streams (nothing on the way), `waiting` batches being on the way: a
-        prompt's first round alone (it carries up to spec.prefill_chunk tokens); the others in batches of a 1/G
-        share, each sent when full or when fewer than G are on the way (the pipe would idle). The rest wait for
-        the next reply, so streams that fell out of step (a first round, a newcomer) are batched again."""
+        """The batches to send now of the `ready` streams (nothing on the way), `waiting` batches of decode rounds
+        being on the way: the newcomers' first rounds together (first_rounds); the others in batches of a 1/G
+        share, each sent when full or when fewer than G decode batches are on the way (the pipe would idle). A
+        batch of first rounds does not count: the running streams' next round goes out behind it (rank 0 drafts
+        it while the later ranks prefill), so neither waits for the other. The rest wait for the next reply, so
+        streams that fell out of step (a first round, a newcomer) are batched again."""
         on_the_way = self.batch_count.now(len(self.live))
         most = max(1, math.ceil(len(self.live) / on_the_way))
-        batches = [[s] for s in ready if s.prefilling]
+        firsts, batches = self.first_rounds([s for s in ready if s.prefilling]), []
         rest = [s for s in ready if not s.prefilling]
         while rest and (len(rest) >= most or waiting + len(batches) < on_the_way):
             batches.append(rest[:most])
             rest = rest[most:]
+        return firsts + batches
+
+    def first_rounds(self, newcomers: list) -> list[list]:
+        """The first rounds of streams admitted together (each carries its prompt's tail, up to spec.prefill_chunk
+        tokens) in as few batches as hold at most prefill_chunk tokens each, padding included: one forward on every
+        rank for them all reads the weights once, where one each in turn made every newcomer wait for the others'
+        prefills. Shortest first; a row joins only rows at least 3/4 its length (a prefill's compute grows with
+        its tokens: padding a short prompt to a long one costs more than its own forward saves). Never with decode
+        rows (padded to a prompt)."""
+        batches: list[list] = []
+        for s in sorted(newcomers, key=lambda s: len(s.pending)):
+            n = len(s.pending)
+            fits = batches and (len(batches[-1]) + 1) * n <= self.prefill_chunk
+            if fits and 4 * len(batches[-1][0].pending) >= 3 * n:
+                batches[-1].append(s)
+            else:
+                batches.append([s])
         return batches
 
     def depth(self) -> int:
@@ -123,10 +166,10 @@ class Scheduler:
         streams fill the pipe (their rounds, not bets, use the wait)."""
         return self.in_flight.now() if len(self.live) == 1 else 1
 
-    def observe(self, record, waited_ms: float, decode: bool) -> None:
+    def observe(self, record, waited_ms: float, decode: bool, alone: bool = True) -> None:
         """A round's costs: a lone stream's teach spec.in_flight=auto its depth, several streams' the batch count
-        (`decode`: not a stream's first round, which carries its prompt)."""
+        (`decode`: not a stream's first round, which carries its prompt; `alone`: sent into an empty pipe)."""
         if len(self.live) == 1:
             self.in_flight.observe(record)
         elif decode:
-            self.batch_count.observe(record, waited_ms)
+            self.batch_count.observe(record, waited_ms, alone)

@@ -68,7 +68,8 @@ class Session:
         self.maker = BlockMaker(stage, drafter, self.k_policy, spec.overlap)
         self.slots = slots  # how many streams may be live at once (serve.max_concurrent)
         # the slots, the live streams by slot, the batches (batches_on_the_way None: from measured costs)
-        self.scheduler = Scheduler(slots, batches_on_the_way, in_flight_policy(spec.in_flight, spec.overlap))
+        self.scheduler = Scheduler(slots, batches_on_the_way, in_flight_policy(spec.in_flight, spec.overlap),
+                                   spec.prefill_chunk)
         self.ended: list[Stream] = []  # streams that ended outside a tick (settle), for the next tick to return
         self.predictor = predictor  # the cost model's predictions beside what rounds measure (cost_model.Predictor)
 
@@ -123,7 +124,7 @@ class Session:
         while it waited) go first; and its admission holds back each of their first rounds by its prefill."""
         unsent = [o for o in self.live if not o.gen.rounds and not o.chain]
         ahead = tuple(len(o.gen.prompt_ids) - o.gen.reused for o in unsent)
-        s.gen.predicted_ttft_s = self.predictor.ttft_s(new_tokens, s.k_now, ahead)
+        s.gen.predicted_ttft_s = self.predictor.ttft_s(new_tokens, ahead)
         held_back = self.predictor.admission_ms(new_tokens) / 1000
         for o in unsent:
             o.gen.predicted_ttft_s += held_back
@@ -169,14 +170,25 @@ class Session:
         for s in self.live:
             if not s.chain or len(self.scheduler.live) == 1:
                 s.t_round = now
-        for batch in self.scheduler.batches([s for s in self.live if not s.chain], len(self.replies.waiting)):
+        decoding = sum(not all(block.stream.prefilling for block in batch) for batch in self.replies.waiting)
+        for batch in self.scheduler.batches([s for s in self.live if not s.chain], decoding):
             self.send_fresh_batch(batch)
         for s in self.live:
             self.send_held(s)
         if len(self.scheduler.live) == 1:
             (s,) = self.live
             s.ahead = self.maker.use_the_wait(s, self.scheduler.depth(), self.send_batch)
+        else:
+            self.take_in_prompts()
         return ended + self.take_batch()
+
+    def take_in_prompts(self) -> None:
+        """Several streams: the drafter takes in each newcomer's prompt while its first round is on the way (rank 0
+        waits for a reply then), so its second round drafts at once instead of prefilling the drafter first while
+        the later ranks idle. (A lone stream's first wait drafts a bet, which takes the prompt in: use_the_wait.)"""
+        for s in self.live:
+            if s.prefilling and s.chain:
+                self.drafter.catch_up(s.committed, slot=s.slot)
 
     def settle(self) -> None:
         """Commit every reply on the way (before a message whose answer comes back behind them)."""
@@ -191,8 +203,9 @@ class Session:
 
     def send_batch(self, blocks: list[Block]) -> None:
         """`blocks` (of different streams) back to back, as one batch: one forward on every later rank."""
+        empty = not self.replies.waiting
         for block in blocks:
-            block.batch = len(blocks)
+            block.batch, block.into_empty_pipe = len(blocks), empty
             block.sent_at = time.perf_counter()
             protocol.send(self.channel, Round(block.start, block.hidden, block.drafts.tokens, block.drafts.q_ids,
                                               block.drafts.q_probs, guess=block.guess, slot=block.stream.slot,
@@ -221,7 +234,7 @@ class Session:
                 continue
             record = self.commit_round(s, block, reply, wasted_ms, on_the_way)
             if i == 0:  # the batch's costs, once (scheduler: spec.in_flight=auto, how many batches)
-                self.scheduler.observe(record, waited_ms, decode=len(s.gen.rounds) > 1)
+                self.scheduler.observe(record, waited_ms, decode=len(s.gen.rounds) > 1, alone=block.into_empty_pipe)
             wasted_ms = 0.0
             if s.on_round is not None:
                 s.on_round(record, reply)
@@ -259,7 +272,7 @@ class Session:
         prediction at this round's K, depth and streams; measured, the stream's decode rate so far."""
         if self.predictor is None or not decode:
             return
-        self.predictor.observe(record.drafted, record.accepted)
+        self.predictor.observe(record.drafted, record.accepted, record.bet)
         record.predicted_tokens_per_s = self.predictor.tokens_per_s(record.drafted, self.scheduler.depth(), record.live)
         decode_s = time.perf_counter() - s.t_start - s.gen.ttft_s
         record.measured_tokens_per_s = (len(s.output.tokens) - 1) / decode_s if decode_s > 0 else 0.0

@@ -205,6 +205,8 @@ class Engine:
         stats["prefilled_tokens"] = len(p.ids) - gen.reused
         stats["queue_s"] = running.admitted - job.arrived  # parsing, tokenizing and waiting for a slot
         stats["ttft_s"] += stats["queue_s"]  # as the client sees it: from the request's arrival
+        if stats["predicted_ttft_s"]:  # the cost model's counts from admission; the wait before it is measured
+            stats["predicted_ttft_s"] += stats["queue_s"]
         stats["slot"] = running.stream.slot
         if self.telemetry is not None:
             self.telemetry.on_request(stats, self.served, running.serial, gen)

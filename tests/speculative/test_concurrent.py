@@ -8,8 +8,9 @@ import pytest
 
 from netbridge.protocol import SamplingParams
 from speculative.rounds import RoundRecord
-from speculative.scheduler import BatchCount
-from tests.support.session_harness import serve, serve_together, session_args
+from speculative.scheduler import BatchCount, Scheduler
+from speculative.output import Output
+from tests.support.session_harness import serve, serve_together, session_args, with_ranks
 from tests.support.tiny_models import reference_greedy
 
 BASE = [11, 42, 7, 250, 3, 99, 180, 5, 42, 7, 61, 19]
@@ -81,7 +82,16 @@ def test_the_next_turn_lands_in_the_slot_holding_its_prefix(tiny_qwen, tiny_qwen
         return gen.prompt_ids + gen.output.tokens + [77, 78]
     turns = [(PROMPTS[7], SamplingParams()), (PROMPTS[3], SamplingParams()), (PROMPTS[0], SamplingParams()),
              (next_turn(first[1]), SamplingParams()), (next_turn(first[0]), SamplingParams())]
-    both, _ = serve_together(args, turns, slots=3)  # turns 3 and 4 wait until the first three have ended
+
+    def in_two_waves(session, cfg, eos):  # turns 3 and 4 come once the first three have ended: every slot is free
+        gens = []
+        for wave in (turns[:3], turns[3:]):
+            streams = [session.admit(ids, Output(None, eos, 10, [], stream=False), params) for ids, params in wave]
+            while session.live:
+                session.tick()
+            gens += [s.gen for s in streams]
+        return gens
+    both = with_ranks(["serve.port=0", "serve.max_concurrent=3", *args], 2, in_two_waves)
     for (prompt, _), gen in zip(turns, both):
         assert gen.output.tokens == reference_greedy(tiny_qwen, prompt, 10)
     slot_of = {i: g.rounds[0].slot for i, g in enumerate(both)}
@@ -117,10 +127,10 @@ def test_streams_take_turns(tiny_qwen, tiny_qwen_draft):
     assert [len(g.output.tokens) for g in gens] == [40, 4, 25, 9]
 
 
-def record(rank0_ms: float, later_ms: float, trip_ms: float, middle=()) -> RoundRecord:
+def record(rank0_ms: float, later_ms: float, trip_ms: float, middle=(), batch: int = 1) -> RoundRecord:
     """A fresh block's round as rank 0 records it: its drafting + stage 0, the later ranks' work, and round_ms."""
     return RoundRecord(4, 3, 4, draft_ms=rank0_ms * 0.9, stage0_ms=rank0_ms * 0.1,
-                       round_ms=later_ms + sum(middle) + trip_ms, last_ms=later_ms, middle_ms=list(middle))
+                       round_ms=later_ms + sum(middle) + trip_ms, last_ms=later_ms, middle_ms=list(middle), batch=batch)
 
 
 @pytest.mark.parametrize("rank0,later,trip,middle,expected", [
@@ -138,6 +148,19 @@ def test_the_batch_count_from_costs(rank0, later, trip, middle, expected):
     assert count.now() == expected
 
 
+def test_the_batch_count_weighs_a_batch_s_cost_by_its_rows():
+    """Rank 0 630 ms and rank 1 500 ms over 8 rows, 330 and 300 over 4 (a quantized drafter on a CPU: the rows
+    cost compute), 80 ms of wire: two batches of 4 cycle in max(2 x 330, 330 + 300 + 80) = 710 ms against one
+    batch's 630 + 500 + 80 = 1210. With only 8-row batches seen, a batch costs the same at any size: one."""
+    count = BatchCount()
+    for _ in range(20):
+        count.observe(record(630, 500, 80, batch=8), waited_ms=5.0)
+    assert count.now(8) == 1
+    for _ in range(20):
+        count.observe(record(330, 300, 80, batch=4), waited_ms=5.0)
+    assert count.now(8) == 2
+
+
 def test_the_batch_count_reads_the_trip_only_from_replies_rank_0_waited_for():
     """A reply read late (rank 0 busy drafting another batch) holds rank 0's work in its round_ms: counted as trip,
     it would make more batches look free, which makes rank 0 busier, which lengthens the trip seen: a runaway."""
@@ -148,3 +171,80 @@ def test_the_batch_count_reads_the_trip_only_from_replies_rank_0_waited_for():
         count.observe(record(630, 190, 80 + 630), waited_ms=0.0)  # replies already there when rank 0 came
     assert count.now() == 1
     assert BatchCount(given=3).now() == 3
+
+
+def test_the_batch_count_reads_the_trip_only_from_rounds_sent_into_an_empty_pipe():
+    """A round sent behind another batch waits at rank 1 while it works on that one: read as trip, that wait (here
+    800 ms) makes more batches look free (2 instead of 1), which makes the waits longer still."""
+    count = BatchCount()
+    for _ in range(20):
+        count.observe(record(630, 190, 80), waited_ms=5.0)
+    for _ in range(50):
+        count.observe(record(630, 190, 80 + 800), waited_ms=5.0, alone=False)
+    assert count.now() == 1
+
+
+def test_newcomers_first_rounds_go_out_together_and_their_prompts_reach_the_drafter_in_the_wait(tiny_qwen,
+                                                                                               tiny_qwen_draft):
+    """Requests admitted together: their first rounds run as one batch on every rank (not one after another, each
+    newcomer waiting for the others' prefills), and while that batch is on the way the drafter takes in each
+    prompt, so their second round drafts at once. The answers stay generate's."""
+    reqs = [(p, params, min(n, 12)) for p, params, n in requests()[5:]]  # prompts of 9-11 tokens: one batch
+
+    def body(session, cfg, eos):
+        streams = [session.admit(ids, Output(None, eos, n, [], stream=False), params) for ids, params, n in reqs]
+        session.tick()  # the first rounds out, and back
+        assert [session.drafter.cached[s.slot] for s in streams] == [len(ids) for ids, _, _ in reqs]
+        while session.live:
+            session.tick()
+        return [s.gen for s in streams]
+    gens = with_ranks(["serve.port=0", "serve.max_concurrent=8", *session_args(tiny_qwen, tiny_qwen_draft, 40)], 2, body)
+    assert [g.rounds[0].batch for g in gens] == [3] * 3
+    for (prompt, _, n), gen in zip(reqs, gens):
+        assert gen.output.tokens == reference_greedy(tiny_qwen, prompt, n), (prompt, n)
+
+
+def test_a_newcomer_s_first_round_and_the_running_streams_next_round_go_out_together(tiny_qwen, tiny_qwen_draft):
+    """Streams decoding in one batch, then a newcomer: its first round goes out and the running streams' next round
+    right behind it, not held until its prefill is back (nor held while a first round is on the way), so the later
+    ranks prefill while rank 0 drafts. The answers stay generate's."""
+    (a, _, _), (b, _, _), (c, _, _), (d, _, _) = requests()[:4]
+
+    def sent(streams):
+        return all(s.chain and s.chain[0].sent_at is not None for s in streams)
+
+    def body(session, cfg, eos):
+        first = [session.admit(ids, Output(None, eos, 24, [], stream=False)) for ids in (a, b)]
+        while not all(len(s.gen.rounds) >= 2 for s in first):
+            session.tick()
+        newcomer = session.admit(c, Output(None, eos, 8, [], stream=False))
+        session.tick()  # the newcomer's first round out, the two streams' round behind it; its reply back
+        assert not newcomer.chain and sent(first)
+        later = session.admit(d, Output(None, eos, 8, [], stream=False))
+        session.tick()  # the later one's first round out; the newcomer waits for the batch on the way, which returns
+        assert not any(s.chain for s in (*first, newcomer))
+        session.tick()  # the three go out behind the later one's first round still on the way; its reply back
+        assert sent([*first, newcomer]) and not later.chain
+        while session.live:
+            session.tick()
+        return [s.gen for s in (*first, newcomer, later)]
+    gens = with_ranks(["serve.port=0", "serve.max_concurrent=4", *session_args(tiny_qwen, tiny_qwen_draft, 24)], 2, body,
+                      batches=1)
+    for prompt, n, gen in zip((a, b, c, d), (24, 24, 8, 8), gens):
+        assert gen.output.tokens == reference_greedy(tiny_qwen, prompt, n)
+
+
+class Newcomer:
+    prefilling = True
+
+    def __init__(self, pending: int):
+        self.pending = [0] * pending
+
+
+def test_first_rounds_batch_within_the_prefill_chunk_padding_included():
+    """Shortest first; a batch of first rounds holds at most spec.prefill_chunk tokens, rows x the longest, and
+    rows at least 3/4 as long as the longest (no short prompt padded to a long one)."""
+    scheduler = Scheduler(8, prefill_chunk=512)
+    batches = scheduler.first_rounds([Newcomer(n) for n in (300, 40, 200, 32, 100, 512, 45, 170, 150, 160)])
+    assert [[len(s.pending) for s in b] for b in batches] == [[32, 40], [45], [100], [150, 160, 170], [200], [300],
+                                                              [512]]

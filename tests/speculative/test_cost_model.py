@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 
 import pytest
 
 from types import SimpleNamespace
 
 from speculative.cost_model import (ENGINE_LAST_MS, ENGINE_RANK0_MS, ENGINE_STEP_MS, Acceptance, DraftCost, LinkCost,
-                                    Pipeline, Predictor, RankCost, aggregate_tokens_per_s, best_depth, best_k,
-                                    best_settings, from_rank_costs, rank0_prefill_ms, round_parts, round_ms,
+                                    Pipeline, Predictor, RankCost, aggregate_tokens_per_s, best_batches, best_depth,
+                                    best_k, best_settings, from_rank_costs, rank0_prefill_ms, round_parts, round_ms,
                                     stream_tokens_per_s, tokens_per_round, ttft_s)
 
 
@@ -67,11 +68,11 @@ def test_prefill_bound_by_compute_is_the_slowest_rank_per_chunk():
 def test_a_long_prompt_attends_over_its_context_and_the_drafter_takes_it_in():
     """1000 tokens in chunks of 500 on rank 0 (0.1 ms a token, 0.001 ms per token per earlier token), its drafter
     catching up (0.05 and 0.0005), a free rank 1 and free links. Chunk 1: the slice 50 + 0.001 x 500 x 250 = 175 ms,
-    sent, then the drafter 25 + 62.5. Chunk 2 (the first round): the drafter 25 + 0.0005 x 500 x 750 = 212.5, the
-    slice 50 + 0.001 x 500 x 750 = 425, sent at 262.5 + 212.5 + 425 = 900 ms."""
+    sent, then the drafter 25 + 62.5. Chunk 2 (the first round): the slice 50 + 0.001 x 500 x 750 = 425, sent at
+    262.5 + 425 = 687.5 ms; it drafts nothing at any K (the drafter takes chunk 2 in while it is on the way)."""
     p = Pipeline((RankCost(0.0, 0.1, attend_ms=0.001), RankCost(0.0)), (LinkCost(), LinkCost()),
-                 DraftCost(token_ms=0.05, attend_ms=0.0005))
-    assert ttft_s(p, 1000, 500) == pytest.approx(0.9)
+                 DraftCost(step_ms=7.0, token_ms=0.05, attend_ms=0.0005))
+    assert ttft_s(p, 1000, 500) == pytest.approx(0.6875)
     assert rank0_prefill_ms(p, 1000, 500) == pytest.approx(175 + 87.5)  # what its admission holds rank 0 for
 
 
@@ -216,3 +217,53 @@ def test_a_session_predicts_the_ttft_of_prompts_admitted_together():
     c = stream(1000)
     Session.predict_ttft(session, c, 1000)
     assert (a.gen.predicted_ttft_s, c.gen.predicted_ttft_s) == pytest.approx((0.2, 0.15))
+
+
+def test_the_predictor_counts_the_bets_that_held():
+    """A first round's bet (on its token: it drafts nothing), then six rounds of K=4, every draft kept and every
+    bet held: the five shrunk position rates multiply to 0.925 (each 0.985), which would price one bet in thirteen
+    as lost; counted from the bets, with that product as one bet's prior, h = (7 + 0.925) / 8 = 0.991. Bets that
+    all failed give (0 + their product) / 8."""
+    held, lost = Predictor(ring(rate=0.7, overlap=True)), Predictor(ring(rate=0.7, overlap=True))
+    held.observe(0, 0, True)
+    lost.observe(0, 0, False)
+    for _ in range(6):
+        held.observe(4, 4, True)
+        lost.observe(4, 4, False)
+    product = Acceptance.from_counts(held.tried, held.kept).bet_holds(4)
+    assert product == pytest.approx(0.925, abs=0.001)
+    assert held.pipeline().acceptance.bet_holds(4) == pytest.approx((7 + product) / 8)
+    assert lost.pipeline().acceptance.bet_holds(4) == pytest.approx(product / 8)
+    assert Predictor(ring(rate=0.7)).pipeline().acceptance.hold is None  # no bet measured: the rates' product
+
+
+def test_ranks_that_slow_each_other_pay_it_only_in_a_full_pipe():
+    """Two ranks of 10 ms a round over free links, each twice as slow while the other computes (timed at once: 2x
+    alone). Four streams in two batches: the two batches keep both ranks at work at once, 2 x 20 ms a cycle instead
+    of 2 x 10; in one batch they take turns, 20 ms. A chain of bets (rank 0's prep 10 ms, rank 1 40 ms, trip 240 ms,
+    four on the way) leaves rank 0 every 240 / 4 = 60 ms; with rank 0 eight times as slow while rank 1 works, its
+    prep takes 10 + 7 x min(10, 40) = 80 ms, and sets the pace. Slowed while rank 1 works 5 ms: 10 + 7 x 5 = 45."""
+    alone = ring((10.0, 10.0), rate=1.0)
+    shared = replace(alone, together=(2.0, 2.0))
+    four_tokens = 1000 * 4 * tokens_per_round(alone.acceptance, 0)
+    assert aggregate_tokens_per_s(alone, 0, 4, 2) == pytest.approx(four_tokens / 20)
+    assert aggregate_tokens_per_s(shared, 0, 4, 2) == pytest.approx(four_tokens / 40)
+    assert aggregate_tokens_per_s(shared, 0, 4, 1) == pytest.approx(four_tokens / 20)  # in turns: nothing shared
+    assert best_batches(alone, 0, 4) == 2 and best_batches(shared, 0, 4) == 1
+    chain = ring((5.0, 40.0), (100.0, 100.0), step=1.25, rate=1.0, overlap=True)  # prep 10 ms
+    slow0 = replace(chain, together=(8.0, 1.0))
+    assert stream_tokens_per_s(chain, 4, 4) == pytest.approx(5 * 1000 / 60)
+    assert stream_tokens_per_s(slow0, 4, 4) == pytest.approx(5 * 1000 / 80)
+    assert stream_tokens_per_s(slow0, 4, 1) == stream_tokens_per_s(chain, 4, 1)  # one on the way: the trip sets it
+    assert round_parts(replace(slow0, ranks=(RankCost(5.0), RankCost(5.0))), 4).full_prep_ms == pytest.approx(45.0)
+
+
+def test_a_rank_timed_alone_and_at_once_gives_its_costs_alone_and_its_slowdown():
+    """Rank 0 timed 2 ms a layer with both ranks at once and 1 ms alone; rank 1 not alone (0): its round costs are
+    halved (fixed part too), its slowdown 2; rank 1 keeps its figures, slowdown 1."""
+    costs = [SimpleNamespace(layer_ms=2.0, fixed_ms=4.0, alone_layer_ms=1.0),
+             SimpleNamespace(layer_ms=3.0, fixed_ms=0.0, alone_layer_ms=0.0)]
+    p = from_rank_costs(costs, [2, 2], [LinkCost(), LinkCost()], block_tokens=1)
+    assert p.together == (2.0, 1.0)
+    assert p.ranks[0].ms(1, 1) == pytest.approx(2 * 1.0 + 2.0 + ENGINE_RANK0_MS)
+    assert p.ranks[1].ms(1, 1) == pytest.approx(2 * 3.0 + ENGINE_LAST_MS)

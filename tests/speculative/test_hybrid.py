@@ -17,7 +17,8 @@ from model_parallel.loader import load_stage
 from netbridge.protocol import SamplingParams
 from speculative.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from speculative.stats import summarize
-from tests.support.session_harness import serve, serve_together
+from speculative.output import Output
+from tests.support.session_harness import serve, serve_together, with_ranks
 from tests.support.tiny_models import VOCAB, load_reference, reference_greedy, save_tiny
 
 NOVEL = [11, 42, 7, 250, 3, 99, 180, 5]  # the copier's answer to it repeats itself only after a lap of its cycle
@@ -123,6 +124,30 @@ def test_a_copied_stretch_is_proposed_past_k_and_never_past_the_answers_end(in_f
     for r in decode:  # a block of its drafts + the target's token fits what the answer had left
         assert r.drafted + 1 <= left, [(r.drafted, r.committed) for r in decode]
         left -= r.committed
+
+
+def test_a_lone_streams_lookups_are_taken_in_by_the_model_in_the_wait(copier, tiny_qwen_draft):
+    """Every decode round a lookup (the prompt the answer copies), under spec.overlap: the model never drafts, yet
+    its slot ends holding the whole answer but its last two tokens (the last round's last draft and the target's
+    own token, fed by the next drafting step as after a fully accepted round of the model's), taken in while
+    rounds were on the way, so a round after a copy diverges drafts at once; and what it holds is right: its next drafts are a freshly prefilled
+    drafter's."""
+    cycle = cycle_of(copier)
+    prompt = NOVEL + cycle + cycle[:len(cycle) // 2]
+
+    def one(session, cfg, eos):
+        output = Output(None, eos, cfg.gen.max_new_tokens, [], stream=False)
+        return session.generate(prompt, output, SamplingParams()), session.drafter
+
+    gen, drafter = with_ranks(hybrid_args(copier, tiny_qwen_draft, 3, 24, "draft.lookup_k=8", "spec.overlap=true"), 2, one)
+    context = prompt + gen.output.tokens
+    assert context[len(prompt):] == reference_greedy(copier, prompt, 24)
+    assert kinds(gen.rounds)[1] == 0  # the model never drafted
+    assert drafter.cached[0] == len(context) - 2
+    fresh = ModelDrafter(model_stage(tiny_qwen_draft, 1), max_k=8, top_k=16)
+    fresh.reset(0, 0.0, seed=0)
+    mine = ModelDrafter.propose_rows(drafter, [context], [4], [0])[0]  # the model, not a lookup
+    assert mine.tokens.tolist() == fresh.propose(context, 4).tokens.tolist()
 
 
 def test_four_requests_at_once_some_looked_up_and_some_drafted_in_one_tick(copier, tiny_qwen_draft):

@@ -169,3 +169,25 @@ def test_beyond_the_free_slots_and_max_queue_is_a_429():
     with pytest.raises(Exception) as refused:
         e.submit(job(5, 1))
     assert refused.value.status == 429 and "serve.max_queue" in str(refused.value)
+
+
+def test_the_predicted_ttft_counts_the_wait_for_a_slot_as_the_measured_one_does():
+    """The cost model predicts a TTFT from admission; a job that waited for a slot has that wait (measured) in both
+    its TTFT and its predicted TTFT, so the two count from its arrival alike. No prediction (0) stays 0."""
+    class Predicting(ScriptedSession):
+        def admit(self, ids, *args, **kwargs):
+            stream = super().admit(ids, *args, **kwargs)
+            stream.gen.predicted_ttft_s = 0.05 if ids[0] != 9 else 0.0
+            return stream
+    session = Predicting(slots=1)
+    e = engine(session)
+    jobs = [job(1, 3), job(2, 2), job(9, 2)]
+    for j in jobs:
+        e.submit(j)
+    e.thread.start()
+    stats = [j.loop.last()[1]["stats"] for j in jobs]
+    e.stop()
+    assert stats[1]["queue_s"] > 0.004  # it waited for the first's three ticks of 2 ms
+    for s in stats[:2]:
+        assert s["predicted_ttft_s"] == pytest.approx(0.05 + s["queue_s"])
+    assert stats[2]["predicted_ttft_s"] == 0.0
