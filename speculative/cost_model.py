@@ -36,7 +36,8 @@ transfer occupies it, its latency does not. The first token comes back on the re
 which the first round carries with no drafts (the token they would follow is not known yet).
 A chunk after c cached tokens costs its block plus attention, attend_ms x tokens x (c + tokens / 2) (on a CPU
 that is most of a 2k prompt's cost for a small model); the drafter takes every chunk in too. Prompts that came
-together queue: the engine prefills each on admission, then sends the first rounds in turn (`ahead`).
+together queue: the engine prefills each on admission, then sends the first rounds in turn (`ahead`; the
+scheduler batches first rounds of like length, which this does not model: docs/design.md).
 
 Ranks that compute at once slow each other where they share a host (its cores, its memory bandwidth): each rank
 times a layer at start-up with every rank at once and again alone (launch/handshake.py), and the ratio is its

@@ -197,13 +197,15 @@ class HybridDrafter(ModelDrafter):
 
     A lookup may propose up to `lookup_k` tokens, past the round's K (within the row's `room`: what the answer may
     still take, so the caches' room for K drafts is never exceeded): K bounds what the model's steps cost, and a
-    copy costs none; the target's verify of a 17-token block costs about what a 5-token one does (a decode forward
-    reads every weight once either way), so a copied stretch commits several times the tokens per round trip.
+    copy costs none; on a GPU the target's verify of a 17-token block costs about what a 5-token one does (a decode
+    forward reads every weight once either way; on a 2-core CPU it costs ~40% more: bench/README.md), so a copied
+    stretch commits several times the tokens per round trip.
 
     The model's slot does not take in looked-up tokens when they are proposed: the next time the model drafts for
     that slot, it takes in everything it lacks (the tokens committed in the looked-up rounds) in one forward, as
     after a fully accepted round (catch_up_rows: batched with the other slots' when it lacks at most FEW_MISSING,
-    else alone). So a copied stretch costs the model one forward over it, not a step per token. In a batch some
+    else alone; a lone stream under spec.overlap takes them in sooner, in the wait: BlockMaker.take_in_lookups).
+    So a copied stretch costs the model one forward over it, not a step per token. In a batch some
     rows may be looked up and others drafted by the model: the looked-up rows take no part in the model's steps."""
 
     def __init__(self, stage, lookup_min: int = 3, lookup_max: int | None = None, lookup_k: int = 0, **model):
