@@ -16,7 +16,8 @@ One launch per (model, ranks, delay, bandwidth, setting), served (serve.max_conc
 (clients x prompt) with /v1/completions requests, each prompt new (no prefix of another's in the slots' caches),
 after one warm-up request. Per cell:
     one client    measured: the server's tokens/s (decode) and TTFT of the request; predicted: the same request's
-                  `predicted_tokens_per_s` / `predicted_ttft_ms` (the cost model at the acceptance measured so far)
+                  `predicted_tokens_per_s` / `predicted_ttft_ms` (the cost model at the acceptance the request's
+                  own rounds measured, its K and depth: Predictor.for_rounds)
     four clients  measured: the tokens after the first ones over the span from the first first token to the last
                   answer (the four decode side by side while the later prompts are still admitted), TTFT p50 (queue
                   included: the four prompts arrive at once); predicted: the same tokens over the time the start-up
@@ -260,8 +261,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--clients", nargs="+", type=int, default=list(CLIENTS))
     ap.add_argument("--prompts", nargs="+", type=int, default=list(PROMPTS))
-    ap.add_argument("--max-tokens", type=int, default=32, help="per request, the tiny model")
-    ap.add_argument("--pair-max-tokens", type=int, default=24, help="per request, the embedded pair")
+    # 64 each: at 24 (the pair) a request was ~6 rounds, and one full hit more or less moved its tokens/s 20-40%
+    ap.add_argument("--max-tokens", type=int, default=64, help="per request, the tiny model")
+    ap.add_argument("--pair-max-tokens", type=int, default=64, help="per request, the embedded pair")
     ap.add_argument("--out", default=None)
     ap.add_argument("--launch-timeout", type=float, default=600)
     ap.add_argument("--request-timeout", type=float, default=600)

@@ -479,6 +479,17 @@ class Predictor:
     def ttft_s(self, prompt_tokens: int, ahead: tuple[int, ...] = ()) -> float:
         return ttft_s(self.pipeline(), prompt_tokens, self.chunk, ahead)
 
+    def for_rounds(self, rounds, streams: int = 1) -> float:
+        """One request's tokens/s as the model gives it at the acceptance its own decode rounds measured (and its
+        bets): its tokens over the time the model gives each round at that round's K and rounds on the way. The
+        rounds' own predictions lean on what earlier rounds measured (the prior at first), which on a short request
+        of a prompt drafted far better or worse than the prior mostly measures the prior."""
+        mine = Predictor(self.start, self.chunk, self.batches_max)
+        for r in rounds:
+            mine.observe(r.drafted, r.accepted, r.bet)
+        seconds = sum(r.committed / mine.tokens_per_s(r.drafted, max(1, r.in_flight), streams) for r in rounds)
+        return sum(r.committed for r in rounds) / seconds if seconds > 0 else 0.0
+
     def admission_ms(self, prompt_tokens: int) -> float:
         """What admitting a prompt adds to the TTFT of every stream whose first round is not yet sent."""
         return rank0_prefill_ms(self.pipeline(), prompt_tokens, self.chunk)

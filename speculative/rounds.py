@@ -91,6 +91,7 @@ class Generation:
     reused_disk: int = 0  # of them, those read from cache.dir (speculative.prefixes); the rest were in memory
     error: str | None = None  # it ended because its grammar failed on the last rank (Reply.error): why
     predicted_ttft_s: float = 0.0  # the cost model's TTFT of its prompt's new part (0: no model)
+    predicted_tokens_per_s: float = 0.0  # the cost model's decode tokens/s at its own acceptance (0: none; Session.end)
 
 
 class NonFiniteLogits(RuntimeError):

@@ -284,6 +284,10 @@ class Session:
         s.drop_chain()
         s.ended = True
         s.gen.total_s = time.perf_counter() - s.t_start
+        decode = s.gen.rounds[1:]
+        if self.predictor is not None and any(r.drafted for r in decode):  # the run's: at the acceptance it had
+            streams = max(1, round(sum(r.live for r in decode) / len(decode)))
+            s.gen.predicted_tokens_per_s = self.predictor.for_rounds(decode, streams)
         holds = (s.gen.prompt_ids + s.output.tokens)[:-1] if s.gen.rounds else s.gen.prompt_ids[:s.gen.reused]
         self.scheduler.give_back(s.slot, holds if clean else None)
         if self.prefixes is not None:

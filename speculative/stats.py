@@ -49,7 +49,7 @@ def summarize(gen: Generation, k: int, drafter: str) -> dict:
         "tokens_per_s": (tokens - 1) / decode_s if decode_s > 0 and tokens > 1 else 0.0,
         # the cost model's (speculative.cost_model; 0: none): each decode round's prediction at its K with the
         # acceptance measured so far, over the run as the measured figure is (tokens over their predicted time)
-        "predicted_tokens_per_s": predicted_rate(rounds),
+        "predicted_tokens_per_s": gen.predicted_tokens_per_s or predicted_rate(rounds),
         "predicted_ttft_s": gen.predicted_ttft_s,
         "mean_ms": {
             "draft": mean(r.draft_ms for r in rounds),

@@ -167,6 +167,22 @@ def test_the_predictor_takes_in_the_measured_acceptance():
     assert predictor.tokens_per_s(4) == pytest.approx(stream_tokens_per_s(predictor.pipeline(), 4))
 
 
+def test_a_requests_prediction_is_at_its_own_acceptance_whatever_came_before():
+    """A request whose drafts were all kept, served after requests whose drafts never were (or always were): its
+    prediction is the model at its own rounds' acceptance, the same after either history, and far above what the
+    pooled history says."""
+    rounds = [SimpleNamespace(drafted=4, accepted=4, committed=5, bet=None, in_flight=1) for _ in range(10)]
+    after_bad, after_good = (Predictor(ring((10.0, 10.0), (20.0, 20.0), step=5.0)) for _ in range(2))
+    for _ in range(50):
+        after_bad.observe(4, 0)
+        after_good.observe(4, 4)
+    mine = after_bad.for_rounds(rounds)
+    assert mine == pytest.approx(after_good.for_rounds(rounds))
+    assert mine > 2.5 * after_bad.tokens_per_s(4)
+    # 10 rounds of 4 kept: each rate (10 + 4 x 41/42) / 14 = 0.993; 1 + its chain = 4.93 tokens per 80 ms round
+    assert mine == pytest.approx(1000 * 4.93 / 80, rel=0.01)
+
+
 def test_a_run_prints_its_prediction_and_logs_it_beside_every_round(tiny_qwen, tmp_path, capsys):
     """The whole entry in process (both ranks timed: model.split=auto): the start-up line, then per decode round the
     predicted and measured tokens/s (summary.json's rounds, the TensorBoard scalars), and the output JSON's stats."""
