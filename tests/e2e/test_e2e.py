@@ -54,6 +54,7 @@ def last_lines(text: str, n: int = 3) -> str:
     return "\n".join(text.strip().splitlines()[-n:])
 
 
+@pytest.mark.slow  # a torchrun launch of ~5 s: the default suite is kept under 5 minutes
 def test_torchrun_config_errors_end_the_terminal_with_their_cause(tiny_qwen, tmp_path):
     """A command-line mistake is printed once per host (every rank read the same command line), tagged,
     and the last lines on the terminal, after torchrun's own report, carry it (through the workers' error
@@ -168,6 +169,7 @@ def test_peer_never_joins():
     assert_one_line_process_error(proc, "could not form the gloo group", "127.0.0.1")
 
 
+@pytest.mark.slow  # a torchrun launch of ~5 s: the default suite is kept under 5 minutes
 def test_a_serve_port_in_use_is_found_before_the_group_forms():
     """Rank 0 binds serve.port first (the process group then opens ephemeral ports of its own, which
     could take it): taken, it says so at once with one line, then waits for its peer only to tell it
