@@ -65,7 +65,21 @@ class Host(Protocol):
     def api_left(self, client: ApiClient) -> None: ...
 
 
-class Connection(asyncio.Protocol):
+class Accepted(asyncio.Protocol):
+    """What every connection the relay accepts keeps of its transport: the socket and who is at its other end."""
+
+    def is_open(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
+
+    def accepted(self, transport) -> None:
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.name = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self.host_name = peer[0] if peer else "?"  # the client's address without the port
+        self.source = source_of(peer[0]) if peer else "?"
+
+
+class Connection(Accepted):
     """One client connection: the handshake, then link frames (data, rendezvous, a service's control) or one
     end of a Splice."""
 
@@ -90,16 +104,9 @@ class Connection(asyncio.Protocol):
         self.deadline = now + limits.handshake_timeout_s
         self.last_rx = now
 
-    def is_open(self) -> bool:
-        return self.transport is not None and not self.transport.is_closing()
-
     # ---- asyncio callbacks ---------------------------------------------------------------------
     def connection_made(self, transport) -> None:
-        self.transport = transport
-        peer = transport.get_extra_info("peername")
-        self.name = f"{peer[0]}:{peer[1]}" if peer else "?"
-        self.host_name = peer[0] if peer else "?"  # the client's address without the port
-        self.source = source_of(peer[0]) if peer else "?"
+        self.accepted(transport)
         if not self.host.make_room_for(self):
             # no slot, no timer; a short greeting says why, so a client behind a crowded NAT learns what to raise
             self.state = "closed"
@@ -287,7 +294,7 @@ class Connection(asyncio.Protocol):
             self.state = "closed"
 
 
-class ApiClient(asyncio.Protocol):
+class ApiClient(Accepted):
     """A client connection on --api-port: no handshake here (the API's key and TLS are end to end, between the
     client and rank 0). Its first bytes ask the run's API service for a dial-back (an idle connection costs
     rank 0 nothing) and make it the client of a Splice: bytes verbatim both ways, never parsed. One that sends
@@ -304,14 +311,8 @@ class ApiClient(asyncio.Protocol):
         self.paused: set[str] = set()
         self.deadline = time.monotonic() + limits.handshake_timeout_s
 
-    def is_open(self) -> bool:
-        return self.transport is not None and not self.transport.is_closing()
-
     def connection_made(self, transport) -> None:
-        self.transport = transport
-        peer = transport.get_extra_info("peername")
-        self.name = f"{peer[0]}:{peer[1]}" if peer else "?"
-        self.source = source_of(peer[0]) if peer else "?"
+        self.accepted(transport)
         if not self.host.api_room(self):
             transport.abort()
             return
