@@ -15,6 +15,18 @@ def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
+def widths(streams: list[Stream]) -> list[int]:
+    """Each stream's drafts this round: its K, and a greedy stream's widened to the widest K of the batch (never
+    past its answer's end; a stream prefilling drafts nothing, nor one whose K is 0). A batch's drafting steps run
+    max(K) times over every row, and every later rank pads each block to the longest, so a row with a smaller K
+    (spec.adaptive shrinks it after a miss) would pay for drafts it throws away: they cost nothing, and greedy
+    output is the target's whatever was drafted. Not a sampled stream's: its seeded draws at a position depend on
+    whether a draft is there, and it draws the same tokens alone and among others. The K policies judge a round
+    by the K it asked for (k_choice.AdaptiveK)."""
+    ks = [0 if s.prefilling else min(s.k_now, s.remaining - 1) for s in streams]  # never overshoot
+    return [min(max(ks), s.remaining - 1) if k and s.params.temperature == 0 else k for s, k in zip(streams, ks)]
+
+
 class BlockMaker:
     def __init__(self, stage, drafter, k_policy, overlap: bool = False):
         self.stage, self.drafter, self.k_policy, self.overlap = stage, drafter, k_policy, overlap
@@ -23,7 +35,7 @@ class BlockMaker:
         """Rank 0's half of a round for each stream from its committed tokens: its drafts (one batched drafting
         step for all), then stage 0 over [pending..., d1..dK] from each block's start, as one forward."""
         t0 = time.perf_counter()
-        ks = [0 if s.prefilling else min(s.k_now, s.remaining - 1) for s in streams]  # never overshoot
+        ks = widths(streams)
         rooms = [s.remaining - 1 for s in streams]  # a lookup may propose past K, never past the answer's end
         drafts = self.drafter.propose_rows([s.committed for s in streams], ks, [s.slot for s in streams], rooms)
         draft_ms, t1 = _ms(t0), time.perf_counter()
@@ -64,15 +76,40 @@ class BlockMaker:
         if s.chain and s.chain[-1].drafts.looked_up:
             t0 = time.perf_counter()
             self.take_in_lookups(s)
+            self.ready_for_divergence(s)
             prepared_ms += _ms(t0)
         return prepared_ms, prepared
 
     def take_in_lookups(self, s: Stream) -> None:
         """The model drafter takes in the chain's looked-up tokens now, in the wait (draft.kind=hybrid): a lookup
         never went through it, so where a copy diverges the next round would first run it over the whole copy,
-        in line, while the later ranks idle. On a bet that fails, commit() rewinds it to what was kept."""
+        in line, while the later ranks idle. On a bet that fails, commit() rewinds it to what was kept. Its
+        guesses on the way mark each lookup's first token the model would not have proposed (Block.diverges)."""
         context = s.committed[:s.chain[0].start] + [t for block in s.chain for t in block.fed]
-        self.drafter.catch_up(context[:-1], slot=s.slot)  # the last token is fed by the next drafting step
+        guesses = self.drafter.catch_up(context[:-1], slot=s.slot, guesses=True)  # the last: fed by the next step
+        for block in s.chain:
+            end = block.start + len(block.fed)
+            looked_up = len(block.drafts) + (block.guess is not None) if block.drafts.looked_up else 0  # a bet's guess too
+            for p in range(end - looked_up, end) if not block.diverges else ():
+                guess = guesses.get(p)
+                if guess is not None and guess != context[p]:
+                    block.diverges = (p, guess)
+                    break
+
+    def ready_for_divergence(self, s: Stream) -> None:
+        """Where the model parts from a copy on the way, the target will likely part from it too (its drafts are
+        the model's), and in the round after, the lookup finds nothing and the model would draft in line while the
+        later ranks idle. So when the first reply due decides that token, draft that round now, in the wait, from
+        the copy up to there plus the model's own token: if the reply keeps just that, it goes out with no step."""
+        first = s.chain[0]
+        decided = first.start + len(first.fed)  # the reply to `first` decides every token up to this position
+        position, token = min((b.diverges for b in s.chain if b.diverges), default=(decided + 1, None))
+        if position > decided or first.sent_at is None:
+            return
+        context = (s.committed[:first.start] + [t for block in s.chain for t in block.fed])[:position] + [token]
+        k = min(s.k_now, s.remaining - (len(context) - len(s.committed)) - 1)
+        if k > 0:
+            self.drafter.draft_in_the_wait(context, k, slot=s.slot)
 
     def bet(self, s: Stream, tip: Block, k_next: int) -> Block | None:
         """Draft the guess plus k_next tokens after the tip's drafts and run stage 0 over them: on a hit the

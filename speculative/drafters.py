@@ -28,14 +28,18 @@ class Drafts:
     q_ids: torch.Tensor | None = None  # [k, m] token ids of each draft's distribution
     q_probs: torch.Tensor | None = None  # [k, m] their probabilities
     looked_up: bool = False  # found in the context (q one-hot), no model step; else the model's own q (None greedy)
+    ready: bool = False  # the model drafted them in an earlier wait (ModelDrafter.draft_in_the_wait), no step now
 
     def __len__(self) -> int:
         return self.tokens.numel()
 
     def after_first(self) -> Drafts:
         """The drafts after the first (which draft_ahead uses as its guess of the target's next token)."""
-        cut = (lambda t: None if t is None else t[1:])
-        return Drafts(self.tokens[1:], cut(self.q_ids), cut(self.q_probs), self.looked_up)
+        return self.sliced(1, None)
+
+    def sliced(self, first: int, end: int | None) -> Drafts:
+        cut = (lambda t: None if t is None else t[first:end])
+        return Drafts(self.tokens[first:end], cut(self.q_ids), cut(self.q_probs), self.looked_up, self.ready)
 
 
 def one_hot_drafts(tokens: list[int], looked_up: bool = False) -> Drafts:
@@ -51,8 +55,8 @@ class StatelessDrafter:
     def reset(self, keep: int, temperature: float, seed: int, slot: int = 0) -> None:
         pass
 
-    def catch_up(self, context: list[int], slot: int = 0) -> None:
-        pass
+    def catch_up(self, context: list[int], slot: int = 0, guesses: bool = False) -> dict[int, int]:
+        return {}
 
     def commit(self, n_committed: int, slot: int = 0) -> None:
         pass
@@ -114,6 +118,7 @@ class ModelDrafter:
             raise ValueError(f"a drafter for {slots} slots over a cache of {stage.cache.num_slots}: allocate the "
                              f"drafter's cache with slots={slots}")
         self.cached = [0] * slots
+        self.ready: dict[int, tuple[list[int], Drafts]] = {}  # slot: (context, its drafts) from draft_in_the_wait
         self.step = DraftStep(stage, max(max_k, 1) + 1, top_k, use_graph)  # + 1: draft_ahead's guess
 
     @property
@@ -125,13 +130,40 @@ class ModelDrafter:
         self.cached[slot] = min(self.cached[slot], keep)
         self.stage.cache.rewind(self.cached[slot], slot)
         self.step.configure(temperature, seed, slot)
+        self.ready.pop(slot, None)
 
-    def catch_up(self, context: list[int], slot: int = 0) -> None:
-        """Take in every token of `context` the slot lacks (a prompt, ahead of drafting)."""
-        missing = context[self.cached[slot]:]
-        if missing:  # Stage.run checks the room (the setting named) and writes at the slot's own positions
-            self.stage.run(self.cached[slot], torch.tensor([missing], device=self.device), num_logits=None, slot=slot)
-            self.cached[slot] = len(context)
+    def catch_up(self, context: list[int], slot: int = 0, guesses: bool = False) -> dict[int, int]:
+        """Take in every token of `context` the slot lacks (a prompt, ahead of drafting). With `guesses`, returns
+        the model's greedy guess at the token after each one taken in, by position (BlockMaker.take_in_lookups)."""
+        self.ready.pop(slot, None)  # its drafts' cache positions may be written now
+        start, missing = self.cached[slot], context[self.cached[slot]:]
+        if not missing:
+            return {}
+        # Stage.run checks the room (the setting named) and writes at the slot's own positions
+        out = self.stage.run(start, torch.tensor([missing], device=self.device),
+                             num_logits=len(missing) if guesses else None, slot=slot)
+        self.cached[slot] = len(context)
+        return {start + 1 + i: token for i, token in enumerate(out[0].argmax(-1).tolist())} if guesses else {}
+
+    def draft_in_the_wait(self, context: list[int], k: int, slot: int = 0) -> None:
+        """Draft k tokens after `context` now, while rank 0 waits for a reply, for a round that may follow it (a
+        copy likely to diverge there: BlockMaker.ready_for_divergence): the next propose for this slot from this very
+        context returns them with no step. Until then the slot counts only the context before its last token as
+        held, so whatever else comes next, the positions these drafts took are written again first."""
+        self.holds(min(self.cached[slot], len(context) - 1), slot)  # it may hold the copy past where this parts
+        (drafts,) = ModelDrafter.propose_rows(self, [context], [k], [slot])
+        self.holds(len(context) - 1, slot)
+        self.ready[slot] = (list(context), Drafts(drafts.tokens, drafts.q_ids, drafts.q_probs, ready=True))
+
+    def take_ready(self, context: list[int], k: int, slot: int) -> Drafts | None:
+        """The drafts draft_in_the_wait made for exactly this context (their first k), the slot then holding what
+        drafting them now would have left; else None. Either way they are gone."""
+        context_then, drafts = self.ready.pop(slot, (None, None))
+        if context_then != context or len(drafts) < k:
+            return None
+        self.cached[slot] = len(context) + k - 1
+        self.stage.cache.rewind(self.cached[slot], slot)  # the next step writes there (DraftStep: at the length)
+        return drafts.sliced(0, k)
 
     def propose(self, context: list[int], k: int, slot: int = 0, room: int | None = None) -> Drafts:
         return self.propose_rows([context], [k], [slot], None if room is None else [room])[0]
@@ -144,7 +176,13 @@ class ModelDrafter:
         if len(set(slots)) != len(slots):
             raise ValueError(f"propose_rows over slots {slots}: each request drafts in a slot of its own")
         drafts = [one_hot_drafts([]) for _ in slots]
-        rows = [b for b, k in enumerate(ks) if k > 0]
+        rows = []
+        for b, k in enumerate(ks):
+            ready = self.take_ready(contexts[b], k, slots[b]) if k > 0 else None
+            if ready is not None:
+                drafts[b] = ready
+            elif k > 0:
+                rows.append(b)
         if not rows:
             return drafts
         for b in rows:
@@ -183,6 +221,7 @@ class ModelDrafter:
         """Its slot now holds the context's first n tokens (cache.dir loaded them: speculative.prefixes)."""
         self.cached[slot] = n
         self.stage.cache.rewind(n, slot)
+        self.ready.pop(slot, None)
 
     def commit(self, n_committed: int, slot: int = 0) -> None:
         # Valid: the committed prefix the slot saw. Its last committed token is fed next round.

@@ -143,11 +143,33 @@ def test_a_lone_streams_lookups_are_taken_in_by_the_model_in_the_wait(copier, ti
     context = prompt + gen.output.tokens
     assert context[len(prompt):] == reference_greedy(copier, prompt, 24)
     assert kinds(gen.rounds)[1] == 0  # the model never drafted
-    assert drafter.cached[0] == len(context) - 2
+    # all but the last lookup's tokens: where the (unrelated) model parts from that copy, it drafted a round in
+    # the wait instead (ready_for_divergence), and holds the copy up to there
+    assert len(context) - 2 - 9 <= drafter.cached[0] <= len(context) - 2
     fresh = ModelDrafter(model_stage(tiny_qwen_draft, 1), max_k=8, top_k=16)
     fresh.reset(0, 0.0, seed=0)
     mine = ModelDrafter.propose_rows(drafter, [context], [4], [0])[0]  # the model, not a lookup
     assert mine.tokens.tolist() == fresh.propose(context, 4).tokens.tolist()
+
+
+@pytest.mark.parametrize("in_flight", [1, 3])
+def test_where_a_lookup_parts_from_the_models_guess_the_round_after_is_drafted_in_the_wait(in_flight, copier):
+    """The prompt holds stretches of the copier's cycle, each followed by a token its answer never puts there: on
+    the answer's first lap each stretch is looked up and its copy rejected from that token on. The model (the
+    copier again) guesses the target's token there while the lookup is on the way, and drafts the round after in
+    the wait: those rounds go out drafted with no step (`ready`), and greedy is still generate's."""
+    cycle = cycle_of(copier)
+    assert len(cycle) >= 21, cycle
+    planted = []
+    for i in (1, 9, 17):  # where bets prepared after a round of K=3 drafts look up (the 4th, 12th, ... of the answer)
+        planted += cycle[i:i + 3] + [(cycle[i + 3] + 1) % VOCAB]  # a stretch, then not what the copier gives
+    prompt = planted + NOVEL  # the copier's answer depends on the last token alone: NOVEL's
+    args = hybrid_args(copier, copier, 3, 40, "draft.lookup_k=8", "spec.overlap=true", f"spec.in_flight={in_flight}")
+    (gen,) = serve(args, [(prompt, SamplingParams())])
+    assert gen.output.tokens == reference_greedy(copier, prompt, 40)
+    ready = [r for r in gen.rounds if r.ready]
+    assert len(ready) >= 2 and all(r.drafted and not r.looked_up for r in ready)
+    assert summarize(gen, 3, "hybrid")["ready_rounds"] == len(ready)
 
 
 def test_four_requests_at_once_some_looked_up_and_some_drafted_in_one_tick(copier, tiny_qwen_draft):
@@ -208,6 +230,32 @@ def test_the_model_drafts_after_looked_up_rounds_what_a_fresh_drafter_drafts(tin
             contexts[slot] = contexts[slot] + kept + [rng.randrange(VOCAB)] + copied  # copied: what comes back
             hybrid.commit(len(contexts[slot]) - len(copied), slot=slot)
     assert mixed_ticks >= 3  # both kinds in one batch, often
+
+
+def test_drafts_made_in_the_wait_are_what_drafting_then_gives_and_leave_nothing_wrong_behind(tiny_qwen_draft):
+    """draft_in_the_wait(context, k): the next propose from that very context returns those drafts with no step (a
+    fresh drafter's, `ready`; fewer when K fell, none when it rose); from any other context, a fresh drafter's too:
+    the positions they took in the slot are taken in again first."""
+    rng = random.Random(7)
+    model = ModelDrafter(model_stage(tiny_qwen_draft, 1), max_k=8, top_k=16)
+    fresh = ModelDrafter(model_stage(tiny_qwen_draft, 1), max_k=8, top_k=16)
+    context = [rng.randrange(VOCAB) for _ in range(30)]
+
+    def freshly(ctx, k):
+        fresh.reset(0, 0.0, seed=0)
+        return fresh.propose(ctx, k).tokens.tolist()
+
+    for took, k in [(context[:22] + [rng.randrange(VOCAB)], 4), (context[:22] + [5], 3),
+                    (context[:22] + [5], 5), (context, 4), (context[:25] + [9], 4)]:
+        model.reset(0, 0.0, seed=0)
+        model.catch_up(context[:-1])  # as take_in_lookups leaves it
+        model.draft_in_the_wait(context[:22] + [5], 4)
+        got = model.propose(took, k)
+        assert got.tokens.tolist() == freshly(took, k), (took[22:], k)
+        assert got.ready == (took == context[:22] + [5] and k <= 4)
+        kept = took + got.tokens.tolist()[:1]  # its first draft kept (the target's token: the second)
+        model.commit(len(kept))
+        assert model.propose(kept, 2).tokens.tolist() == freshly(kept, 2)
 
 
 def test_sampled_rows_carry_the_q_they_were_drawn_from(tiny_qwen_draft):
