@@ -487,9 +487,23 @@ class Predictor:
         mine = Predictor(self.start, self.chunk, self.batches_max)
         for r in rounds:
             mine.observe(r.drafted, r.accepted, r.bet)
-        seconds = sum(r.committed / mine.tokens_per_s(r.drafted, max(1, r.in_flight), streams) for r in rounds)
+        seconds = sum(r.committed / mine.tokens_per_s(r.drafted, depth, streams)
+                      for r, depth in zip(rounds, depths_sent(rounds)))
         return sum(r.committed for r in rounds) / seconds if seconds > 0 else 0.0
 
     def admission_ms(self, prompt_tokens: int) -> float:
         """What admitting a prompt adds to the TTFT of every stream whose first round is not yet sent."""
         return rank0_prefill_ms(self.pipeline(), prompt_tokens, self.chunk)
+
+
+def depths_sent(rounds) -> list[int]:
+    """Each round's depth: the most rounds on the way (its own included) at any reply while it was on the way.
+    A round's `in_flight` counts them at its own reply, which at a request's end falls to 1 as the chain drains
+    (nothing more is sent once the answer's tokens are on the way); those last replies still come one chain step
+    apart, not one whole round trip: counted at in_flight, a depth-3 request of 13 rounds read 140 tokens/s where
+    its rounds ran at 169 (its last two charged a trip/2 and a whole trip)."""
+    depths = []
+    for i in range(len(rounds)):
+        covering = [r.in_flight for j, r in enumerate(rounds[:i + 1]) if j + max(1, r.in_flight) - 1 >= i]
+        depths.append(max(1, *covering))
+    return depths

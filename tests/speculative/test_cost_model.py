@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 from speculative.cost_model import (ENGINE_LAST_MS, ENGINE_RANK0_MS, ENGINE_STEP_MS, Acceptance, DraftCost, LinkCost,
                                     Pipeline, Predictor, RankCost, aggregate_tokens_per_s, best_batches, best_depth,
-                                    best_k, best_settings, from_rank_costs, rank0_prefill_ms, round_parts, round_ms,
+                                    best_k, best_settings, depths_sent, from_rank_costs, rank0_prefill_ms, round_parts, round_ms,
                                     stream_tokens_per_s, tokens_per_round, ttft_s)
 
 
@@ -181,6 +181,26 @@ def test_a_requests_prediction_is_at_its_own_acceptance_whatever_came_before():
     assert mine > 2.5 * after_bad.tokens_per_s(4)
     # 10 rounds of 4 kept: each rate (10 + 4 x 41/42) / 14 = 0.993; 1 + its chain = 4.93 tokens per 80 ms round
     assert mine == pytest.approx(1000 * 4.93 / 80, rel=0.01)
+
+
+def test_a_requests_last_rounds_count_at_the_depth_they_were_sent_at():
+    """A depth-3 chain drains at a request's end (in_flight at the replies 3, ..., 3, 2, 1), but those replies were
+    sent one chain step apart like the rest: each round counts at the most rounds on the way while it was."""
+    assert depths_sent([SimpleNamespace(in_flight=n) for n in (3, 3, 3, 2, 1)]) == [3, 3, 3, 3, 3]
+    assert depths_sent([SimpleNamespace(in_flight=n) for n in (1, 2, 3, 3)]) == [1, 2, 3, 3]  # a pipe filling up
+    assert depths_sent([SimpleNamespace(in_flight=n) for n in (1, 1, 1)]) == [1, 1, 1]
+    p = ring((10.0, 10.0), (40.0, 40.0), overlap=True)  # no drafter cost: a chain step is the trip / 3 = 30 ms
+    rounds = [SimpleNamespace(drafted=4, accepted=4, committed=5, bet=True, in_flight=n) for n in [3] * 11 + [2, 1]]
+    predictor = Predictor(p)
+    mine = Predictor(p)
+    for r in rounds:
+        mine.observe(r.drafted, r.accepted, r.bet)
+    at_three = mine.tokens_per_s(4, 3)
+    assert at_three == pytest.approx(stream_tokens_per_s(mine.pipeline(), 4, 3))
+    assert predictor.for_rounds(rounds) == pytest.approx(at_three)  # every round at depth 3
+    # counted at the drained in_flight, the last two rounds would cost a trip / 2 and a whole trip: > 10% less
+    assert at_three > 1.1 * 1000 * 65 / (11 * 5 / at_three * 1000 + 5 / mine.tokens_per_s(4, 2) * 1000
+                                        + 5 / mine.tokens_per_s(4, 1) * 1000)
 
 
 def test_a_run_prints_its_prediction_and_logs_it_beside_every_round(tiny_qwen, tmp_path, capsys):
