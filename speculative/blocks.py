@@ -100,8 +100,11 @@ class BlockMaker:
         """Where the model parts from a copy on the way, the target will likely part from it too (its drafts are
         the model's), and in the round after, the lookup finds nothing and the model would draft in line while the
         later ranks idle. So when the first reply due decides that token, draft that round now, in the wait, from
-        the copy up to there plus the model's own token: if the reply keeps just that, it goes out with no step."""
+        the copy up to there plus the model's own token: if the reply keeps just that, it goes out with no step.
+        Greedy requests only: a sampled one's target draws its token, which the model's greedy guess is not."""
         first = s.chain[0]
+        if s.params.temperature > 0:
+            return
         decided = first.start + len(first.fed)  # the reply to `first` decides every token up to this position
         position, token = min((b.diverges for b in s.chain if b.diverges), default=(decided + 1, None))
         if position > decided or first.sent_at is None:
