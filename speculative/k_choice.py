@@ -68,7 +68,10 @@ class AdaptiveK(FixedK):
         return next_k(k_now, drafted, drafted, self.k_max)
 
     def after(self, k_now: int, record, decode: bool) -> int:
-        return next_k(k_now, record.drafted, record.accepted, self.k_max)
+        drafted, accepted = record.drafted, record.accepted
+        if not record.looked_up:  # by the K it asked for: a batch drafts past it for free (blocks.widths), and a
+            drafted, accepted = min(drafted, k_now), min(accepted, k_now)  # miss among those says nothing of its K
+        return next_k(k_now, drafted, accepted, self.k_max)
 
 
 def k_policy(k_max: int, adaptive: bool, from_costs: bool, overlap: bool):

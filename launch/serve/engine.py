@@ -23,6 +23,7 @@ from speculative.output import Output
 from speculative.stats import summarize
 
 FINISH = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length"}
+BURST_S, BURST_MOST_S = 0.015, 0.06  # an idle engine's first request waits for others arriving with it (_admit_waiting)
 
 
 @dataclass
@@ -150,16 +151,28 @@ class Engine:
 
     def _admit_waiting(self) -> None:
         """Admit waiting jobs while a slot is free. With none live, wait for one (saying Idle meanwhile,
-        which keeps the later ranks' receives from timing out)."""
+        which keeps the later ranks' receives from timing out), then for the ones right behind it: requests sent
+        together reach the queue a few ms apart, and one that missed the first tick waited a whole round trip
+        (~0.9 s at 40 ms) for its first round; admitted together, their first rounds go out as one batch. Each
+        waits BURST_S for the next, BURST_MOST_S in all: what a lone request's first token pays."""
+        idle, gather_until = not self.live, None
         while not self.closing and self.session.free() > 0:
-            job = self._next_job(wait=not self.live)
+            within = 0.0
+            if idle and self.live:  # an idle engine took a request: the ones right behind it join it
+                gather_until = gather_until or time.perf_counter() + BURST_MOST_S
+                within = min(BURST_S, max(0.0, gather_until - time.perf_counter()))
+            job = self._next_job(wait=not self.live, within=within)
             if job is None:
                 return
             self._admit(job)
 
-    def _next_job(self, wait: bool) -> Job | None:
+    def _next_job(self, wait: bool, within: float = 0.0) -> Job | None:
+        """The next job: waiting for one (`wait`), or for at most `within` seconds, or only one already there."""
         try:
-            job = self.jobs.get(timeout=self.idle_s) if wait else self.jobs.get_nowait()
+            if wait:
+                job = self.jobs.get(timeout=self.idle_s)
+            else:
+                job = self.jobs.get(timeout=within) if within > 0 else self.jobs.get_nowait()
         except queue.Empty:
             if wait:
                 self.session.idle()

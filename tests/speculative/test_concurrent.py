@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from netbridge.protocol import SamplingParams
+from speculative.k_choice import AdaptiveK
 from speculative.rounds import RoundRecord
 from speculative.scheduler import BatchCount, Scheduler
 from speculative.output import Output
@@ -248,3 +249,49 @@ def test_first_rounds_batch_within_the_prefill_chunk_padding_included():
     batches = scheduler.first_rounds([Newcomer(n) for n in (300, 40, 200, 32, 100, 512, 45, 170, 150, 160)])
     assert [[len(s.pending) for s in b] for b in batches] == [[32, 40], [45], [100], [150, 160, 170], [200], [300],
                                                               [512]]
+
+
+def test_a_batch_s_greedy_rows_draft_as_many_as_its_widest_k_for_free(tiny_qwen, tiny_qwen_draft):
+    """The drafting steps run max(K) times over every row and the later ranks pad every block to the longest, so a
+    greedy row whose K shrank after a miss drafts the batch's widest K anyway (never past its answer's end); a
+    sampled row keeps its own K (its seeded draws depend on where drafts are). The answers stay generate's."""
+    reqs = [(p, SamplingParams(), n) for p, n in zip(PROMPTS[:3], (30, 24, 18))]
+    sampled = (PROMPTS[4], SamplingParams(temperature=0.9, seed=3), 20)
+
+    def body(session, cfg, eos):
+        fresh, seen = session.maker.fresh, []
+
+        def recording(streams):
+            for s in streams:  # the sampled stream's K as after misses, the greedy ones' as the policy has it
+                s.k_now = 1 if s.params.temperature > 0 else s.k_now
+            blocks = fresh(streams)
+            seen.append([(b.k, len(b.drafts), s.params.temperature, s.remaining) for s, b in zip(streams, blocks)])
+            return blocks
+        session.maker.fresh = recording
+        streams = [session.admit(ids, Output(None, eos, n, [], stream=False), params) for ids, params, n in
+                   [*reqs, sampled]]
+        while session.live:
+            session.tick()
+        return [s.gen for s in streams], seen
+    gens, seen = with_ranks(["serve.port=0", "serve.max_concurrent=4", *session_args(tiny_qwen, tiny_qwen_draft, 30)],
+                            2, body, batches=1)
+    for (prompt, _, n), gen in zip(reqs, gens):
+        assert gen.output.tokens == reference_greedy(tiny_qwen, prompt, n), (prompt, n)
+    rows = [(k, drafted, t, left, max(r[1] for r in batch)) for batch in seen for k, drafted, t, left in batch]
+    assert any(t == 0 and drafted > k for k, drafted, t, _, _ in rows)  # widened: more than its K asked for
+    for k, drafted, t, left, widest in rows:
+        assert drafted <= (k if t > 0 else min(widest, left - 1)), rows
+        if t == 0 and k > 0 and drafted < widest:
+            assert drafted == left - 1  # only where its answer ends
+    assert any(t > 0 and k < widest for k, _, t, _, widest in rows)  # a sampled row kept its K in a wider batch
+
+
+def test_adaptive_k_judges_a_round_by_the_k_it_asked_for():
+    """A widened round (drafted 4 at K=2, 3 kept) was a hit at K=2: K grows; at K=4 the same round is a miss. A
+    lookup's round (draft.kind=hybrid, past K) is judged by all it proposed, as before."""
+    policy = AdaptiveK(4)
+    widened = RoundRecord(4, 3, 4, draft_ms=0, stage0_ms=0, round_ms=0, last_ms=0)
+    assert policy.after(2, widened, decode=True) == 4
+    assert policy.after(4, widened, decode=True) == 3
+    looked_up = RoundRecord(16, 5, 6, draft_ms=0, stage0_ms=0, round_ms=0, last_ms=0, looked_up=True)
+    assert policy.after(4, looked_up, decode=True) == 3
