@@ -22,8 +22,9 @@ after one warm-up request. Per cell:
                   answer (the four decode side by side while the later prompts are still admitted), TTFT p50 (queue
                   included: the four prompts arrive at once); predicted: the same tokens over the time the start-up
                   line's aggregate (at the prior acceptance, scaled by the measured tokens per round over the prior's:
-                  the model's aggregate is linear in it) gives them, plus the spread of the requests' predicted TTFTs
-                  (rank 0 admits and prefills a newcomer while the others wait), and the p50 of their predicted TTFTs
+                  the model's aggregate is linear in it; at the cell's context, between the line's two: aggregate_at)
+                  gives them, plus the spread of the requests' predicted TTFTs (rank 0 admits and prefills a newcomer
+                  while the others wait), and the p50 of their predicted TTFTs
     err           predicted / measured - 1 (the goal: within 15% in every cell)
     choice        the `auto` launch's measured figure over the best fixed setting's in the same cell (goal: >= 0.95)
 Writes <out>/results.json and prints a markdown table. Figures beside other work measure the other work: run alone.
@@ -159,7 +160,22 @@ def startup_prediction(log: Path) -> dict:
     if not m:
         return {}
     together = re.search(r"predicted: [^\n]*?, ([\d.]+) tokens/s for \d+ at once", text)
-    return {"stream": float(m[1]), "k": int(m[2]), "aggregate": float(together[1]) if together else None}
+    long = re.search(r"predicted: [^\n]*?, (\d+) tokens cached; [\d.]+ and ([\d.]+) after (\d+);", text)
+    figures = {"stream": float(m[1]), "k": int(m[2]), "aggregate": float(together[1]) if together else None}
+    if long and together:  # the aggregate at the context the costs were timed at and after a long prompt
+        figures["contexts"] = [int(long[1]), int(long[3])]
+        figures["aggregates"] = [figures["aggregate"], float(long[2])]
+    return figures
+
+
+def aggregate_at(startup: dict, context: float) -> float:
+    """The start-up aggregate after `context` cached tokens: the time per token is linear in the context in the
+    model (each round's attention over it), so interpolated in it between the start-up line's two contexts."""
+    if "contexts" not in startup:
+        return startup.get("aggregate") or 0.0
+    (c0, c1), (a0, a1) = startup["contexts"], startup["aggregates"]
+    per_token = 1 / a0 + (1 / a1 - 1 / a0) * (context - c0) / (c1 - c0)
+    return 1 / per_token if per_token > 0 else 0.0
 
 
 def measure(cells: list[Cell], a, root: Path) -> list[dict]:
@@ -206,7 +222,8 @@ def figures(results: list[dict], cell: Cell, startup: dict, prior: float, Accept
         k = startup.get("k", 0)
         per_round = statistics.mean(r["tokens_per_round"] for r in results)
         prior_round = tokens_per_round(Acceptance(prior=prior), k) if k else 1.0
-        together = (startup.get("aggregate") or 0.0) * per_round / prior_round
+        context = prompt_tokens + statistics.mean(r["tokens"] for r in results) / 2  # the middle of the answers
+        together = aggregate_at(startup, context) * per_round / prior_round
         spread_s = (max(r["predicted_ttft_ms"] for r in results) - min(r["predicted_ttft_ms"] for r in results)) / 1000
         predicted = decoded / (decoded / together + spread_s) if together else 0.0
     return {"prompt_tokens": prompt_tokens, "measured_tokens_per_s": measured, "predicted_tokens_per_s": predicted,

@@ -24,7 +24,7 @@ from launch.config import ConfigError, TandemConfig, split_cuts
 from model_parallel.draft_format import DraftFormat
 from model_parallel.lines import human
 from model_parallel.loader import DTYPES, ModelLoadError, ModelSource
-from model_parallel.split import RankCosts
+from model_parallel.split import CONTEXT, RankCosts
 from netbridge.link_probe import LinkProbe
 from speculative.session import SpecSettings
 
@@ -223,7 +223,11 @@ def rank_speed(cfg: TandemConfig, models: Models, rank: int, ranks: int):
     if models.drafter is not None:
         drafter = Timed(models.drafter, 1, draft_device(cfg), DTYPES[cfg.draft.dtype], models.draft_quant,
                         head=True, calls=draft_steps(cfg))
-    return time_rank(target, drafter)
+    speed = time_rank(target, drafter)
+    from launch.build import use_graph
+    if drafter is not None and use_graph(cfg.draft, drafter.device):  # a captured step attends over the whole cache
+        speed = replace(speed, draft_context_ms=0.0)  # (static shapes): no dearer after a long prompt
+    return speed
 
 
 def rank_layer_ms(cfg: TandemConfig, models: Models, rank: int, ranks: int) -> float:
@@ -371,8 +375,10 @@ def describe(plan: Plan) -> str:
         drafting = f", the drafter's {draft_steps(cfg)} steps" if rank == 0 and drafts_with_model(cfg) else ""
         alone = (f" with every rank at once; {mine.alone_layer_ms:.1f} ms a layer alone"
                  if mine.alone_layer_ms > 0 else "")
+        context = (f", {1000 * (cfg.spec.k + 1) * mine.context_ms:.2f} ms a layer more per 1k tokens cached beyond "
+                   f"{CONTEXT}" if mine.context_ms > 0 else "")
         line += (f"estimated {mine.ms_for(n):.0f} ms per round ({n} x {mine.layer_ms:.1f} ms per layer over blocks of "
-                 f"{cfg.spec.k + 1}, {mine.fixed_ms:.0f} ms besides{drafting}; timed here{alone})")
+                 f"{cfg.spec.k + 1}{context}, {mine.fixed_ms:.0f} ms besides{drafting}; timed here{alone})")
     if rank == 0 and drafts_with_model(cfg):
         line += "; " + drafter_place(cfg.draft.device, plan.draft_device, plan.device,
                                      int(os.environ.get("LOCAL_WORLD_SIZE", plan.ranks)))

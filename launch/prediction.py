@@ -30,13 +30,14 @@ def plan_pipeline(plan) -> Pipeline:
     the probed links, the bytes of a token's hidden state, a prior acceptance."""
     from launch.plan import draft_steps, drafts_with_model
     from model_parallel.loader import DTYPES
+    from model_parallel.split import CONTEXT
     cfg = plan.settings
     counts = [len(plan.layers(r)) for r in range(plan.ranks)]
     hidden = plan.models.target.config.hidden_size * DTYPES[cfg.model.dtype].itemsize
     prior = PRIOR_ACCEPTANCE if cfg.spec.k > 0 else cost_model.PRIOR_ACCEPTANCE
     steps = draft_steps(cfg) if drafts_with_model(cfg) else 0
     p = cost_model.from_rank_costs(plan.costs, counts, list(link_costs(plan)), cfg.spec.k + 1, steps, hidden,
-                                   bool(cfg.spec.overlap), Acceptance(prior=prior))
+                                   bool(cfg.spec.overlap), Acceptance(prior=prior), timed_context=CONTEXT)
     return with_draft_rows(p, plan.models.draft_format)
 
 
@@ -86,6 +87,10 @@ def prediction_line(plan) -> str:
     together = (f", {pred.aggregate_tokens_per_s:.1f} tokens/s for {pred.streams} at once in {s.batches} "
                 f"batch{'es' if s.batches > 1 else ''}" if pred.streams > 1 else "")
     drafts = f" at acceptance {PRIOR_ACCEPTANCE:g} per draft until measured" if s.k else ""
+    from model_parallel.split import CONTEXT
+    long = (f"{pred.long_stream_tokens_per_s:.1f}" + (f" and {pred.long_aggregate_tokens_per_s:.1f}"
+                                                       if pred.streams > 1 else ""))
     return (f"predicted: {pred.stream_tokens_per_s:.1f} tokens/s for one stream (K={s.k}, {s.depth} round"
-            f"{'s' if s.depth > 1 else ''} on the way{drafts}){together}; TTFT of a {pred.prompt_tokens}-token "
-            f"prompt {pred.ttft_s:.2f} s (speculative.cost_model)")
+            f"{'s' if s.depth > 1 else ''} on the way{drafts}){together}, {CONTEXT} tokens cached; {long} after "
+            f"{pred.prompt_tokens}; TTFT of a {pred.prompt_tokens}-token prompt {pred.ttft_s:.2f} s "
+            f"(speculative.cost_model)")

@@ -48,6 +48,8 @@ class RankCosts:
     draft_token_ms: float = 0.0  # rank 0: the drafter's ms per token more than a step (catch-up; a row more)
     draft_attend_ms: float = 0.0  # rank 0: the drafter's attention ms per token per earlier token
     alone_layer_ms: float = 0.0  # spec.overlap: layer_ms timed again while the other ranks idle (0: not timed)
+    context_ms: float = 0.0  # a decode block: one layer's ms per token per cached token beyond CONTEXT (0: not timed)
+    draft_context_ms: float = 0.0  # rank 0: a drafter step's ms per cached token beyond CONTEXT (the whole drafter)
 
     def at(self, slots: int) -> RankCosts:
         """These costs with `slots` KV slots (serve.max_concurrent): each slot its own cache on every layer."""
@@ -169,13 +171,19 @@ STAGE_SIZES = (1, 3)  # layers in the two stages timed: one layer is their diffe
 PROBE_TOKENS = 128  # a one-layer stage is also timed over a block this long: its slope is a layer's ms per token
 # (from a block of 128 on: a CPU's matrix products run near their full rate there, as over a 512-token chunk)
 LONG_CONTEXT = 1024  # ... and after this many cached tokens: the slope is attention's ms per token per earlier one
+DECODE_CONTEXT = 2048  # ... and a round's block after this many: its slope is a decode round's cost per cached token
 WINDOW_S = 1.5  # each run is repeated, in turn with the others, for about this long after its warm-up
 MIN_SAMPLES, MAX_SAMPLES, WARMUP = 5, 25, 2
 QUICK_S = 0.1  # MIN_SAMPLES cycles this quick are enough: a GPU's times hold still (and tests' tiny models)
 
 
 def median_ms(runs: dict, window_s: float = WINDOW_S) -> dict:
-    """Median ms of each of `runs` (callables that end synchronised with their device). They run in
+    """Median ms of each of `runs` (sample_ms)."""
+    return {name: statistics.median(ms) for name, ms in sample_ms(runs, window_s).items()}
+
+
+def sample_ms(runs: dict, window_s: float = WINDOW_S) -> dict:
+    """Every ms of each of `runs` (callables that end synchronised with their device). They run in
     turn, one each per cycle, so load that comes and goes in the meantime falls on all of them alike,
     for `window_s` (at least MIN_SAMPLES cycles, at most MAX_SAMPLES; MIN_SAMPLES when those took under
     QUICK_S) after WARMUP cycles."""
@@ -192,7 +200,7 @@ def median_ms(runs: dict, window_s: float = WINDOW_S) -> dict:
         elapsed = time.perf_counter() - start
         if cycle + 1 >= MIN_SAMPLES and (elapsed >= window_s or elapsed < QUICK_S):
             break
-    return {name: statistics.median(ms) for name, ms in times.items()}
+    return times
 
 
 def _sync(device: str) -> None:
@@ -310,6 +318,8 @@ class Speed:
     attend_ms: float = 0.0  # one target layer's ms per token per earlier token (attention over a long context)
     draft_token_ms: float = 0.0  # the whole drafter's ms per token more (a prompt's catch-up, or one more row)
     draft_attend_ms: float = 0.0  # the whole drafter's attention ms per token per earlier token
+    context_ms: float = 0.0  # one target layer's ms per token of the round's block per cached token beyond CONTEXT
+    draft_context_ms: float = 0.0  # the whole drafter's step, ms per cached token beyond CONTEXT
 
 
 def probe_runs(runs: dict, name, model: Timed, probe: int) -> None:
@@ -317,6 +327,25 @@ def probe_runs(runs: dict, name, model: Timed, probe: int) -> None:
     for context in (CONTEXT, LONG_CONTEXT):
         runs[name, context] = stage_runs(model.model, probe, model.device, model.dtype, model.quant, context=context,
                                          sizes=(1,))[1]
+
+
+def long_runs(runs: dict, name, model: Timed) -> None:
+    """A one-layer stage of `model` timed (no head) over its block after DECODE_CONTEXT cached tokens: beside the
+    same after CONTEXT, its slope is what a decode round's attention costs per cached token. The prefill probe's
+    slope does not give it: over a few tokens the attention's work per cached token is a few times a 128-token
+    chunk's per token, its fixed parts (reading the cache, the grouped heads' copy) shared by fewer tokens (three
+    1.5B layers over 5 tokens, 40 -> 2,000 cached, timed directly: +10 to +14 ms; the prefill slope said +3 to +9,
+    this one +12 to +15; the tiny model's four over one token: +0.17 to +0.22, +0.05 and +0.27 to +0.34)."""
+    runs[name, "long"] = stage_runs(model.model, model.tokens, model.device, model.dtype, model.quant,
+                                    context=DECODE_CONTEXT, sizes=(1,))[1]
+
+
+def context_slope(ms: dict, name, tokens: int) -> float:
+    """One layer's ms per token of a decode block per cached token, from long_runs' and the same stage after
+    CONTEXT (their fastest runs: a difference of a tenth of a millisecond on a small model, where a run the
+    scheduler paused once reads milliseconds slower: medians of the few runs a quick window takes gave 1.2 ms a
+    layer per 1k tokens where 0.03 is right, on a loaded host)."""
+    return max(ms[name, "long"] - ms[name, 1], 0.0) / (tokens * (DECODE_CONTEXT - CONTEXT))
 
 
 def slopes(ms: dict, name, block_ms: float, block: int, probe: int) -> tuple[float, float]:
@@ -328,7 +357,8 @@ def slopes(ms: dict, name, block_ms: float, block: int, probe: int) -> tuple[flo
 def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WINDOW_S) -> Speed:
     """The target's stage call (and head, if `target.head`), plus `drafter.calls` drafter steps (every layer, the
     norm and the head over one token); a one-layer stage of each also over PROBE_TOKENS tokens, after a short and a
-    long context: their slopes are the per-token and attention costs a prefill chunk adds (speculative.cost_model).
+    long context: their slopes are the per-token and attention costs a prefill chunk adds (speculative.cost_model);
+    and a one-layer stage of each over its block after DECODE_CONTEXT: a decode round's cost per cached token.
     Every part is timed here, in turn with the others, in one window (median_ms)."""
     runs, scale = {}, {}
     for name, model in (("target", target), ("drafter", drafter)):
@@ -336,19 +366,25 @@ def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WIN
             scale[name] = add_runs(runs, name, model)
     probe = max(PROBE_TOKENS, 2 * target.tokens)
     probe_runs(runs, "probe", target, probe)
+    long_runs(runs, "target", target)
     if drafter is not None:
         probe_runs(runs, "drafter probe", drafter, probe)
-    ms = median_ms(runs, window_s)
+        long_runs(runs, "drafter", drafter)
+    samples = sample_ms(runs, window_s)
+    ms = {name: statistics.median(v) for name, v in samples.items()}
+    fastest = {name: min(v) for name, v in samples.items()}  # a slope from a small difference: load only adds
     layer_ms, call_ms = layer_and_call_ms({n: ms["target", n] for n in STAGE_SIZES})
     other_ms = call_ms + (ms["target", "head"] * scale["target"] if target.head else 0.0)
     token_ms, attend_ms = slopes(ms, "probe", ms["target", 1], target.tokens, probe)
-    speed = Speed(layer_ms, other_ms, token_ms, attend_ms=attend_ms)
+    speed = Speed(layer_ms, other_ms, token_ms, attend_ms=attend_ms,
+                  context_ms=context_slope(fastest, "target", target.tokens))
     if drafter is not None:
         step_ms = model_ms(ms, "drafter", drafter, scale["drafter"])
         layers = drafter.model.config.num_hidden_layers
         draft_token, draft_attend = slopes(ms, "drafter probe", ms["drafter", 1], drafter.tokens, probe)
         speed = replace(speed, fixed_ms=other_ms + drafter.calls * step_ms, draft_step_ms=step_ms,
-                        draft_token_ms=layers * draft_token, draft_attend_ms=layers * draft_attend)
+                        draft_token_ms=layers * draft_token, draft_attend_ms=layers * draft_attend,
+                        draft_context_ms=layers * context_slope(fastest, "drafter", drafter.tokens))
     _release(target, drafter)
     return speed
 

@@ -86,7 +86,8 @@ class BlockMaker:
         in line, while the later ranks idle. On a bet that fails, commit() rewinds it to what was kept. Its
         guesses on the way mark each lookup's first token the model would not have proposed (Block.diverges)."""
         context = s.committed[:s.chain[0].start] + [t for block in s.chain for t in block.fed]
-        guesses = self.drafter.catch_up(context[:-1], slot=s.slot, guesses=True)  # the last: fed by the next step
+        greedy = s.params.temperature == 0  # (ready_for_divergence: greedy requests only)
+        guesses = self.drafter.catch_up(context[:-1], slot=s.slot, guesses=greedy)  # the last: fed by the next step
         for block in s.chain:
             end = block.start + len(block.fed)
             looked_up = len(block.drafts) + (block.guess is not None) if block.drafts.looked_up else 0  # a bet's guess too

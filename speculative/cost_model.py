@@ -39,6 +39,11 @@ that is most of a 2k prompt's cost for a small model); the drafter takes every c
 together queue: the engine prefills each on admission, then sends the first rounds in turn (`ahead`; the
 scheduler batches first rounds of like length, which this does not model: docs/design.md).
 
+A decode round after c cached tokens (Pipeline.context; None: as timed) costs each stage's block and each drafter
+step more per row-token per cached token beyond those its cost was timed after (RankCost / DraftCost.context_ms;
+eager steps attend over the live length, the batch's longest row): a request's rounds are priced at its own
+context (Predictor.tokens_per_s, for_rounds).
+
 Ranks that compute at once slow each other where they share a host (its cores, its memory bandwidth): each rank
 times a layer at start-up with every rank at once and again alone (launch/handshake.py), and the ratio is its
 slowdown s (Pipeline.together; about 1 on a host of its own). One stream's ranks take turns: the costs alone. A
@@ -56,6 +61,7 @@ is never slower, and its per-row costs, unmeasured online, only favour it).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -85,6 +91,11 @@ def _at(points: dict[int, float], n: int) -> float:
     return max(0.0, points[a] + slope * (n - a))
 
 
+def _beyond(context: int | None, timed: int) -> int:
+    """Cached tokens beyond those a cost was timed after (negative: fewer; None: as timed)."""
+    return 0 if context is None else context - timed
+
+
 @dataclass(frozen=True)
 class RankCost:
     """A stage's ms over a block of rows x tokens: fixed_ms + row_ms x rows + token_ms x rows x tokens.
@@ -97,10 +108,15 @@ class RankCost:
     row_ms: float = 0.0
     by_tokens: dict[int, float] = field(default_factory=dict)
     attend_ms: float = 0.0  # ms per token per earlier token it attends to (a long prompt's chunks: not linear)
+    context_ms: float = 0.0  # a decode block: ms per row-token per cached token beyond timed_context
+    timed_context: int = 0  # the cached tokens the block above was timed after
 
-    def ms(self, rows: int, tokens: int) -> float:
+    def ms(self, rows: int, tokens: int, context: int | None = None) -> float:
+        """A block of rows x tokens; after `context` cached tokens (the batch's longest: every row attends over
+        the live length), or, None, as timed."""
         one = _at(self.by_tokens, tokens) if self.by_tokens else self.fixed_ms + self.row_ms + self.token_ms * tokens
-        return one + (rows - 1) * (self.row_ms + self.token_ms * tokens)
+        block = one + (rows - 1) * (self.row_ms + self.token_ms * tokens)
+        return max(block + rows * tokens * self.context_ms * _beyond(context, self.timed_context), 0.0)
 
     def chunk_ms(self, tokens: int, context: int) -> float:
         """A prefill chunk of `tokens` after `context` cached ones: the block's cost, and attention over the
@@ -117,10 +133,13 @@ class DraftCost:
     token_ms: float = 0.0
     extra_steps: int = 0  # steps a drafting round takes besides its K (1: the guess of the next token, spec.overlap)
     attend_ms: float = 0.0  # prefill: ms per prompt token per earlier token (attention over its cache)
+    context_ms: float = 0.0  # a step: ms per row per cached token beyond timed_context
+    timed_context: int = 0
 
-    def round_ms(self, k: int, rows: int = 1) -> float:
-        """A round of K drafts for `rows` streams (K = 0: no step)."""
-        return (k + self.extra_steps if k else 0) * (self.step_ms + (rows - 1) * self.row_ms)
+    def round_ms(self, k: int, rows: int = 1, context: int | None = None) -> float:
+        """A round of K drafts for `rows` streams (K = 0: no step), after `context` cached tokens (None: as timed)."""
+        step = self.step_ms + (rows - 1) * self.row_ms + rows * self.context_ms * _beyond(context, self.timed_context)
+        return (k + self.extra_steps if k else 0) * max(step, 0.0)
 
     def prefill_ms(self, tokens: int, context: int = 0) -> float:
         """Taking in a chunk of `tokens` prompt tokens after `context` (the drafter's catch-up)."""
@@ -194,6 +213,7 @@ class Pipeline:
     # once over the same timed alone: ranks sharing a host's cores or memory slow each other; ~1 on a host of its
     # own); () or a missing rank: 1. Only a full pipe pays it (several batches, rounds sent on a bet).
     together: tuple[float, ...] = ()
+    context: int | None = None  # the cached tokens a decode round attends over (None: as timed; at_context)
 
     def slowdown(self, r: int) -> float:
         return self.together[r] if r < len(self.together) else 1.0
@@ -232,13 +252,15 @@ class Prediction:
     prompt_tokens: int
     settings: Settings
     streams: int
+    long_stream_tokens_per_s: float = 0.0  # the two rates once the prompt's tokens are cached (each round attends
+    long_aggregate_tokens_per_s: float = 0.0  # over them: the rates above are at the context the costs were timed at)
 
 
 def round_parts(p: Pipeline, k: int, rows: int = 1) -> RoundParts:
     """A round of K drafts for `rows` streams: rank 0's prep, the trip, the busiest resource."""
     tokens = k + 1
-    prep = p.draft.round_ms(k, rows) + p.ranks[0].ms(rows, tokens)
-    later = [r.ms(rows, tokens) for r in p.ranks[1:]]
+    prep = p.draft.round_ms(k, rows, p.context) + p.ranks[0].ms(rows, tokens, p.context)
+    later = [r.ms(rows, tokens, p.context) for r in p.ranks[1:]]
     wires = [link.transfer_ms(p.link_bytes(i, rows, tokens)) for i, link in enumerate(p.links)]
     trip = sum(later) + sum(link.one_way_ms for link in p.links) + sum(wires)
     later_busiest = max([*later, *wires, 0.0])
@@ -376,25 +398,36 @@ def best_settings(p: Pipeline, k_max: int, depth_max: int = 4, streams: int = 1,
 
 def predict(p: Pipeline, settings: Settings, streams: int = 1, prompt_tokens: int = 2048,
             chunk: int = 512) -> Prediction:
-    """The figures at `settings`: one stream, `streams` streams together, TTFT of a `prompt_tokens` prompt."""
+    """The figures at `settings`: one stream, `streams` streams together (as timed, and after the prompt's tokens
+    cached), TTFT of a `prompt_tokens` prompt."""
+    long = at_context(p, prompt_tokens)
     return Prediction(stream_tokens_per_s(p, settings.k, settings.depth),
                       aggregate_tokens_per_s(p, settings.k, streams, settings.batches),
-                      ttft_s(p, prompt_tokens, chunk), prompt_tokens, settings, streams)
+                      ttft_s(p, prompt_tokens, chunk), prompt_tokens, settings, streams,
+                      stream_tokens_per_s(long, settings.k, settings.depth),
+                      aggregate_tokens_per_s(long, settings.k, streams, settings.batches))
 
 
 def with_acceptance(p: Pipeline, acc: Acceptance) -> Pipeline:
     return replace(p, acceptance=acc)
 
 
+def at_context(p: Pipeline, context: int | None) -> Pipeline:
+    """`p` with its decode rounds after `context` cached tokens (None: as timed)."""
+    return replace(p, context=context)
+
+
 def rank_cost(layers: int, layer_ms: float, fixed_ms: float, block_tokens: int, layer_token_ms: float = 0.0,
-              row_ms: float = 0.0, attend_ms: float = 0.0) -> RankCost:
+              row_ms: float = 0.0, attend_ms: float = 0.0, context_ms: float = 0.0, timed_context: int = 0) -> RankCost:
     """A stage of `layers` layers from the placement's timing (model_parallel.split.RankCosts): `layer_ms` one layer
     over a block of `block_tokens` (K+1), `fixed_ms` the rest of its work per round (drafting excluded),
     `layer_token_ms` one layer's ms per token more (0: not timed; a block then costs the same at any size), and
-    `attend_ms` one layer's ms per token per earlier token (a long prompt's attention)."""
+    `attend_ms` one layer's ms per token per earlier token (a long prompt's attention), `context_ms` one layer's
+    ms per token of a decode block per cached token beyond `timed_context` (the context `layer_ms` was timed after)."""
     token_ms = layers * layer_token_ms
     total = fixed_ms + layers * layer_ms
-    return RankCost(max(total - row_ms - token_ms * block_tokens, 0.0), token_ms, row_ms, attend_ms=layers * attend_ms)
+    return RankCost(max(total - row_ms - token_ms * block_tokens, 0.0), token_ms, row_ms, attend_ms=layers * attend_ms,
+                    context_ms=layers * context_ms, timed_context=timed_context)
 
 
 def engine_ms(rank: int, ranks: int) -> float:
@@ -403,25 +436,30 @@ def engine_ms(rank: int, ranks: int) -> float:
 
 
 def from_rank_costs(costs, layer_counts: list[int], links: list[LinkCost], block_tokens: int, draft_steps: int = 0,
-                    hidden_bytes: int = 0, overlap: bool = True, acceptance: Acceptance = Acceptance()) -> Pipeline:
+                    hidden_bytes: int = 0, overlap: bool = True, acceptance: Acceptance = Acceptance(),
+                    timed_context: int = 0) -> Pipeline:
     """The Pipeline of a placement: `costs` every rank's model_parallel.split.RankCosts (layer_ms, fixed_ms,
     layer_token_ms, draft_step_ms: duck-typed), `layer_counts` its layers per rank, `links` one per rank (link i:
     rank i -> i+1, the last the reply), `block_tokens` the block timed (K+1), `draft_steps` the drafter's steps
     rank 0's fixed_ms holds (K+1 with a model drafter, else 0). Where a rank was also timed alone (alone_layer_ms,
     spec.overlap), its round's costs are the ones alone (one stream's ranks take turns) and the ratio of the two
-    its slowdown in a full pipe (Pipeline.together); a prefill's slopes stay as timed at once (its chunks are)."""
+    its slowdown in a full pipe (Pipeline.together); a prefill's slopes stay as timed at once (its chunks are). A
+    decode block's cost per cached token (context_ms, draft_context_ms: beyond `timed_context`, the context the
+    blocks were timed after) is a block's cost like the rest: alone, the ratio applied in a full pipe."""
     slow = [together_over_alone(c) for c in costs]
     step = getattr(costs[0], "draft_step_ms", 0.0)
     ranks = []
     for r, (c, n) in enumerate(zip(costs, layer_counts)):
         fixed = (c.fixed_ms - (draft_steps * step if r == 0 else 0.0)) / slow[r] + engine_ms(r, len(costs))
         ranks.append(rank_cost(n, c.layer_ms / slow[r], max(fixed, 0.0), block_tokens,
-                               getattr(c, "layer_token_ms", 0.0), attend_ms=getattr(c, "attend_ms", 0.0)))
+                               getattr(c, "layer_token_ms", 0.0), attend_ms=getattr(c, "attend_ms", 0.0),
+                               context_ms=getattr(c, "context_ms", 0.0) / slow[r], timed_context=timed_context))
     draft = DraftCost()
     if draft_steps:  # another row in a step costs what another token does (one more row of each matrix product)
         token = getattr(costs[0], "draft_token_ms", 0.0)
         attend = getattr(costs[0], "draft_attend_ms", 0.0)
-        draft = DraftCost(step / slow[0] + ENGINE_STEP_MS, token, token, 1 if overlap else 0, attend)
+        draft = DraftCost(step / slow[0] + ENGINE_STEP_MS, token, token, 1 if overlap else 0, attend,
+                          getattr(costs[0], "draft_context_ms", 0.0) / slow[0], timed_context)
     return Pipeline(tuple(ranks), tuple(links), draft, acceptance, hidden_bytes, overlap, tuple(slow))
 
 
@@ -469,9 +507,10 @@ class Predictor:
             acc = replace(acc, hold=(self.bets_held + BET_PRIOR_WEIGHT * guess) / (self.bets + BET_PRIOR_WEIGHT))
         return with_acceptance(self.start, acc)
 
-    def tokens_per_s(self, k: int, depth: int = 1, streams: int = 1) -> float:
-        """One stream's tokens/s now: alone at `depth` rounds on the way, or its share of `streams` together."""
-        p = self.pipeline()
+    def tokens_per_s(self, k: int, depth: int = 1, streams: int = 1, context: int | None = None) -> float:
+        """One stream's tokens/s now: alone at `depth` rounds on the way, or its share of `streams` together;
+        its rounds after `context` cached tokens (None: as timed)."""
+        p = at_context(self.pipeline(), context)
         if streams <= 1:
             return stream_tokens_per_s(p, k, depth)
         return aggregate_tokens_per_s(p, k, streams, best_batches(p, k, streams, self.batches_max)) / streams
@@ -479,16 +518,20 @@ class Predictor:
     def ttft_s(self, prompt_tokens: int, ahead: tuple[int, ...] = ()) -> float:
         return ttft_s(self.pipeline(), prompt_tokens, self.chunk, ahead)
 
-    def for_rounds(self, rounds, streams: int = 1) -> float:
+    def for_rounds(self, rounds, streams: int = 1, start: int | None = None) -> float:
         """One request's tokens/s as the model gives it at the acceptance its own decode rounds measured (and its
-        bets): its tokens over the time the model gives each round at that round's K and rounds on the way. The
+        bets): its tokens over the time the model gives each round at that round's K, rounds on the way and
+        context (`start`: the tokens cached before the first of them, its prompt's and the first round's; each
+        round after the tokens committed before it; None: every round as timed). The
         rounds' own predictions lean on what earlier rounds measured (the prior at first), which on a short request
         of a prompt drafted far better or worse than the prior mostly measures the prior."""
         mine = Predictor(self.start, self.chunk, self.batches_max)
         for r in rounds:
             mine.observe(r.drafted, r.accepted, r.bet)
-        seconds = sum(r.committed / mine.tokens_per_s(r.drafted, depth, streams)
-                      for r, depth in zip(rounds, depths_sent(rounds)))
+        contexts = [None] * len(rounds) if start is None else itertools.accumulate(
+            (r.committed for r in rounds[:-1]), initial=start)
+        seconds = sum(r.committed / mine.tokens_per_s(r.drafted, depth, streams, context)
+                      for r, depth, context in zip(rounds, depths_sent(rounds), contexts))
         return sum(r.committed for r in rounds) / seconds if seconds > 0 else 0.0
 
     def admission_ms(self, prompt_tokens: int) -> float:

@@ -273,7 +273,8 @@ class Session:
         if self.predictor is None or not decode:
             return
         self.predictor.observe(record.drafted, record.accepted, record.bet)
-        record.predicted_tokens_per_s = self.predictor.tokens_per_s(record.drafted, self.scheduler.depth(), record.live)
+        record.predicted_tokens_per_s = self.predictor.tokens_per_s(record.drafted, self.scheduler.depth(), record.live,
+                                                                    len(s.gen.prompt_ids) + len(s.output.tokens))
         decode_s = time.perf_counter() - s.t_start - s.gen.ttft_s
         record.measured_tokens_per_s = (len(s.output.tokens) - 1) / decode_s if decode_s > 0 else 0.0
 
@@ -287,7 +288,8 @@ class Session:
         decode = s.gen.rounds[1:]
         if self.predictor is not None and any(r.drafted for r in decode):  # the run's: at the acceptance it had
             streams = max(1, round(sum(r.live for r in decode) / len(decode)))
-            s.gen.predicted_tokens_per_s = self.predictor.for_rounds(decode, streams)
+            s.gen.predicted_tokens_per_s = self.predictor.for_rounds(decode, streams,
+                                                                     len(s.gen.prompt_ids) + s.gen.rounds[0].committed)
         holds = (s.gen.prompt_ids + s.output.tokens)[:-1] if s.gen.rounds else s.gen.prompt_ids[:s.gen.reused]
         self.scheduler.give_back(s.slot, holds if clean else None)
         if self.prefixes is not None:

@@ -281,7 +281,9 @@ def test_timing_measures_what_a_long_prompt_and_more_rows_cost(tiny_qwen, monkey
     """A rank's timing besides its round (medians given, so the arithmetic is checked): a target layer 1 ms over
     the block of 5 and 0.01 ms a token more, attention 0.001 ms per token per earlier token (128 tokens after 128
     and after 1024 cached); the drafter's layer 0.2 ms a step, 0.002 ms a token more (its catch-up on a prompt,
-    another row in a step) and 0.0005 per earlier token, times its 4 layers."""
+    another row in a step) and 0.0005 per earlier token, times its 4 layers. A decode block after 2048 cached
+    tokens instead of 128 (the 1-layer stages): the target's 0.0002 ms a layer per block token per cached token,
+    the drafter's 0.0001 a layer per cached token, times its 4 layers."""
     import model_parallel.split as split
     from model_parallel.loader import ModelSource
     probe, extra = split.PROBE_TOKENS, 128 * (split.LONG_CONTEXT - split.CONTEXT)
@@ -290,7 +292,9 @@ def test_timing_measures_what_a_long_prompt_and_more_rows_cost(tiny_qwen, monkey
              ("drafter probe", split.CONTEXT): 0.7 + 0.002 * (probe - 1)}
     given["probe", split.LONG_CONTEXT] = given["probe", split.CONTEXT] + 0.001 * extra
     given["drafter probe", split.LONG_CONTEXT] = given["drafter probe", split.CONTEXT] + 0.0005 * extra
-    monkeypatch.setattr(split, "median_ms", lambda runs, window_s: {name: given[name] for name in runs})
+    cached = split.DECODE_CONTEXT - split.CONTEXT
+    given["target", "long"], given["drafter", "long"] = 1.5 + 5 * 0.0002 * cached, 0.7 + 0.0001 * cached
+    monkeypatch.setattr(split, "sample_ms", lambda runs, window_s: {name: [given[name]] for name in runs})
     model = ModelSource.open(tiny_qwen, "float32")
     speed = split.time_rank(split.Timed(model, 5, "cpu", torch.float32),
                             split.Timed(model, 1, "cpu", torch.float32, head=True, calls=5))
@@ -298,3 +302,4 @@ def test_timing_measures_what_a_long_prompt_and_more_rows_cost(tiny_qwen, monkey
     assert speed.draft_step_ms == pytest.approx(0.5 + 4 * 0.2 + 0.3)
     assert speed.fixed_ms == pytest.approx(0.5 + 5 * speed.draft_step_ms)
     assert (speed.draft_token_ms, speed.draft_attend_ms) == pytest.approx((4 * 0.002, 4 * 0.0005))
+    assert (speed.context_ms, speed.draft_context_ms) == pytest.approx((0.0002, 4 * 0.0001))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -12,7 +13,7 @@ from types import SimpleNamespace
 
 from speculative.cost_model import (ENGINE_LAST_MS, ENGINE_RANK0_MS, ENGINE_STEP_MS, Acceptance, DraftCost, LinkCost,
                                     Pipeline, Predictor, RankCost, aggregate_tokens_per_s, best_batches, best_depth,
-                                    best_k, best_settings, depths_sent, from_rank_costs, rank0_prefill_ms, round_parts, round_ms,
+                                    at_context, best_k, best_settings, depths_sent, from_rank_costs, rank0_prefill_ms, round_parts, round_ms,
                                     stream_tokens_per_s, tokens_per_round, ttft_s)
 
 
@@ -183,6 +184,54 @@ def test_a_requests_prediction_is_at_its_own_acceptance_whatever_came_before():
     assert mine == pytest.approx(1000 * 4.93 / 80, rel=0.01)
 
 
+def test_a_decode_round_attends_over_its_context():
+    """Timed after 128 cached tokens: rank 0 10 ms, rank 1 10 ms, each 0.001 ms per block token per cached token
+    beyond; the drafter's step 2 ms, 0.0005 ms per row per cached token beyond. K=0 at a 2,128-token context:
+    each rank 10 + 1 x 2,000 x 0.001 = 12 ms, a round 24 ms; K=3 over 2 rows: a stage 10 + 2 x 4 x 2 = 26 ms,
+    three steps of 2 + 2 x 0.0005 x 2,000 = 4 ms; 40 cached tokens: 88 fewer, cheaper."""
+    p = Pipeline((RankCost(10.0, context_ms=0.001, timed_context=128),) * 2, (LinkCost(), LinkCost()),
+                 DraftCost(2.0, context_ms=0.0005, timed_context=128), Acceptance(prior=1.0))
+    assert round_ms(p, 0) == pytest.approx(20.0)  # as timed
+    long = at_context(p, 2128)
+    assert round_ms(long, 0) == pytest.approx(24.0)
+    assert stream_tokens_per_s(long, 0) == pytest.approx(1000 / 24.0)
+    assert round_parts(long, 3, rows=2).prep_ms == pytest.approx(3 * 4.0 + 26.0)
+    assert round_ms(at_context(p, 40), 0) == pytest.approx(20.0 - 2 * 88 * 0.001)
+    assert aggregate_tokens_per_s(long, 0, 2, 1) == pytest.approx(2 * 1000 / (2 * (10.0 + 2 * 2000 * 0.001)))
+    # a request's rounds of one token each from 2,128 cached on: the first 24 ms, the next 24.002, ...
+    rounds = [SimpleNamespace(drafted=0, accepted=0, committed=1, bet=None, in_flight=1) for _ in range(3)]
+    assert Predictor(p).for_rounds(rounds, start=2128) == pytest.approx(3000 / (24.0 + 24.002 + 24.004))
+    assert Predictor(p).tokens_per_s(0, context=2128) == pytest.approx(1000 / 24.0)
+    assert Predictor(p).for_rounds(rounds) == pytest.approx(1000 / 20.0)  # no start: as timed
+
+
+def test_a_session_prices_each_round_at_its_streams_context():
+    """Session.predict: a stream of a 1,990-token prompt and 10 tokens out, each rank 10 ms and 0.001 ms per cached
+    token: its round after 2,000 cached costs 12 ms a rank."""
+    import time
+    from speculative.session import Session
+    p = Pipeline((RankCost(10.0, context_ms=0.001),) * 2, (LinkCost(), LinkCost()))
+    session = SimpleNamespace(predictor=Predictor(p), scheduler=SimpleNamespace(depth=lambda: 1))
+    s = SimpleNamespace(gen=SimpleNamespace(prompt_ids=[1] * 1990, ttft_s=0.0), output=SimpleNamespace(tokens=[1] * 10),
+                        t_start=time.perf_counter())
+    record = SimpleNamespace(drafted=0, accepted=0, bet=None, live=1)
+    Session.predict(session, s, record, decode=True)
+    assert record.predicted_tokens_per_s == pytest.approx(1000 / 24.0)
+
+
+def test_a_placements_decode_context_slopes_become_the_pipeline():
+    """A layer's 0.001 ms per block token per cached token (3 layers on rank 1), the drafter's 0.01 per step per
+    cached token, both timed after 128 cached tokens; rank 0 timed with every rank at once 2x slower than alone:
+    its costs alone (one stream's ranks take turns), its slowdown applied in a full pipe."""
+    costs = [SimpleNamespace(layer_ms=1.0, fixed_ms=20.0, draft_step_ms=4.0, draft_context_ms=0.02, alone_layer_ms=0.5),
+             SimpleNamespace(layer_ms=1.0, fixed_ms=0.0, context_ms=0.001)]
+    p = from_rank_costs(costs, [2, 3], [LinkCost(), LinkCost()], block_tokens=5, draft_steps=4, overlap=False,
+                        timed_context=128)
+    assert p.ranks[1].ms(2, 5, 1128) - p.ranks[1].ms(2, 5) == pytest.approx(3 * 0.001 * 2 * 5 * 1000)
+    assert p.ranks[0].ms(1, 5, 1128) == p.ranks[0].ms(1, 5)  # not timed there
+    assert p.draft.round_ms(2, 1, 1128) - p.draft.round_ms(2, 1) == pytest.approx(2 * 0.01 * 1000)
+
+
 def test_a_requests_last_rounds_count_at_the_depth_they_were_sent_at():
     """A depth-3 chain drains at a request's end (in_flight at the replies 3, ..., 3, 2, 1), but those replies were
     sent one chain step apart like the rest: each round counts at the most rounds on the way while it was."""
@@ -212,6 +261,7 @@ def test_a_run_prints_its_prediction_and_logs_it_beside_every_round(tiny_qwen, t
                    f"prompt_ids={ids_arg([11, 42, 7, 250, 3])}", "gen.max_new_tokens=12", f"log.dir={tmp_path}")
     err = capsys.readouterr().err
     assert "[predicted: " in err and "tokens/s for one stream (K=3" in err and "TTFT of a 2048-token prompt" in err
+    assert re.search(r"128 tokens cached; [\d.]+ after 2048;", err)  # and after a long prompt's
     stats = out["stats"]
     assert stats["predicted_tokens_per_s"] > 0 and stats["predicted_ttft_s"] > 0
     (summary,) = tmp_path.glob("*/summary.json")
