@@ -101,6 +101,13 @@ class StaticKVCache:
         """Keep the first `length` tokens of `slot`; later positions are overwritten by the next writes. O(1), in place."""
         self.length[slot:slot + 1].fill_(length)
 
+    def copy_prefix(self, source: int, slot: int, tokens: int) -> None:
+        """`slot` holds the first `tokens` positions of slot `source` (another request's prompt sharing them: a
+        system prompt, a document), and nothing after. In place, on the device."""
+        for store in (*self.keys.values(), *self.values.values()):
+            store[slot, :, :tokens] = store[source, :, :tokens]
+        self.rewind(tokens, slot)
+
     def check_room(self, needed: int) -> None:
         """Raise before a forward that would write past the end (index_copy_ on CUDA would assert)."""
         if needed > self.capacity:

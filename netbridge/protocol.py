@@ -6,7 +6,7 @@
     Lookup(hashes, weights, held)       -->  cache.dir: a long prompt's saved blocks; each rank lowers `held`
                                         <--  to what it holds on disk; the last rank's comes back (speculative.prefixes)
     Restore(hashes, weights, start, n)  -->  cache.dir: load tokens [start, n) from disk; save the prompt's blocks
-    Request(params, slot)               -->  a new generation in `slot`: its SamplingParams (temperature, top_p,
+    Request(params, slot, copy_from)    -->  a new generation in `slot`: its SamplingParams (temperature, top_p,
                                              seed, [a grammar it masks by, how many top log-probabilities each
                                              Reply carries]), which its verifier uses
     Prefill(start, hidden)              -->  a long prompt's leading chunks: extend the cache, no reply
@@ -88,6 +88,8 @@ class Request:
     """A new generation in `slot`: the last rank verifies the slot's rounds with `params` until its next Request."""
     params: SamplingParams = field(default_factory=SamplingParams)
     slot: int = 0  # the KV slot this generation owns on every rank (serve.max_concurrent)
+    copy_from: int | None = None  # a live request's slot whose first `copied` tokens this prompt shares: every
+    copied: int = 0  # rank copies them into `slot` first, so only the rest is prefilled (Session.shared_prefix)
 
     def __post_init__(self):  # as received: the params' fields (a missing or unknown one: recv's protocol error)
         if isinstance(self.params, dict):

@@ -61,6 +61,9 @@ class StatelessDrafter:
     def commit(self, n_committed: int, slot: int = 0) -> None:
         pass
 
+    def copy_prefix(self, source: int, slot: int, tokens: int) -> None:
+        pass
+
     def propose(self, context: list[int], k: int, slot: int = 0, room: int | None = None) -> Drafts:
         """k drafts after `context`. `room`: the most a lookup may propose past k (HybridDrafter's long copies;
         the others propose k at most and ignore it)."""
@@ -221,6 +224,12 @@ class ModelDrafter:
         """Its slot now holds the context's first n tokens (cache.dir loaded them: speculative.prefixes)."""
         self.cached[slot] = n
         self.stage.cache.rewind(n, slot)
+        self.ready.pop(slot, None)
+
+    def copy_prefix(self, source: int, slot: int, tokens: int) -> None:
+        """`slot` takes the first `tokens` of `source`, as far as that slot holds them (Session.shared_prefix)."""
+        self.cached[slot] = min(tokens, self.cached[source])
+        self.stage.cache.copy_prefix(source, slot, self.cached[slot])
         self.ready.pop(slot, None)
 
     def commit(self, n_committed: int, slot: int = 0) -> None:

@@ -140,6 +140,7 @@ def run_last(stage: Stage, channel: Channel, reply_to: Channel | None = None, pr
                 protocol.send(reply_to, answer)
         elif isinstance(msg, Request):
             slots[msg.slot] = slot_verifier(grammars, msg)
+            take_shared_prefix(stage, msg)
         elif isinstance(msg, Prefill):
             stage.run(msg.start, msg.hidden.to(stage.device), num_logits=None, slot=msg.slot)
         elif isinstance(msg, Round):
@@ -150,6 +151,13 @@ def run_last(stage: Stage, channel: Channel, reply_to: Channel | None = None, pr
             if prefixes is not None:  # after the replies: a prompt's first round filled the cache, save it
                 for m in batch:
                     prefixes.after_prefill(m.slot)
+
+
+def take_shared_prefix(stage: Stage, request: Request) -> None:
+    """A new request whose prompt begins as a live one's: its slot takes those tokens' keys and values from that
+    one's slot (Session.shared_prefix) before its Prefill and first Round come."""
+    if request.copy_from is not None:
+        stage.cache.copy_prefix(request.copy_from, request.slot, request.copied)
 
 
 def verify_batch(stage: Stage, batch: list[Round], verifiers: list[SlotVerifier], t_wait: float) -> list[Reply]:
@@ -212,6 +220,8 @@ def run_middle(stage: Stage, prev: Channel, next: Channel, prefixes=None) -> int
         msg = protocol.recv(prev, Request, Lookup, Restore, Prefill, Round, protocol.Idle, protocol.Bye)
         if isinstance(msg, (Lookup, Restore)):
             msg = pass_on(prefixes, msg)
+        if isinstance(msg, Request):
+            take_shared_prefix(stage, msg)
         if isinstance(msg, Prefill):
             msg.hidden = stage.run(msg.start, msg.hidden.to(stage.device), slot=msg.slot)
         if isinstance(msg, Round):

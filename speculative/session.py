@@ -38,7 +38,7 @@ from speculative.in_flight import in_flight_policy
 from speculative.k_choice import k_policy
 from speculative.output import Output
 from speculative.rounds import Generation, RoundRecord, middle_ms
-from speculative.scheduler import Scheduler
+from speculative.scheduler import Scheduler, common_prefix
 from speculative.streams import Block, Replies, Stream
 
 
@@ -108,15 +108,32 @@ class Session:
                    on_round, cancelled)
         s.gen.t0_s = s.t_start
         held = self.restore(s.gen, reuse, slot)
-        protocol.send(self.channel, Request(params, slot))
+        source, shared = self.shared_prefix(prompt_ids, held)
+        protocol.send(self.channel, Request(params, slot, source, shared))
         self.drafter.reset(reuse, params.temperature, params.seed + 1, slot=slot)  # a drafter may hold less
         if self.prefixes is not None and self.prefixes.drafter is not None:
             self.prefixes.restore_drafter(held, slot)
+        if source is not None:  # as every later rank does on the Request
+            self.stage.cache.copy_prefix(source, slot, shared)
+            self.drafter.copy_prefix(source, slot, shared)
+            held = s.gen.reused = shared
         s.pending, s.k_now = self.prefill_chunks(prompt_ids, held, slot), self.k_policy.first()
         if self.predictor is not None:
             self.predict_ttft(s, len(prompt_ids) - held)
         self.scheduler.live[slot] = s
         return s
+
+    def shared_prefix(self, prompt_ids: list[int], held: int) -> tuple[int | None, int]:
+        """The slot of the live stream whose caches hold the longest prefix of `prompt_ids` (its tokens before its
+        next block: every rank has them), when longer than the `held` tokens the new slot holds, and how long;
+        else (None, held). Prompts sharing a system prompt or a document, admitted together, prefill it once:
+        the scheduler's choice of slot only sees the free ones, and the first of them took the one holding it."""
+        source, shared = None, held
+        for o in self.live:
+            n = common_prefix(o.committed[:o.start], prompt_ids[:-1])  # the last is fed again: its logits are needed
+            if n > shared:
+                source, shared = o.slot, n
+        return source, shared
 
     def predict_ttft(self, s: Stream, new_tokens: int) -> None:
         """The cost model's TTFT of a newcomer, from its arrival when it came with others at once: the streams

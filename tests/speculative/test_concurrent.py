@@ -101,6 +101,32 @@ def test_the_next_turn_lands_in_the_slot_holding_its_prefix(tiny_qwen, tiny_qwen
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
+def test_prompts_sharing_a_prefix_a_live_slot_holds_copy_it_instead_of_prefilling_it(ranks, tiny_qwen,
+                                                                                       tiny_qwen_draft):
+    """A request leaves its slot holding a long shared prefix (a system prompt); three prompts beginning with it
+    arrive together: the first takes that slot, and the other two free slots hold none of it, so every rank (and
+    the drafter) copies it from the first one's slot. Only the rest is prefilled, and the answers are generate's."""
+    prefix = BASE + BASE[::-1]
+    first = prefix + [120]
+    wave = [prefix + [121], prefix + [122, 123], prefix + [124]]
+    args = session_args(tiny_qwen, tiny_qwen_draft, max_new=12)
+
+    def two_waves(session, cfg, eos):
+        gens = []
+        for prompts in ([first], wave):
+            streams = [session.admit(ids, Output(None, eos, 12, [], stream=False)) for ids in prompts]
+            while session.live:
+                session.tick()
+            gens += [s.gen for s in streams]
+        return gens
+    gens = with_ranks(["serve.port=0", "serve.max_concurrent=3", *args], ranks, two_waves)
+    for prompt, gen in zip([first, *wave], gens):
+        assert gen.output.tokens == reference_greedy(tiny_qwen, prompt, 12), prompt
+    assert [g.reused for g in gens] == [0, len(prefix), len(prefix), len(prefix)]
+    assert len({g.rounds[0].slot for g in gens[1:]}) == 3
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
 def test_eight_requests_at_once_through_the_relay(ranks, tiny_qwen, tiny_qwen_draft, tmp_path):
     """The same over a real relay (loopback), end-to-end sealed, every ring link its own session."""
     from tests.support.relay_harness import relay_process, relay_ring
