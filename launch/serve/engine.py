@@ -53,6 +53,7 @@ class Running:
     stream: object = None  # the Session's stream (stream.gen, stream.slot) once admitted
     sent: str = ""  # the visible text sent so far
     reported: int = 0  # the tokens whose logprobs were sent so far
+    gathered_s: float = 0.0  # after its admission, waiting for requests right behind it (_admit_waiting)
 
     def relay(self) -> None:
         """After one of its rounds: the text and logprobs that round added, to the client. With logprobs, the text
@@ -161,7 +162,11 @@ class Engine:
             if idle and self.live:  # an idle engine took a request: the ones right behind it join it
                 gather_until = gather_until or time.perf_counter() + BURST_MOST_S
                 within = min(BURST_S, max(0.0, gather_until - time.perf_counter()))
+            t0 = time.perf_counter()
             job = self._next_job(wait=not self.live, within=within)
+            if within:  # the TTFT of each admitted so far: the cost model's prediction adds it (_done)
+                for running in self.live:
+                    running.gathered_s += time.perf_counter() - t0
             if job is None:
                 return
             self._admit(job)
@@ -218,8 +223,8 @@ class Engine:
         stats["prefilled_tokens"] = len(p.ids) - gen.reused
         stats["queue_s"] = running.admitted - job.arrived  # parsing, tokenizing and waiting for a slot
         stats["ttft_s"] += stats["queue_s"]  # as the client sees it: from the request's arrival
-        if stats["predicted_ttft_s"]:  # the cost model's counts from admission; the wait before it is measured
-            stats["predicted_ttft_s"] += stats["queue_s"]
+        if stats["predicted_ttft_s"]:  # the cost model's counts from admission; the waits around it are measured
+            stats["predicted_ttft_s"] += stats["queue_s"] + running.gathered_s
         stats["slot"] = running.stream.slot
         if self.telemetry is not None:
             self.telemetry.on_request(stats, self.served, running.serial, gen)

@@ -194,6 +194,25 @@ def test_the_predicted_ttft_counts_the_wait_for_a_slot_as_the_measured_one_does(
     assert stats[2]["predicted_ttft_s"] == 0.0
 
 
+def test_the_predicted_ttft_counts_the_wait_for_requests_right_behind(monkeypatch):
+    """A lone request to an idle engine waits BURST_S for others before its first round (measured, like the wait
+    for a slot): its predicted TTFT has that wait too."""
+    monkeypatch.setattr(engine_module, "BURST_S", 0.05)
+
+    class Predicting(ScriptedSession):
+        def admit(self, ids, *args, **kwargs):
+            stream = super().admit(ids, *args, **kwargs)
+            stream.gen.predicted_ttft_s = 0.01
+            return stream
+    e = engine(Predicting(slots=2))
+    alone = job(1, 2)
+    e.submit(alone)
+    e.thread.start()
+    stats = alone.loop.last()[1]["stats"]
+    e.stop()
+    assert 0.01 + stats["queue_s"] + 0.045 <= stats["predicted_ttft_s"] < 0.01 + stats["queue_s"] + 0.5
+
+
 def test_requests_arriving_together_are_admitted_before_the_first_tick(monkeypatch):
     """Clients sent together reach the queue a few ms apart: an idle engine that took the first waits briefly for
     the ones right behind it, so their first rounds go out together (one who missed the first tick waited a round
