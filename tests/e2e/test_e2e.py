@@ -38,6 +38,7 @@ def test_torchrun_qwen2_model_drafter_matches_generate(tiny_qwen, tiny_qwen_draf
     assert "tokens/round" in proc.stderr  # rank 0's summary line
 
 
+@pytest.mark.slow  # a torchrun launch of ~6 s (the default suite read 5:04)
 def test_torchrun_sampling_equals_the_in_process_run(tiny_qwen, tiny_qwen_draft, tmp_path):
     """Seeded speculative sampling across two processes draws exactly what the two-thread run draws,
     so the in-process tests of sampling speak for torchrun too."""
@@ -154,6 +155,7 @@ def run_plain(*args, env=None, timeout=60):
                           timeout=timeout, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})))
 
 
+@pytest.mark.slow  # a process start of ~3 s
 def test_not_under_torchrun():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     proc = subprocess.run([sys.executable, str(REPO / "train_free_infer.py"), "prompt=hi", "model.target=/nonexistent"],
@@ -161,6 +163,7 @@ def test_not_under_torchrun():
     assert_one_line_process_error(proc, "torchrun --nproc_per_node=2")
 
 
+@pytest.mark.slow  # waits out a join timeout (~5 s)
 def test_peer_never_joins():
     t0 = time.monotonic()
     proc = run_plain("prompt_ids=[1]", "transport.timeout_s=1", timeout=60,

@@ -104,6 +104,7 @@ def test_wrong_secret_and_missing_node_fail_fast_and_say_why(setup):
                      + re.escape(refusal) + r".*check TANDEM_RELAY_TOKEN_FILE", good_err), good_err[-3000:]
 
 
+@pytest.mark.slow  # waits out a join timeout (~4 s)
 def test_a_missing_node_is_named_with_what_to_check(setup):
     relay, script, secret_file, tmp = setup
     alone = torchrun(relay.addr, "job-c", tmp / "alone.json", script, secret_file, "join_timeout=3")
