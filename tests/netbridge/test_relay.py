@@ -386,6 +386,7 @@ def frames_until_quiet(sock: socket.socket, quiet_s: float) -> list:
     return frames
 
 
+@pytest.mark.slow  # waits out a claim's grace (~4 s), twice (asyncio, uvloop): the default suite read 4:47
 def test_a_rank_waiting_for_its_peer_hears_of_a_wrong_secret_claim(relay, caplog):
     """RelayChannel.connect waiting for PAIRED: a wrong-secret claim for its session is warned about within
     seconds, once, the wait goes on, and the timeout names the refusal instead of a bare 'did not join'."""
