@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from launch.config import CapacityError, ConfigError, TandemConfig, output_room
-from launch.plan import Models, Plan, quantizer
+from launch.plan import Models, Plan, quantizer, use_graph
 from model_parallel.lines import one_line
 from model_parallel.loader import ModelLoadError, ModelSource, load_stage
 
@@ -196,16 +196,6 @@ def build_prefixes(plan: Plan, stage, drafter=None):
                                 numerics(dtype=cfg.draft.dtype, quant=str(plan.models.draft_quant)), cache_dir=c.dir), drafter)
     warn = (lambda line: print(f"[rank {rank}] warning: {line}", file=sys.stderr, flush=True))
     return RankPrefixes(settings, identity, stage.cache, draft, warn)
-
-
-def use_graph(d, device: str) -> bool:
-    """draft.graph: auto = capture on CUDA; on = insist (and say why it cannot be)."""
-    import torch
-    on_cuda = device.startswith("cuda")
-    if d.graph == "on" and not (on_cuda and torch.cuda.is_available()):
-        raise ConfigError(f"draft.graph=on needs a CUDA draft.device (got {device!r}"
-                          f"{'' if torch.cuda.is_available() else ', no CUDA here'}); use draft.graph=auto")
-    return d.graph == "on" or (d.graph == "auto" and on_cuda)
 
 
 def check_vocabularies(models: Models, target_tokenizer) -> None:

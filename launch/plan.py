@@ -213,6 +213,16 @@ def rank_costs(cfg: TandemConfig, models: Models, rank: int, ranks: int) -> tupl
     return RankCosts(budget, fixed, target.layer(), slot_fixed_bytes=slot, slot_layer_bytes=target.cache_per_layer), source
 
 
+def use_graph(d, device: str) -> bool:
+    """draft.graph: auto = capture on CUDA; on = insist (and say why it cannot be)."""
+    import torch
+    on_cuda = device.startswith("cuda")
+    if d.graph == "on" and not (on_cuda and torch.cuda.is_available()):
+        raise ConfigError(f"draft.graph=on needs a CUDA draft.device (got {device!r}"
+                          f"{'' if torch.cuda.is_available() else ', no CUDA here'}); use draft.graph=auto")
+    return d.graph == "on" or (d.graph == "auto" and on_cuda)
+
+
 def rank_speed(cfg: TandemConfig, models: Models, rank: int, ranks: int):
     """This rank's model_parallel.split.Speed (one layer over a block of K+1, the rest of its work per round, the
     per-token, attention and drafter parts), timed here (model_parallel.split.time_rank)."""
@@ -224,7 +234,6 @@ def rank_speed(cfg: TandemConfig, models: Models, rank: int, ranks: int):
         drafter = Timed(models.drafter, 1, draft_device(cfg), DTYPES[cfg.draft.dtype], models.draft_quant,
                         head=True, calls=draft_steps(cfg))
     speed = time_rank(target, drafter)
-    from launch.build import use_graph
     if drafter is not None and use_graph(cfg.draft, drafter.device):  # a captured step attends over the whole cache
         speed = replace(speed, draft_context_ms=0.0)  # (static shapes): no dearer after a long prompt
     return speed
