@@ -545,8 +545,8 @@ def depths_sent(rounds) -> list[int]:
     (nothing more is sent once the answer's tokens are on the way); those last replies still come one chain step
     apart, not one whole round trip: counted at in_flight, a depth-3 request of 13 rounds read 140 tokens/s where
     its rounds ran at 169 (its last two charged a trip/2 and a whole trip)."""
-    depths = []
-    for i in range(len(rounds)):
-        covering = [r.in_flight for j, r in enumerate(rounds[:i + 1]) if j + max(1, r.in_flight) - 1 >= i]
-        depths.append(max(1, *covering))
+    depths = [1] * len(rounds)
+    for j, r in enumerate(rounds):  # reply j came with rounds j .. j + in_flight - 1 on the way
+        for i in range(j, min(len(rounds), j + max(1, r.in_flight))):
+            depths[i] = max(depths[i], r.in_flight)
     return depths
