@@ -72,7 +72,7 @@ class DraftConfig:
     ngram_max: int = 3  # n-gram drafter: longest suffix it looks up in the context
     ngram_min: int = 1  # n-gram drafter: shortest suffix it looks up
     lookup_min: int = 3  # hybrid: the round is a lookup (no model step) when the context's last this many tokens occurred earlier
-    lookup_k: int = 16  # hybrid: a lookup proposes up to this many tokens, past spec.k (a copy costs no drafting; at most spec.k when lower)
+    lookup_k: int = 32  # hybrid: a lookup proposes up to this many tokens, past spec.k (a copy costs no drafting; at most spec.k when lower)
 
 
 @dataclass

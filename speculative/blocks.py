@@ -76,44 +76,16 @@ class BlockMaker:
         if s.chain and s.chain[-1].drafts.looked_up:
             t0 = time.perf_counter()
             self.take_in_lookups(s)
-            self.ready_for_divergence(s)
             prepared_ms += _ms(t0)
         return prepared_ms, prepared
 
     def take_in_lookups(self, s: Stream) -> None:
-        """The model drafter takes in the chain's looked-up tokens now, in the wait (draft.kind=hybrid): a lookup
-        never went through it, so where a copy diverges the next round would first run it over the whole copy,
-        in line, while the later ranks idle. On a bet that fails, commit() rewinds it to what was kept. Its
-        guesses on the way mark each lookup's first token the model would not have proposed (Block.diverges)."""
+        """The model drafter takes in the chain's looked-up tokens now, in the wait (draft.kind=hybrid), where a
+        lookup did not go through it (HybridDrafter.checked: a sampled request, a model unlike the target): where a
+        copy diverges the next round would first run it over the whole copy, in line, while the later ranks idle.
+        On a bet that fails, commit() rewinds it to what was kept."""
         context = s.committed[:s.chain[0].start] + [t for block in s.chain for t in block.fed]
-        greedy = s.params.temperature == 0  # (ready_for_divergence: greedy requests only)
-        guesses = self.drafter.catch_up(context[:-1], slot=s.slot, guesses=greedy)  # the last: fed by the next step
-        for block in s.chain:
-            end = block.start + len(block.fed)
-            looked_up = len(block.drafts) + (block.guess is not None) if block.drafts.looked_up else 0  # a bet's guess too
-            for p in range(end - looked_up, end) if not block.diverges else ():
-                guess = guesses.get(p)
-                if guess is not None and guess != context[p]:
-                    block.diverges = (p, guess)
-                    break
-
-    def ready_for_divergence(self, s: Stream) -> None:
-        """Where the model parts from a copy on the way, the target will likely part from it too (its drafts are
-        the model's), and in the round after, the lookup finds nothing and the model would draft in line while the
-        later ranks idle. So when the first reply due decides that token, draft that round now, in the wait, from
-        the copy up to there plus the model's own token: if the reply keeps just that, it goes out with no step.
-        Greedy requests only: a sampled one's target draws its token, which the model's greedy guess is not."""
-        first = s.chain[0]
-        if s.params.temperature > 0:
-            return
-        decided = first.start + len(first.fed)  # the reply to `first` decides every token up to this position
-        position, token = min((b.diverges for b in s.chain if b.diverges), default=(decided + 1, None))
-        if position > decided or first.sent_at is None:
-            return
-        context = (s.committed[:first.start] + [t for block in s.chain for t in block.fed])[:position] + [token]
-        k = min(s.k_now, s.remaining - (len(context) - len(s.committed)) - 1)
-        if k > 0:
-            self.drafter.draft_in_the_wait(context, k, slot=s.slot)
+        self.drafter.catch_up(context[:-1], slot=s.slot)  # the last token is fed by the next drafting step
 
     def bet(self, s: Stream, tip: Block, k_next: int) -> Block | None:
         """Draft the guess plus k_next tokens after the tip's drafts and run stage 0 over them: on a hit the

@@ -19,6 +19,7 @@ import torch
 
 from speculative.draft_step import DraftStep
 
+CHECK_MIN = 0.5  # hybrid: lookups are checked against the model while its first tokens are the target's this often
 FEW_MISSING = 8  # a slot lacking at most this many tokens catches up in a batch with others (spec.k is at most 8 or so)
 
 
@@ -28,7 +29,7 @@ class Drafts:
     q_ids: torch.Tensor | None = None  # [k, m] token ids of each draft's distribution
     q_probs: torch.Tensor | None = None  # [k, m] their probabilities
     looked_up: bool = False  # found in the context (q one-hot), no model step; else the model's own q (None greedy)
-    ready: bool = False  # the model drafted them in an earlier wait (ModelDrafter.draft_in_the_wait), no step now
+    cut: bool = False  # looked up, cut where the model parts from the copy, the model's drafts after (HybridDrafter)
 
     def __len__(self) -> int:
         return self.tokens.numel()
@@ -39,7 +40,7 @@ class Drafts:
 
     def sliced(self, first: int, end: int | None) -> Drafts:
         cut = (lambda t: None if t is None else t[first:end])
-        return Drafts(self.tokens[first:end], cut(self.q_ids), cut(self.q_probs), self.looked_up, self.ready)
+        return Drafts(self.tokens[first:end], cut(self.q_ids), cut(self.q_probs), self.looked_up, self.cut)
 
 
 def one_hot_drafts(tokens: list[int], looked_up: bool = False) -> Drafts:
@@ -121,7 +122,6 @@ class ModelDrafter:
             raise ValueError(f"a drafter for {slots} slots over a cache of {stage.cache.num_slots}: allocate the "
                              f"drafter's cache with slots={slots}")
         self.cached = [0] * slots
-        self.ready: dict[int, tuple[list[int], Drafts]] = {}  # slot: (context, its drafts) from draft_in_the_wait
         self.step = DraftStep(stage, max(max_k, 1) + 1, top_k, use_graph)  # + 1: draft_ahead's guess
 
     @property
@@ -133,12 +133,10 @@ class ModelDrafter:
         self.cached[slot] = min(self.cached[slot], keep)
         self.stage.cache.rewind(self.cached[slot], slot)
         self.step.configure(temperature, seed, slot)
-        self.ready.pop(slot, None)
 
     def catch_up(self, context: list[int], slot: int = 0, guesses: bool = False) -> dict[int, int]:
         """Take in every token of `context` the slot lacks (a prompt, ahead of drafting). With `guesses`, returns
-        the model's greedy guess at the token after each one taken in, by position (BlockMaker.take_in_lookups)."""
-        self.ready.pop(slot, None)  # its drafts' cache positions may be written now
+        the model's greedy guess at the token after each one taken in, by position (HybridDrafter.checked)."""
         start, missing = self.cached[slot], context[self.cached[slot]:]
         if not missing:
             return {}
@@ -147,26 +145,6 @@ class ModelDrafter:
                              num_logits=len(missing) if guesses else None, slot=slot)
         self.cached[slot] = len(context)
         return {start + 1 + i: token for i, token in enumerate(out[0].argmax(-1).tolist())} if guesses else {}
-
-    def draft_in_the_wait(self, context: list[int], k: int, slot: int = 0) -> None:
-        """Draft k tokens after `context` now, while rank 0 waits for a reply, for a round that may follow it (a
-        copy likely to diverge there: BlockMaker.ready_for_divergence): the next propose for this slot from this very
-        context returns them with no step. Until then the slot counts only the context before its last token as
-        held, so whatever else comes next, the positions these drafts took are written again first."""
-        self.holds(min(self.cached[slot], len(context) - 1), slot)  # it may hold the copy past where this parts
-        (drafts,) = ModelDrafter.propose_rows(self, [context], [k], [slot])
-        self.holds(len(context) - 1, slot)
-        self.ready[slot] = (list(context), Drafts(drafts.tokens, drafts.q_ids, drafts.q_probs, ready=True))
-
-    def take_ready(self, context: list[int], k: int, slot: int) -> Drafts | None:
-        """The drafts draft_in_the_wait made for exactly this context (their first k), the slot then holding what
-        drafting them now would have left; else None. Either way they are gone."""
-        context_then, drafts = self.ready.pop(slot, (None, None))
-        if context_then != context or len(drafts) < k:
-            return None
-        self.cached[slot] = len(context) + k - 1
-        self.stage.cache.rewind(self.cached[slot], slot)  # the next step writes there (DraftStep: at the length)
-        return drafts.sliced(0, k)
 
     def propose(self, context: list[int], k: int, slot: int = 0, room: int | None = None) -> Drafts:
         return self.propose_rows([context], [k], [slot], None if room is None else [room])[0]
@@ -179,13 +157,7 @@ class ModelDrafter:
         if len(set(slots)) != len(slots):
             raise ValueError(f"propose_rows over slots {slots}: each request drafts in a slot of its own")
         drafts = [one_hot_drafts([]) for _ in slots]
-        rows = []
-        for b, k in enumerate(ks):
-            ready = self.take_ready(contexts[b], k, slots[b]) if k > 0 else None
-            if ready is not None:
-                drafts[b] = ready
-            elif k > 0:
-                rows.append(b)
+        rows = [b for b, k in enumerate(ks) if k > 0]
         if not rows:
             return drafts
         for b in rows:
@@ -224,13 +196,11 @@ class ModelDrafter:
         """Its slot now holds the context's first n tokens (cache.dir loaded them: speculative.prefixes)."""
         self.cached[slot] = n
         self.stage.cache.rewind(n, slot)
-        self.ready.pop(slot, None)
 
     def copy_prefix(self, source: int, slot: int, tokens: int) -> None:
         """`slot` takes the first `tokens` of `source`, as far as that slot holds them (Session.shared_prefix)."""
         self.cached[slot] = min(tokens, self.cached[source])
         self.stage.cache.copy_prefix(source, slot, self.cached[slot])
-        self.ready.pop(slot, None)
 
     def commit(self, n_committed: int, slot: int = 0) -> None:
         # Valid: the committed prefix the slot saw. Its last committed token is fed next round.
@@ -245,29 +215,79 @@ class HybridDrafter(ModelDrafter):
 
     A lookup may propose up to `lookup_k` tokens, past the round's K (within the row's `room`: what the answer may
     still take, so the caches' room for K drafts is never exceeded): K bounds what the model's steps cost, and a
-    copy costs none; on a GPU the target's verify of a 17-token block costs about what a 5-token one does (a decode
+    copy costs none; on a GPU the target's verify of a 33-token block costs about what a 5-token one does (a decode
     forward reads every weight once either way; on a 2-core CPU it costs ~40% more: bench/README.md), so a copied
     stretch commits several times the tokens per round trip.
 
-    The model's slot does not take in looked-up tokens when they are proposed: the next time the model drafts for
-    that slot, it takes in everything it lacks (the tokens committed in the looked-up rounds) in one forward, as
-    after a fully accepted round (catch_up_rows: batched with the other slots' when it lacks at most FEW_MISSING,
-    else alone; a lone stream under spec.overlap takes them in sooner, in the wait: BlockMaker.take_in_lookups).
-    So a copied stretch costs the model one forward over it, not a step per token. In a batch some
-    rows may be looked up and others drafted by the model: the looked-up rows take no part in the model's steps."""
+    Where the model parts from a copy, the target likely does too (the model drafts for it: 0.8-0.97 of its drafts
+    are the target's own), so a greedy request's lookup is checked first (`checked`): one forward of the model over
+    the copy gives its own guess at each copied token, and the copy goes only as far as the model agrees with it,
+    the model's own drafts after it. The copy past that point would mostly be thrown away, each token a position of
+    every later rank's block, and the round after would find no copy and draft in line. That forward is the one the
+    model needs anyway to take the copy in (which otherwise it does the next time it drafts, everything it lacks
+    in one forward, as after a fully accepted round; a lone stream under spec.overlap sooner, in the wait:
+    BlockMaker.take_in_lookups), so a copied stretch costs the model one forward over it, not a step per token.
+    A model that is not the target's likeness would cut good copies short: lookups are checked only while the
+    model's first token of a block is kept more often than not (`model_is_right`). In a batch some rows may be
+    looked up and others drafted by the model: the looked-up rows take no part in the model's steps."""
 
     def __init__(self, stage, lookup_min: int = 3, lookup_max: int | None = None, lookup_k: int = 0, **model):
         super().__init__(stage, **model)
         self.lookup = NgramDrafter(max(lookup_max or lookup_min, lookup_min), lookup_min)
         self.lookup_k = lookup_k
+        self.own_first: dict[int, list[int]] = {}  # slot: where the model's first token is, in each block since
+        self.own_kept = self.own_missed = 0  # its last commit; how often the target kept it, over every slot
 
     def propose_rows(self, contexts: list[list[int]], ks: list[int], slots: list[int],
                      rooms: list[int] | None = None) -> list[Drafts]:
         rooms = ks if rooms is None else rooms
         drafts = [self.lookup.propose(context, k and max(k, min(self.lookup_k, room)))
                   for context, k, room in zip(contexts, ks, rooms)]
+        for b, d in enumerate(drafts):
+            if d.looked_up and self.step.slot_temperature[slots[b]] == 0 and self.model_is_right():
+                drafts[b] = self.checked(contexts[b], d, ks[b], slots[b])
         rows = [b for b, d in enumerate(drafts) if not d.looked_up]
         modelled = super().propose_rows([contexts[b] for b in rows], [ks[b] for b in rows], [slots[b] for b in rows])
         for b, d in zip(rows, modelled):
             drafts[b] = d
+            if len(d):
+                self.own_first.setdefault(slots[b], []).append(len(contexts[b]))
         return drafts
+
+    def checked(self, context: list[int], copy: Drafts, k: int, slot: int) -> Drafts:
+        """The copy as far as the model would propose it too, then the model's own drafts (K in all, at least its
+        first); none (the model drafts the round) where it parts at the copy's first token. Greedy requests
+        (propose_rows): each is the model's argmax, a deterministic proposal (q one-hot). The slot then holds what
+        a model round of those drafts leaves."""
+        tokens = copy.tokens.tolist()
+        self.holds(min(self.cached[slot], len(context) - 1), slot)  # its guess at the copy's first token too
+        guesses = self.catch_up(context + tokens[:-1], slot=slot, guesses=True)
+        parts = next((j for j, token in enumerate(tokens) if guesses[len(context) + j] != token), None)
+        if parts is None:
+            return copy
+        if parts == 0:
+            self.holds(len(context) - 1, slot)  # as before a model round: its first step feeds the context's last
+            return one_hot_drafts([])
+        self.holds(len(context) + parts, slot)  # the copy up to there; the model's first token is fed next
+        own = [guesses[len(context) + parts]]
+        if k - parts - 1 > 0:
+            own += super().propose_rows([context + tokens[:parts] + own], [k - parts - 1], [slot])[0].tokens.tolist()
+        self.own_first.setdefault(slot, []).append(len(context) + parts)
+        checked = one_hot_drafts(tokens[:parts] + own, looked_up=True)
+        checked.cut = True
+        return checked
+
+    def reset(self, keep: int, temperature: float, seed: int, slot: int = 0) -> None:
+        self.own_first.pop(slot, None)
+        super().reset(keep, temperature, seed, slot)
+
+    def model_is_right(self) -> bool:
+        """Whether the model's first token of a block is the target's more often than not, as measured (1/2 each
+        way until then, over every slot): checked."""
+        return (self.own_kept + 1) / (self.own_kept + self.own_missed + 2) >= CHECK_MIN
+
+    def commit(self, n_committed: int, slot: int = 0) -> None:
+        for own in self.own_first.pop(slot, []):  # kept: committed past it; missed: the target's token there
+            self.own_kept += n_committed > own + 1
+            self.own_missed += n_committed == own + 1
+        super().commit(n_committed, slot)

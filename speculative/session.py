@@ -278,7 +278,7 @@ class Session:
                              reply.last_ms, s.t_round - s.t_start, block.send_ms, block.sent_at - s.t_start,
                              block.guess is not None, ahead_ms, middle_ms(reply),
                              in_flight, lost, bet, wasted_ms, prepared, s.slot, block.batch, len(self.scheduler.live),
-                             on_the_way, block.drafts.looked_up, ready=block.drafts.ready)
+                             on_the_way, block.drafts.looked_up, cut=block.drafts.cut)
         s.gen.rounds.append(record)
         self.predict(s, record, decode=len(s.gen.rounds) > 1)
         s.k_now = self.k_policy.after(s.k_now, record, decode=len(s.gen.rounds) > 1)

@@ -38,7 +38,7 @@ def summarize(gen: Generation, k: int, drafter: str) -> dict:
         "full_hit_rate": mean(r.accepted == r.drafted for r in rounds if r.drafted),
         "lookup_rounds": sum(r.looked_up for r in rounds),  # drafts found in the context, no model step (hybrid, ngram)
         "lookup_acceptance_rate": lookup_acceptance(rounds),
-        "ready_rounds": sum(r.ready for r in rounds),  # drafted in an earlier wait, where a lookup was to diverge
+        "cut_lookups": sum(r.cut for r in rounds),  # lookups cut where the model parts from the copy
         "rounds_from_ahead": sum(r.from_ahead for r in rounds),  # spec.overlap: prepared while the last was in flight
         "in_flight_mean": mean(r.in_flight for r in gen.rounds),  # spec.in_flight: rounds on the way at each reply
         "bets_won": sum(r.bet is True for r in gen.rounds),  # rounds prepared ahead whose bet held

@@ -15,7 +15,7 @@ import torch
 from launch.config import ConfigError, load_config
 from model_parallel.loader import load_stage
 from netbridge.protocol import SamplingParams
-from speculative.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+from speculative.drafters import HybridDrafter, ModelDrafter, NgramDrafter, one_hot_drafts
 from speculative.stats import summarize
 from speculative.output import Output
 from tests.support.session_harness import serve, serve_together, with_ranks
@@ -153,23 +153,23 @@ def test_a_lone_streams_lookups_are_taken_in_by_the_model_in_the_wait(copier, ti
 
 
 @pytest.mark.parametrize("in_flight", [1, 3])
-def test_where_a_lookup_parts_from_the_models_guess_the_round_after_is_drafted_in_the_wait(in_flight, copier):
+def test_a_copy_is_cut_where_the_model_parts_from_it_and_the_models_drafts_go_after(in_flight, copier):
     """The prompt holds stretches of the copier's cycle, each followed by a token its answer never puts there: on
-    the answer's first lap each stretch is looked up and its copy rejected from that token on. The model (the
-    copier again) guesses the target's token there while the lookup is on the way, and drafts the round after in
-    the wait: those rounds go out drafted with no step (`ready`), and greedy is still generate's."""
+    the answer's first lap each stretch is looked up, and the copy would be rejected from that token on. The model
+    (the copier again: always the target's likeness) parts from the copy there, so the round carries the copy up to
+    there and the model's own drafts after it (`cut`), all kept; greedy is still generate's."""
     cycle = cycle_of(copier)
-    assert len(cycle) >= 21, cycle
+    assert len(cycle) >= 26, cycle
     planted = []
-    for i in (1, 9, 17):  # where bets prepared after a round of K=3 drafts look up (the 4th, 12th, ... of the answer)
-        planted += cycle[i:i + 3] + [(cycle[i + 3] + 1) % VOCAB]  # a stretch, then not what the copier gives
+    for i in (1, 10, 19):  # six tokens: a round ends within every stretch, 3+ tokens into it (4 tokens a round)
+        planted += cycle[i:i + 6] + [(cycle[i + 6] + 1) % VOCAB]  # a stretch, then not what the copier gives
     prompt = planted + NOVEL  # the copier's answer depends on the last token alone: NOVEL's
     args = hybrid_args(copier, copier, 3, 40, "draft.lookup_k=8", "spec.overlap=true", f"spec.in_flight={in_flight}")
     (gen,) = serve(args, [(prompt, SamplingParams())])
     assert gen.output.tokens == reference_greedy(copier, prompt, 40)
-    ready = [r for r in gen.rounds if r.ready]
-    assert len(ready) >= 2 and all(r.drafted and not r.looked_up for r in ready)
-    assert summarize(gen, 3, "hybrid")["ready_rounds"] == len(ready)
+    cut = [r for r in gen.rounds if r.cut]
+    assert len(cut) >= 2 and all(r.looked_up and r.drafted == r.accepted == 3 for r in cut)
+    assert summarize(gen, 3, "hybrid")["cut_lookups"] == len(cut)
 
 
 def test_four_requests_at_once_some_looked_up_and_some_drafted_in_one_tick(copier, tiny_qwen_draft):
@@ -196,19 +196,28 @@ def model_stage(folder, slots: int):
     return stage
 
 
-def test_the_model_drafts_after_looked_up_rounds_what_a_fresh_drafter_drafts(tiny_qwen_draft):
+@pytest.mark.parametrize("checked", [False, True])
+def test_the_model_drafts_after_looked_up_rounds_what_a_fresh_drafter_drafts(checked, tiny_qwen_draft):
     """Three requests at once, 25 rounds, each context growing by some of its drafts and a token of its own; one
     request copies a stretch of its context now and then (lookups), one never does, one alternates. Every row the
     model drafts == a fresh one-slot drafter's drafts of the same context (prefilled from nothing): the model's
-    cache took in, in its one catching-up forward, every token committed while lookups proposed. A looked-up row
-    is the lookup's proposal, with a one-hot q, and takes no model step (its slot's cache untouched)."""
+    cache took in every token committed while lookups proposed. A looked-up row carries a one-hot q. Not checked
+    (a model unlike the target), it is the lookup's proposal and takes no model step (its slot's cache untouched);
+    checked, it is the copy as far as the model agrees with it and then the model's own drafts: what a fresh drafter
+    drafts greedily from that context (cut), or the whole copy where the model agrees with all of it."""
     rng = random.Random(3)
     hybrid = HybridDrafter(model_stage(tiny_qwen_draft, 3), lookup_min=3, max_k=8, top_k=16)
+    hybrid.own_kept, hybrid.own_missed = (10 ** 6, 0) if checked else (0, 10 ** 6)  # as measured: always, never right
     fresh = ModelDrafter(model_stage(tiny_qwen_draft, 1), max_k=8, top_k=16)
     lookup = NgramDrafter(3, 3)
     contexts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (12, 7, 9)]
     copy_rate = [0.6, 0.0, 0.3]
     mixed_ticks = 0
+
+    def freshly(context, k):
+        fresh.reset(0, 0.0, seed=0)  # nothing held: the context is prefilled from scratch
+        return fresh.propose(context, k).tokens.tolist()
+
     for round in range(25):
         ks = [rng.choice([3, 4]) for _ in contexts]
         held = [hybrid.cached[slot] for slot in range(3)]
@@ -216,12 +225,15 @@ def test_the_model_drafts_after_looked_up_rounds_what_a_fresh_drafter_drafts(tin
         mixed_ticks += len({d.looked_up for d in got}) == 2
         for slot, (context, k, drafts) in enumerate(zip(contexts, ks, got)):
             assert torch.equal(drafts.q_ids[:, 0], drafts.tokens) if drafts.looked_up else drafts.q_ids is None
-            if drafts.looked_up:
-                assert drafts.tokens.tolist() == lookup.look_up(context, k)
-                assert torch.all(drafts.q_probs == 1) and hybrid.cached[slot] == held[slot]  # no model step
+            tokens, copy = drafts.tokens.tolist(), lookup.look_up(context, k)
+            if drafts.cut:
+                parts = next(j for j, (a, b) in enumerate(zip(tokens, copy)) if a != b)
+                assert 0 < parts and tokens == freshly(context, len(tokens)), (round, slot)
+            elif drafts.looked_up:
+                assert tokens == copy and torch.all(drafts.q_probs == 1)
+                assert freshly(context, len(copy)) == copy if checked else hybrid.cached[slot] == held[slot]
             else:
-                fresh.reset(0, 0.0, seed=0)  # nothing held: the context is prefilled from scratch
-                assert drafts.tokens.tolist() == fresh.propose(context, k).tokens.tolist(), (round, slot)
+                assert tokens == freshly(context, k), (round, slot)
         for slot, drafts in enumerate(got):
             kept = drafts.tokens.tolist()[:rng.randint(0, len(drafts))]
             source = contexts[slot][:-4]
@@ -229,33 +241,46 @@ def test_the_model_drafts_after_looked_up_rounds_what_a_fresh_drafter_drafts(tin
             copied = source[rng.randrange(len(source) - 4):][:4] if copies else []
             contexts[slot] = contexts[slot] + kept + [rng.randrange(VOCAB)] + copied  # copied: what comes back
             hybrid.commit(len(contexts[slot]) - len(copied), slot=slot)
-    assert mixed_ticks >= 3  # both kinds in one batch, often
+    assert mixed_ticks >= 3 or checked  # both kinds in one batch, often (checked: this model parts from most copies)
 
 
-def test_drafts_made_in_the_wait_are_what_drafting_then_gives_and_leave_nothing_wrong_behind(tiny_qwen_draft):
-    """draft_in_the_wait(context, k): the next propose from that very context returns those drafts with no step (a
-    fresh drafter's, `ready`; fewer when K fell, none when it rose); from any other context, a fresh drafter's too:
-    the positions they took in the slot are taken in again first."""
-    rng = random.Random(7)
-    model = ModelDrafter(model_stage(tiny_qwen_draft, 1), max_k=8, top_k=16)
+class Planted:
+    """A lookup that proposes what the test planted (the copy a context's earlier occurrence would give)."""
+    copy: list[int] = []
+
+    def propose(self, context, k, slot=0, room=None):
+        return one_hot_drafts(self.copy[:k], looked_up=True)
+
+
+def test_a_checked_copy_goes_as_far_as_the_model_agrees_then_the_models_drafts(tiny_qwen_draft):
+    """A greedy request's copy, checked: it goes as far as the model agrees with it, then the model's own drafts
+    follow, K in all (at least one: past K where the model agrees further); one the model parts from at once is not
+    proposed (the model drafts K); one it agrees with all along, whole. Each time the slot then holds what drafting
+    them would leave: the model's next drafts == a fresh drafter's (this model attends: a wrong cache shows)."""
+    rng = random.Random(5)
+    hybrid = HybridDrafter(model_stage(tiny_qwen_draft, 1), lookup_min=3, lookup_k=8, max_k=8, top_k=16)
+    hybrid.lookup = Planted()
     fresh = ModelDrafter(model_stage(tiny_qwen_draft, 1), max_k=8, top_k=16)
-    context = [rng.randrange(VOCAB) for _ in range(30)]
 
-    def freshly(ctx, k):
+    def freshly(context, k):
         fresh.reset(0, 0.0, seed=0)
-        return fresh.propose(ctx, k).tokens.tolist()
+        return fresh.propose(context, k).tokens.tolist()
 
-    for took, k in [(context[:22] + [rng.randrange(VOCAB)], 4), (context[:22] + [5], 3),
-                    (context[:22] + [5], 5), (context, 4), (context[:25] + [9], 4)]:
-        model.reset(0, 0.0, seed=0)
-        model.catch_up(context[:-1])  # as take_in_lookups leaves it
-        model.draft_in_the_wait(context[:22] + [5], 4)
-        got = model.propose(took, k)
-        assert got.tokens.tolist() == freshly(took, k), (took[22:], k)
-        assert got.ready == (took == context[:22] + [5] and k <= 4)
-        kept = took + got.tokens.tolist()[:1]  # its first draft kept (the target's token: the second)
-        model.commit(len(kept))
-        assert model.propose(kept, 2).tokens.tolist() == freshly(kept, 2)
+    context = [rng.randrange(VOCAB) for _ in range(20)]
+    for copy_of, k, drafted, cut in [(lambda g: g[:2] + [g[2] + 1] + g[3:6], 4, 4, True),  # agrees with 2
+                                     (lambda g: g[:5] + [g[5] + 1], 2, 6, True),  # with 5: past K, its own 1
+                                     (lambda g: [g[0] + 1] + g[1:4], 4, 4, False),  # with none: the model drafts
+                                     (lambda g: g[:4], 4, 4, False)]:  # with all of it: the whole copy
+        own = freshly(context, 8)
+        Planted.copy = [t % VOCAB for t in copy_of(own)]
+        hybrid.reset(len(context), 0.0, seed=0)
+        got = hybrid.propose(context, k, room=8)
+        assert got.tokens.tolist() == own[:drafted] and got.cut == cut, (k, drafted)
+        assert got.looked_up == (cut or Planted.copy == own[:4])
+        context = context + own[:drafted] + [rng.randrange(VOCAB)]  # every draft kept, and the target's own token
+        hybrid.commit(len(context))
+        assert ModelDrafter.propose_rows(hybrid, [context], [3], [0])[0].tokens.tolist() == freshly(context, 3)
+        hybrid.commit(len(context))
 
 
 def test_sampled_rows_carry_the_q_they_were_drawn_from(tiny_qwen_draft):
