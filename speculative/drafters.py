@@ -246,7 +246,7 @@ class HybridDrafter(ModelDrafter):
         for b, d in enumerate(drafts):
             if d.looked_up and self.step.slot_temperature[slots[b]] == 0 and self.model_is_right():
                 drafts[b] = self.checked(contexts[b], d, ks[b], slots[b])
-        rows = [b for b, d in enumerate(drafts) if not d.looked_up]
+        rows = [b for b, d in enumerate(drafts) if not len(d)]  # no lookup: the model drafts them, in one batch
         modelled = super().propose_rows([contexts[b] for b in rows], [ks[b] for b in rows], [slots[b] for b in rows])
         for b, d in zip(rows, modelled):
             drafts[b] = d
@@ -256,26 +256,32 @@ class HybridDrafter(ModelDrafter):
 
     def checked(self, context: list[int], copy: Drafts, k: int, slot: int) -> Drafts:
         """The copy as far as the model would propose it too, then the model's own drafts (K in all, at least its
-        first); none (the model drafts the round) where it parts at the copy's first token. Greedy requests
+        first); the model's K drafts where it parts at the copy's first token (its first step tells: a step the
+        round takes then anyway, so a copy the model rejects at once costs nothing). Greedy requests
         (propose_rows): each is the model's argmax, a deterministic proposal (q one-hot). The slot then holds what
         a model round of those drafts leaves."""
         tokens = copy.tokens.tolist()
-        self.holds(min(self.cached[slot], len(context) - 1), slot)  # its guess at the copy's first token too
+        own = self.drafts_after(context, [], 1, slot)
+        if own != tokens[:1]:
+            self.own_first.setdefault(slot, []).append(len(context))
+            return Drafts(torch.tensor(own + self.drafts_after(context, own, k - 1, slot), dtype=torch.long))
         guesses = self.catch_up(context + tokens[:-1], slot=slot, guesses=True)
-        parts = next((j for j, token in enumerate(tokens) if guesses[len(context) + j] != token), None)
+        parts = next((j for j in range(1, len(tokens)) if guesses[len(context) + j] != tokens[j]), None)
         if parts is None:
             return copy
-        if parts == 0:
-            self.holds(len(context) - 1, slot)  # as before a model round: its first step feeds the context's last
-            return one_hot_drafts([])
         self.holds(len(context) + parts, slot)  # the copy up to there; the model's first token is fed next
         own = [guesses[len(context) + parts]]
-        if k - parts - 1 > 0:
-            own += super().propose_rows([context + tokens[:parts] + own], [k - parts - 1], [slot])[0].tokens.tolist()
+        own += self.drafts_after(context, tokens[:parts] + own, k - parts - 1, slot)
         self.own_first.setdefault(slot, []).append(len(context) + parts)
         checked = one_hot_drafts(tokens[:parts] + own, looked_up=True)
         checked.cut = True
         return checked
+
+    def drafts_after(self, context: list[int], more: list[int], k: int, slot: int) -> list[int]:
+        """The model's k greedy drafts (none for k <= 0) after context + more, in its steps."""
+        if k <= 0:
+            return []
+        return ModelDrafter.propose_rows(self, [context + more], [k], [slot])[0].tokens.tolist()
 
     def reset(self, keep: int, temperature: float, seed: int, slot: int = 0) -> None:
         self.own_first.pop(slot, None)
