@@ -18,11 +18,12 @@ PRIOR_ACCEPTANCE = 0.7  # a model drafter's chance per draft before any is measu
 
 def link_costs(plan) -> tuple[LinkCost, ...]:
     """Every ring link as the handshake measured it (link i: rank i -> i+1, the last the reply to rank 0): half
-    its round trip one way, its sending rate; none measured (one process): free links."""
+    its round trip one way, its sending rate, what a message behind another costs its ends; none measured (one
+    process): free links."""
     links = getattr(plan, "links", ()) or ()
     if len(links) != plan.ranks:
         return tuple(LinkCost() for _ in range(plan.ranks))
-    return tuple(LinkCost(link.rtt_ms / 2, link.send_mbps) for link in links)
+    return tuple(LinkCost(link.rtt_ms / 2, link.send_mbps, link.message_ms) for link in links)
 
 
 def plan_pipeline(plan) -> Pipeline:

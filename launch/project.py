@@ -202,7 +202,8 @@ def open_model(spec: str, setting: str, dtype: str):
 
 def ring_links(ranks: list[tuple[int, str]], rtt_ms: list[float], mbps: list[float]):
     """LinkCost per ring link (i: rank i -> i+1, the last back to rank 0): local within a host, else the next
-    crossing's round trip / 2 at its bandwidth."""
+    crossing's round trip / 2 at its bandwidth. No message cost (LinkCost.message_ms 0): it is CPU time on the
+    machines projected, which their link probe measures once they run (a gloo pair on a busy 2-core host: 0.8-5 ms)."""
     from speculative.cost_model import LinkCost
     n = len(ranks)
     crossing = [ranks[i][0] != ranks[(i + 1) % n][0] for i in range(n)]

@@ -8,7 +8,8 @@ rank i+1, the last link the last rank's reply back to rank 0):
 
     RankCost    a stage's ms for a block of rows x tokens: fixed + per row + per token (rows x tokens)
     DraftCost   rank 0's drafter: ms per draft token at 1 row, more per extra row; ms per token taken in (prefill)
-    LinkCost    one link: one-way latency (ms) and bandwidth (Mbit/s); a block's bytes cross at that rate
+    LinkCost    one link: one-way latency (ms), bandwidth (Mbit/s; a block's bytes cross at that rate), and the
+                CPU a message right behind another costs each of its two ends (ms)
     Acceptance  a_i, the chance draft i is kept once drafts 1..i-1 were (a prior until rounds are measured)
     Pipeline    all of them, plus the bytes a token's hidden state puts on a forward link
 
@@ -16,6 +17,10 @@ A round of K drafts for `rows` streams (round_parts):
     prep  = rank 0's work: K drafter steps + its slice over a block of K+1
     trip  = send -> reply: every forward link and later rank in turn, and the reply link
     busiest = the most any one resource (rank 0's prep, a later rank, a link's transfer) spends on it
+Every row is a message (a Round) on each forward link and one (a Reply) on the reply link, and each message costs
+its two ends CPU (LinkCost.message_ms): each rank is busy rows x (its two links' message_ms) more a round. A lone
+message's cost is inside the link's measured latency, so a round in turn pays only the rows after the first:
+(rows - 1) x message_ms a link on the trip; a full pipe (several batches, a chain of bets) pays them all.
 A round commits tokens_per_round(K) = 1 + sum_j prod_{i<=j} a_i tokens per stream.
 
 One stream with D rounds on the way (stream_tokens_per_s; spec.overlap, spec.in_flight): rank 0 sends blocks
@@ -32,7 +37,8 @@ tokens per cycle (no bets while several streams fill the pipe).
 
 TTFT of a P-token prompt (ttft_s): the prompt crosses in chunks of `chunk` tokens, pipelined: rank 0 runs its
 slice over chunk j+1 (and the drafter takes chunk j in) while chunk j crosses a link or a later rank; a link's
-transfer occupies it, its latency does not. The first token comes back on the reply link after the last chunk,
+transfer occupies it, its latency does not; each chunk, a message, keeps the ranks at its two ends busy
+LinkCost.message_ms more. The first token comes back on the reply link after the last chunk,
 which the first round carries with no drafts (the token they would follow is not known yet).
 A chunk after c cached tokens costs its block plus attention, attend_ms x tokens x (c + tokens / 2) (on a CPU
 that is most of a 2k prompt's cost for a small model); the drafter takes every chunk in too. Prompts that came
@@ -148,9 +154,12 @@ class DraftCost:
 
 @dataclass(frozen=True)
 class LinkCost:
-    """One link: one_way_ms latency, mbps bandwidth (Mbit/s; inf: unlimited)."""
+    """One link: one_way_ms latency, mbps bandwidth (Mbit/s; inf: unlimited), message_ms the CPU a message costs
+    each end beyond the first of several back to back (serialization, the channel's send and receive path: the
+    link probe's burst; a lone message's is in one_way_ms)."""
     one_way_ms: float = 0.0
     mbps: float = math.inf
+    message_ms: float = 0.0
 
     def transfer_ms(self, nbytes: float) -> float:
         """The time `nbytes` occupy the link (its bandwidth), latency apart."""
@@ -229,9 +238,11 @@ class Pipeline:
 class RoundParts:
     prep_ms: float  # rank 0: drafting + its slice
     trip_ms: float  # send -> reply: the links and the later ranks in turn
-    busiest_ms: float  # the most one resource spends on the round (rank 0's prep, a later rank, a link's transfer)
+    busiest_ms: float  # the most one resource is busy with the round (rank 0's prep, a later rank, a link's
+    # transfer; a rank's messages included)
     later_busiest_ms: float  # ... of the resources after rank 0
-    full_prep_ms: float  # rank 0's prep while every rank computes at once (Pipeline.together)
+    full_prep_ms: float  # rank 0 busy with the round (its prep and messages) while every rank computes at once
+    # (Pipeline.together)
     full_busiest_ms: float  # busiest_ms, every rank computing at once
     full_later_busiest_ms: float  # later_busiest_ms, every rank computing at once
 
@@ -262,12 +273,20 @@ def round_parts(p: Pipeline, k: int, rows: int = 1) -> RoundParts:
     prep = p.draft.round_ms(k, rows, p.context) + p.ranks[0].ms(rows, tokens, p.context)
     later = [r.ms(rows, tokens, p.context) for r in p.ranks[1:]]
     wires = [link.transfer_ms(p.link_bytes(i, rows, tokens)) for i, link in enumerate(p.links)]
-    trip = sum(later) + sum(link.one_way_ms for link in p.links) + sum(wires)
-    later_busiest = max([*later, *wires, 0.0])
-    full = shared_ms(p, [prep, *later])
+    queued = sum((rows - 1) * link.message_ms for link in p.links)  # the rows behind each link's first message
+    trip = sum(later) + sum(link.one_way_ms for link in p.links) + sum(wires) + queued
+    busy = [w + rows * messages_ms(p, r) for r, w in enumerate([prep, *later])]  # a full pipe: every message
+    later_busiest = max([*busy[1:], *wires, 0.0])
+    full = shared_ms(p, busy)
     full_prep, full_later = full[0], max([*full[1:], *wires, 0.0])
-    return RoundParts(prep, trip, max(prep, later_busiest), later_busiest, full_prep, max(full_prep, full_later),
+    return RoundParts(prep, trip, max(busy[0], later_busiest), later_busiest, full_prep, max(full_prep, full_later),
                       full_later)
+
+
+def messages_ms(p: Pipeline, r: int) -> float:
+    """What one message on each of rank r's two links costs it: the one it receives on, the one it sends on
+    (rank 0: the reply link, link 0; with two ranks both are the two directions of one channel)."""
+    return p.links[r - 1].message_ms + p.links[r].message_ms
 
 
 def shared_ms(p: Pipeline, works: list[float]) -> list[float]:
@@ -331,7 +350,7 @@ def chunks(prompt_tokens: int, chunk: int) -> list[tuple[int, int]]:
 def rank0_prefill_ms(p: Pipeline, prompt_tokens: int, chunk: int) -> float:
     """Rank 0's work at a prompt's admission (every chunk but the last: its slice and the drafter's catch-up),
     which holds back every first round not yet sent (the engine sends them at the next tick)."""
-    return sum(p.ranks[0].chunk_ms(size, context) + p.draft.prefill_ms(size, context)
+    return sum(p.ranks[0].chunk_ms(size, context) + p.draft.prefill_ms(size, context) + p.links[0].message_ms
                for size, context in chunks(prompt_tokens, chunk)[:-1])
 
 
@@ -355,10 +374,12 @@ def ttft_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] =
             drafting = p.draft.prefill_ms(size, context) if r == 0 and not first_round else 0.0
             start = max(ready, free[2 * r])
             sent = start + work
-            free[2 * r] = start + work + drafting
             is_reply = r == len(p.ranks) - 1
-            if is_reply and not first_round:
-                break  # a Prefill message has no reply
+            sends = not is_reply or first_round  # a Prefill message has no reply
+            messages = (p.links[r - 1].message_ms if r else 0.0) + (p.links[r].message_ms if sends else 0.0)
+            free[2 * r] = start + work + drafting + messages  # the next chunk waits for them, this one not (latency)
+            if not sends:
+                break
             link = p.links[r]
             wire = max(sent, free[2 * r + 1])
             free[2 * r + 1] = wire + link.transfer_ms(p.link_bytes(r, 1, size))

@@ -15,8 +15,9 @@ from launch.config import ConfigError, load_config
 from launch.distributed import open_links
 from launch.plan import drafter_place, ring_text
 from launch.transport import HostPlace, host_place, local_peers
-from netbridge.channel import PeerError, local_pair
-from netbridge.link_probe import BULK_BYTES, LinkProbe, answer_probe, measure, probe_link, probe_ring
+from netbridge.channel import LocalChannel, PeerError, local_pair
+from netbridge.link_probe import (BULK_BYTES, BURST, LinkProbe, answer_burst, answer_probe, measure, probe_link,
+                                  probe_ring)
 from netbridge.loopback_channel import LoopbackChannel, LoopbackListener, loopback_pair
 from tests.support.tiny_models import free_port
 
@@ -169,7 +170,14 @@ def test_probe_arithmetic():
     p = measure("relay", [0.09, 0.08, 0.1], 250_000, out_s=0.08 + 0.1, back_s=0.2)
     assert p == LinkProbe("relay", pytest.approx(80.0), pytest.approx(20.0), pytest.approx(10.0))
     assert measure("local", [1e-4], 1000, 1e-4, 0.0).send_mbps == pytest.approx(800.0)  # no faster than MIN_TRANSFER_S
-    assert p.text() == "relay, RTT 80.0 ms, 20.0/10.0 Mbit/s"
+    assert p.text() == "relay, RTT 80.0 ms, 20.0/10.0 Mbit/s, 0.00 ms a message"
+    # 16 messages of 25 kB in all: 10 ms on the wire at 20 Mbit/s; done 80 + 10 + 15 ms after the first went:
+    # 15 ms beyond a lone one's round trip and the bytes, for the 15 behind the first
+    burst = measure("relay", [0.08], 250_000, out_s=0.08 + 0.1, back_s=0.2, burst_s=0.08 + 0.01 + 0.015, burst=16,
+                    burst_bytes=25_000)
+    assert burst.message_ms == pytest.approx(1.0)
+    assert burst.text() == "relay, RTT 80.0 ms, 20.0/10.0 Mbit/s, 1.00 ms a message"
+    assert measure("relay", [0.08], 250_000, 0.18, 0.2, burst_s=0.07, burst=16).message_ms == 0.0  # never below
 
 
 def test_probe_measures_an_emulated_wan_link():
@@ -184,7 +192,50 @@ def test_probe_measures_an_emulated_wan_link():
     answering.join(5)
     assert p.rtt_ms == pytest.approx(80, rel=0.15), p
     assert p.send_mbps == pytest.approx(20, rel=0.15) and p.recv_mbps == pytest.approx(20, rel=0.15), p
-    assert took < 4 * 0.08 + 2 * BULK_BYTES * 8 / 20e6 + 0.25, took
+    assert p.message_ms < 1.0, p  # the delay and the bandwidth are the wire's, not a message's cost
+    assert took < 6 * 0.08 + 2 * BULK_BYTES * 8 / 20e6 + 0.25, took
+
+
+class CostlyChannel(LocalChannel):
+    """An in-process channel whose every send first costs its sender `cost_s` (as serialization and a channel's
+    send path do), before the emulated wire."""
+
+    cost_s = 0.01
+
+    def send(self, kind, meta=None, **tensors):
+        time.sleep(self.cost_s)
+        super().send(kind, meta, **tensors)
+
+
+def test_probe_measures_what_a_message_costs_besides_the_round_trip():
+    """10 ms a message, 25 ms one way: a round trip of 70 ms, and a burst of 16 done 160 + 25 + 10 + 25 ms after
+    the first went: 10 ms a message beyond the round trip (left in, 14.7 ms; no slack below)."""
+    import queue
+    up, down = queue.Queue(), queue.Queue()
+    a = CostlyChannel(down, up, 10, emulate_delay_ms=25)
+    b = CostlyChannel(up, down, 10, emulate_delay_ms=25)
+    answering = threading.Thread(target=answer_probe, args=(b,), daemon=True)
+    answering.start()
+    p = probe_link(a)
+    answering.join(5)
+    assert p.rtt_ms == pytest.approx(70, rel=0.15), p
+    assert 8.0 <= p.message_ms <= 13.0, p
+    assert not answering.is_alive()
+
+
+def test_a_peer_announcing_a_bogus_burst_is_one_line():
+    a, b = local_pair(timeout_s=5)
+    for bogus in (10**6, "16", 0):
+        a.send("probe_burst", {"i": 0, "of": bogus})
+        with pytest.raises(PeerError, match=f"announced a link probe burst of {bogus!r} messages"):
+            answer_burst(b)
+    a.send("probe_ping", {"i": 0})  # something else where the burst belongs
+    with pytest.raises(PeerError, match="expected probe_burst, got 'probe_ping'"):
+        answer_burst(b)
+    a.send("probe_burst", {"i": 0, "of": BURST})  # a burst cut short: the peer's silence, after the timeout
+    b.timeout_s = 0.2
+    with pytest.raises(PeerError, match="sent nothing"):
+        answer_burst(b)
 
 
 def test_every_rank_probes_its_next_link_once_around_a_ring():

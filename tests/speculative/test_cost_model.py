@@ -353,3 +353,67 @@ def test_a_rank_timed_alone_and_at_once_gives_its_costs_alone_and_its_slowdown()
     assert p.together == (2.0, 1.0)
     assert p.ranks[0].ms(1, 1) == pytest.approx(2 * 1.0 + 2.0 + ENGINE_RANK0_MS)
     assert p.ranks[1].ms(1, 1) == pytest.approx(2 * 3.0 + ENGINE_LAST_MS)
+
+
+def costly(p: Pipeline, *message_ms: float) -> Pipeline:
+    """`p` with link i's messages costing its two ends message_ms[i] each."""
+    return replace(p, links=tuple(replace(link, message_ms=m) for link, m in zip(p.links, message_ms)))
+
+
+def test_every_message_costs_the_ranks_at_its_ends_in_a_full_pipe():
+    """Two ranks of 1 ms a round over free links, 0.5 ms a message: a row is a Round one way and a Reply back, so each
+    rank is busy 1 + 2 x 0.5 = 2 ms a one-row batch, and four streams at K=0 in four batches cycle in 4 x 2 = 8 ms,
+    not 4 x 1. A lone round's messages are inside the links' latency (as probed): nothing more; a batch of four
+    rows in turn waits for the three behind each link's first: 3 x 0.5 ms a link."""
+    free = ring((1.0, 1.0), rate=1.0)
+    p = costly(free, 0.5, 0.5)
+    parts = round_parts(p, 0, 1)
+    assert parts.busiest_ms == pytest.approx(2.0) and parts.full_prep_ms == pytest.approx(2.0)
+    assert parts.later_busiest_ms == pytest.approx(2.0) and parts.prep_ms == 1.0
+    assert aggregate_tokens_per_s(free, 0, 4, 4) == pytest.approx(1000 * 4 / 4.0)
+    assert aggregate_tokens_per_s(p, 0, 4, 4) == pytest.approx(1000 * 4 / 8.0)
+    assert round_ms(p, 0, 1) == round_ms(free, 0, 1) == 2.0  # one stream alone, in turn
+    assert round_ms(p, 0, 4) == pytest.approx(round_ms(free, 0, 4) + 2 * 3 * 0.5)
+    assert round_parts(p, 0, 4).busiest_ms == pytest.approx(1.0 + 4 * 2 * 0.5)  # every row's two messages
+
+
+def test_a_chain_of_bets_leaves_rank_0_at_its_prep_and_messages():
+    """Rank 0 prepares a block in 100 ms (4 steps of 20 + its 20 ms slice), the trip is 200 ms, bets hold: four on
+    the way go at rank 0's pace; at 5 ms a message it sends a Round and takes a Reply per block: 110 ms a block.
+    One on the way: the trip's pace, the messages inside its latency."""
+    slow = ring((20.0, 0.0), (100.0, 100.0), step=20.0, rate=1.0, overlap=True)
+    p = costly(slow, 5.0, 5.0)
+    assert stream_tokens_per_s(slow, 4, 4) == pytest.approx(5 * 1000 / 100)
+    assert stream_tokens_per_s(p, 4, 4) == pytest.approx(5 * 1000 / 110)
+    assert stream_tokens_per_s(p, 4, 1) == stream_tokens_per_s(slow, 4, 1) == pytest.approx(5 * 1000 / 200)
+
+
+def test_a_rank_pays_for_the_messages_on_its_own_two_links():
+    """Three ranks, links of 0.1 / 0.2 / 0.4 ms a message (rank 0 -> 1, 1 -> 2, the reply 2 -> 0), two rows: rank 0
+    pays 2 x (0.4 + 0.1) = 1.0, rank 1 2 x (0.1 + 0.2) = 0.6 besides its 1 ms, rank 2 2 x (0.2 + 0.4) = 1.2."""
+    inf = float("inf")
+    p = costly(ring((0.0, 1.0, 0.0), (0.0,) * 3, (inf,) * 3), 0.1, 0.2, 0.4)
+    parts = round_parts(p, 0, 2)
+    assert parts.full_prep_ms == pytest.approx(1.0)
+    assert parts.later_busiest_ms == pytest.approx(1.6)  # rank 1, above rank 2's 1.2
+    assert round_parts(replace(p, ranks=(RankCost(0.0),) * 3), 0, 2).later_busiest_ms == pytest.approx(1.2)
+    assert parts.trip_ms == pytest.approx(1.0 + 0.1 + 0.2 + 0.4)  # the second row behind each link's first
+
+
+def test_each_prefill_chunk_keeps_the_ranks_at_its_ends_busy_a_message_more():
+    """2000 tokens in chunks of 500, both ranks 0.1 ms a token (50 ms a chunk), 5 ms a message: rank 0 sends a chunk
+    every 55 ms, rank 1 takes one every 55; the last chunk's own messages are in the latency: 50 + 3 x 55 + 50 ms.
+    Rank 0's work at admission: its three chunks and their sends."""
+    free = ring((0.0, 0.0), (0.0, 0.0), token_ms=0.1)
+    p = costly(free, 5.0, 5.0)
+    assert ttft_s(free, 2000, 500) == pytest.approx(250 / 1000)
+    assert ttft_s(p, 2000, 500) == pytest.approx((50 + 3 * 55 + 50) / 1000)
+    assert rank0_prefill_ms(p, 2000, 500) == pytest.approx(3 * 55)
+
+
+def test_the_handshakes_probe_gives_each_links_message_cost():
+    from launch.prediction import link_costs
+    from netbridge.link_probe import LinkProbe
+    links = (LinkProbe("gloo", 2.0, 100.0, 90.0, 0.7), LinkProbe("gloo", 1.0, 80.0, 70.0, 1.5))
+    plan = SimpleNamespace(ranks=2, links=links)
+    assert link_costs(plan) == (LinkCost(1.0, 100.0, 0.7), LinkCost(0.5, 80.0, 1.5))
