@@ -58,8 +58,10 @@ def test_non_finite_logits_on_rank1_reach_rank0s_line_and_output_json(tmp_path, 
 def test_a_refused_frame_on_rank1_reaches_rank0(tmp_path, monkeypatch, reports):
     """The relay channel refuses a tampered frame with a RefusedFrame (a PeerError, though the peer is
     fine): the refusing rank must still tell the other why it stops."""
-    from netbridge.link_probe import PINGS
-    PROBE_FRAMES = 2 * ((PINGS + 1) + (PINGS + 2))  # the frames both ranks receive in the two link probes (calls counts both)
+    from netbridge.link_probe import BURST, BURSTS, PINGS
+    # the frames both ranks receive in the two link probes (calls counts both): the answering end's pings, bulk and
+    # bursts, the probing end's pongs, got, bulk back and the bursts' answers
+    PROBE_FRAMES = 2 * ((PINGS + 1 + BURSTS * BURST) + (PINGS + 2 + BURSTS))
     from netbridge.channel import LocalChannel
     real_recv = LocalChannel.recv_frame
     calls = {"n": 0}
