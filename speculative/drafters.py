@@ -13,7 +13,7 @@ from, so the last rank's rejection sampling is exact whichever kind proposed the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -220,13 +220,15 @@ class HybridDrafter(ModelDrafter):
     stretch commits several times the tokens per round trip.
 
     Where the model parts from a copy, the target likely does too (the model drafts for it: 0.8-0.97 of its drafts
-    are the target's own), so a greedy request's lookup is checked first (`checked`): one forward of the model over
-    the copy gives its own guess at each copied token, and the copy goes only as far as the model agrees with it,
-    the model's own drafts after it. The copy past that point would mostly be thrown away, each token a position of
-    every later rank's block, and the round after would find no copy and draft in line. That forward is the one the
-    model needs anyway to take the copy in (which otherwise it does the next time it drafts, everything it lacks
-    in one forward, as after a fully accepted round; a lone stream under spec.overlap sooner, in the wait:
-    BlockMaker.take_in_lookups), so a copied stretch costs the model one forward over it, not a step per token.
+    are the target's own), so a greedy request's lookup is checked first (`checked`): the model's first step says
+    whether it would propose the copy's first token (if not, the copy goes and that step is the first of its own
+    drafts); if so, one forward of the model over the rest of the copy gives its own guess at each copied token,
+    and the copy goes only as far as the model agrees with it, the model's own drafts after it. The copy past that
+    point would mostly be thrown away, each token a position of every later rank's block, and the round after would
+    find no copy and draft in line. That forward is the one the model needs anyway to take the copy in (which
+    otherwise it does the next time it drafts, everything it lacks in one forward, as after a fully accepted round;
+    a lone stream under spec.overlap sooner, in the wait: BlockMaker.take_in_lookups), so a copied stretch costs
+    the model one forward over it, not a step per token.
     A model that is not the target's likeness would cut good copies short: lookups are checked only while the
     model's first token of a block is kept more often than not (`model_is_right`). In a batch some rows may be
     looked up and others drafted by the model: the looked-up rows take no part in the model's steps."""
@@ -273,9 +275,7 @@ class HybridDrafter(ModelDrafter):
         own = [guesses[len(context) + parts]]
         own += self.drafts_after(context, tokens[:parts] + own, k - parts - 1, slot)
         self.own_first.setdefault(slot, []).append(len(context) + parts)
-        checked = one_hot_drafts(tokens[:parts] + own, looked_up=True)
-        checked.cut = True
-        return checked
+        return replace(one_hot_drafts(tokens[:parts] + own, looked_up=True), cut=True)
 
     def drafts_after(self, context: list[int], more: list[int], k: int, slot: int) -> list[int]:
         """The model's k greedy drafts (none for k <= 0) after context + more, in its steps."""
