@@ -64,7 +64,7 @@ class RoundRecord:
     live: int = 1  # streams live when its reply came
     on_the_way: int = 1  # blocks of every stream on the way when its reply was awaited, itself included
     looked_up: bool = False  # its drafts were found in the context, with no model step (draft.kind=hybrid, ngram)
-    cut: bool = False  # looked up, cut where the model parts from the copy, its own token last (hybrid, greedy)
+    cut: bool = False  # looked up, cut where the model parts from the copy, its own drafts after (hybrid, greedy)
     predicted_tokens_per_s: float = 0.0  # the cost model's tokens/s for its stream at its K (speculative.cost_model)
     measured_tokens_per_s: float = 0.0  # its stream's tokens/s since its first token, this round's included
 

@@ -219,7 +219,7 @@ def test_probe_measures_what_a_message_costs_besides_the_round_trip():
     p = probe_link(a)
     answering.join(5)
     assert p.rtt_ms == pytest.approx(70, rel=0.15), p
-    assert 8.0 <= p.message_ms <= 13.0, p
+    assert 8.0 <= p.message_ms <= 16.0, p  # (a loaded host only adds: its scheduling, never less than the sleeps)
     assert not answering.is_alive()
 
 

@@ -130,8 +130,9 @@ def test_a_lone_streams_lookups_are_taken_in_by_the_model_in_the_wait(copier, ti
     """Every decode round a lookup (the prompt the answer copies), under spec.overlap: the model never drafts, yet
     its slot ends holding the whole answer but its last two tokens (the last round's last draft and the target's
     own token, fed by the next drafting step as after a fully accepted round of the model's), taken in while
-    rounds were on the way, so a round after a copy diverges drafts at once; and what it holds is right: its next drafts are a freshly prefilled
-    drafter's."""
+    rounds were on the way, so a round after a copy diverges drafts at once; and what it holds is right: its next
+    drafts are a freshly prefilled drafter's. (This model is unlike the target: after its first block's first token
+    was not kept, the copies are not checked against it, HybridDrafter.model_is_right.)"""
     cycle = cycle_of(copier)
     prompt = NOVEL + cycle + cycle[:len(cycle) // 2]
 
@@ -143,9 +144,7 @@ def test_a_lone_streams_lookups_are_taken_in_by_the_model_in_the_wait(copier, ti
     context = prompt + gen.output.tokens
     assert context[len(prompt):] == reference_greedy(copier, prompt, 24)
     assert kinds(gen.rounds)[1] == 0  # the model never drafted
-    # all but the last lookup's tokens: where the (unrelated) model parts from that copy, it drafted a round in
-    # the wait instead (ready_for_divergence), and holds the copy up to there
-    assert len(context) - 2 - 9 <= drafter.cached[0] <= len(context) - 2
+    assert drafter.cached[0] == len(context) - 2
     fresh = ModelDrafter(model_stage(tiny_qwen_draft, 1), max_k=8, top_k=16)
     fresh.reset(0, 0.0, seed=0)
     mine = ModelDrafter.propose_rows(drafter, [context], [4], [0])[0]  # the model, not a lookup
