@@ -278,7 +278,8 @@ class HybridDrafter(ModelDrafter):
         return replace(one_hot_drafts(tokens[:parts] + own, looked_up=True), cut=True)
 
     def drafts_after(self, context: list[int], more: list[int], k: int, slot: int) -> list[int]:
-        """The model's k greedy drafts (none for k <= 0) after context + more, in its steps."""
+        """The model's k greedy drafts (none for k <= 0) after context + more, in its steps (never a lookup:
+        ModelDrafter's, not this class's propose_rows)."""
         if k <= 0:
             return []
         return ModelDrafter.propose_rows(self, [context + more], [k], [slot])[0].tokens.tolist()
