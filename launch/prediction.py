@@ -3,6 +3,7 @@ every link's probe, the settings it would run, and the start-up line.
 
     p = plan_pipeline(plan)            # the ranks' costs at the split, the links, the drafter, a prior acceptance
     s = planned_settings(plan, p)      # K, depth, batches: as given, or ('auto') from the model
+    planned_depth(plan)                # the depth a lone stream starts at (spec.in_flight=auto: the model's)
     prediction_line(plan)              # "predicted: X tokens/s one stream, Y for N at once, TTFT of 2k: Z s"
 """
 from __future__ import annotations
@@ -60,6 +61,14 @@ def planned_settings(plan, p: Pipeline) -> Settings:
     k = cost_model.best_k(p, spec.k) if spec.k_from_costs and spec.k > 0 else spec.k
     depth = cost_model.best_depth(p, k) if spec.in_flight == "auto" else int(spec.in_flight)
     return Settings(k, depth, cost_model.best_batches(p, k, plan.slots) if plan.slots > 1 else 1)
+
+
+def planned_depth(plan) -> int:
+    """The depth a lone stream starts at: spec.in_flight, or (auto) the model's at start-up (1 when the ranks
+    were not timed)."""
+    if plan.settings.spec.in_flight != "auto":
+        return int(plan.settings.spec.in_flight)
+    return planned_settings(plan, plan_pipeline(plan)).depth if timed_everywhere(plan) else 1
 
 
 def plan_prediction(plan) -> Prediction:

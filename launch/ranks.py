@@ -24,7 +24,7 @@ from launch.config import TandemConfig
 from launch.distributed import Interrupted, error_line
 from launch.handshake import handshake
 from launch.plan import Models, Plan, open_models
-from launch.prediction import plan_predictor, prediction_line
+from launch.prediction import plan_predictor, planned_depth, prediction_line
 from netbridge.protocol import SamplingParams
 from speculative.output import Output
 from speculative.grammar import FolderGrammars
@@ -79,7 +79,7 @@ def first_rank(cfg: TandemConfig, next, replies=None, ranks: int = 2) -> FirstRa
     stage = build_stage(plan)
     drafter = build_drafter(plan)
     session = Session(stage, drafter, next, plan.spec, replies, build_prefixes(plan, stage, drafter), slots=plan.slots,
-                      predictor=plan_predictor(plan))
+                      predictor=plan_predictor(plan), depth_at_start=planned_depth(plan))
     return FirstRank(plan, session, tokenizer, ids, eos_ids(plan.models.target), stage.config.vocab_size)
 
 

@@ -30,6 +30,8 @@ chain of blocks leaves rank 0 every delta = max(prep, busiest later resource, tr
 1 - h. Kept rounds per ms the pipe allows: 1 / (h delta + (1 - h)(trip + prep)); rank 0 allows
 1 / (prep (1 + (1 - h) w)), w the blocks thrown away at a lost bet (D under overlap, D - 1 without). The rate
 is the smaller. Without overlap and D = 1, or K = 0 (nothing to bet on), rounds run in turn: prep + trip.
+A chain deepened while a request runs (spec.in_flight=auto) pays once for filling: the rounds added reply a trip
+after they go, the old pace until then (deepening_ms).
 
 B streams in G batches taking turns (aggregate_tokens_per_s; serve.max_concurrent, BatchCount): each batch
 holds ceil(B / G) rows; G batches cycle in max(G x busiest, prep + trip), every stream committing one round's
@@ -324,6 +326,23 @@ def kept_rounds_per_ms(p: Pipeline, k: int, depth: int) -> float:
     return min(wire, rank0)
 
 
+def chain_step_ms(p: Pipeline, k: int, depth: int) -> float:
+    """How often a full chain of `depth` rounds replies while its bets hold: rank 0's prep, the busiest later rank
+    (every rank at once) or the trip / depth, whichever is slowest."""
+    parts = round_parts(p, k, 1)
+    return max(parts.full_prep_ms, parts.full_later_busiest_ms, parts.trip_ms / depth)
+
+
+def deepening_ms(p: Pipeline, k: int, before: int, after: int) -> float:
+    """What deepening a lone stream's chain from `before` rounds on the way to `after` costs beyond running at
+    `after` all along: the rounds added go out at once, but their replies come a trip later, and until then the
+    replies keep the old pace: trip x (1 - step(after) / step(before)). Depth 1 to D: the trip less one step."""
+    if k == 0 or after <= before:
+        return 0.0
+    trip = round_parts(p, k, 1).trip_ms
+    return trip * max(0.0, 1.0 - chain_step_ms(p, k, after) / chain_step_ms(p, k, before))
+
+
 def stream_tokens_per_s(p: Pipeline, k: int, depth: int = 1) -> float:
     """One stream's tokens/s at K drafts a round and `depth` rounds on the way."""
     return 1000.0 * tokens_per_round(p.acceptance, k) * kept_rounds_per_ms(p, k, depth)
@@ -539,20 +558,28 @@ class Predictor:
     def ttft_s(self, prompt_tokens: int, ahead: tuple[int, ...] = ()) -> float:
         return ttft_s(self.pipeline(), prompt_tokens, self.chunk, ahead)
 
-    def for_rounds(self, rounds, streams: int = 1, start: int | None = None) -> float:
+    def for_rounds(self, rounds, streams: int = 1, start: int | None = None, before=None) -> float:
         """One request's tokens/s as the model gives it at the acceptance its own decode rounds measured (and its
         bets): its tokens over the time the model gives each round at that round's K, rounds on the way and
         context (`start`: the tokens cached before the first of them, its prompt's and the first round's; each
-        round after the tokens committed before it; None: every round as timed). The
+        round after the tokens committed before it; None: every round as timed), and what deepening a lone stream's
+        chain cost (deepening_ms: spec.in_flight=auto rising after the first token; `before`: the round before
+        the first, the depth the chain had when they began). The
         rounds' own predictions lean on what earlier rounds measured (the prior at first), which on a short request
         of a prompt drafted far better or worse than the prior mostly measures the prior."""
         mine = Predictor(self.start, self.chunk, self.batches_max)
         for r in rounds:
             mine.observe(r.drafted, r.accepted, r.bet)
-        contexts = [None] * len(rounds) if start is None else itertools.accumulate(
-            (r.committed for r in rounds[:-1]), initial=start)
+        contexts = [None] * len(rounds) if start is None else list(itertools.accumulate(
+            (r.committed for r in rounds[:-1]), initial=start))
+        depths = depths_sent(rounds)
         seconds = sum(r.committed / mine.tokens_per_s(r.drafted, depth, streams, context)
-                      for r, depth, context in zip(rounds, depths_sent(rounds), contexts))
+                      for r, depth, context in zip(rounds, depths, contexts))
+        if streams <= 1:  # (several streams fill the pipe with their rounds, not bets)
+            deepest = before.in_flight if before is not None else depths[0]  # the chain's depth so far
+            for r, depth, context in zip(rounds, depths, contexts):
+                seconds += deepening_ms(at_context(mine.pipeline(), context), r.drafted, deepest, depth) / 1000
+                deepest = max(deepest, depth)
         return sum(r.committed for r in rounds) / seconds if seconds > 0 else 0.0
 
     def admission_ms(self, prompt_tokens: int) -> float:

@@ -31,14 +31,16 @@ class FixedDepth:
 
 
 class DepthFromCosts:
-    def __init__(self, overlap: bool = True, most: int = 4, smoothing: float = 0.2, warmup: int = 4):
+    def __init__(self, overlap: bool = True, most: int = 4, smoothing: float = 0.2, warmup: int = 4, start: int = 1):
         self.overlap, self.most, self.smoothing, self.warmup = overlap, most, smoothing, warmup
         self.hold: float | None = None  # how often a bet held
         self.prep_ms: float | None = None  # r0: drafting + stage 0 of one block
         self.trip_ms: float | None = None  # send -> reply less rank 0's work in the wait
         self.slowest_ms = 0.0  # the slowest later rank's work on a block
         self.seen = 0
-        self.depth = 1
+        # until measured, the start-up model's depth: a chain deepened after a request's first token fills in
+        # the open (its first reply a whole trip away), where one sent in the first round's wait fills unseen
+        self.depth = start
 
     def now(self) -> int:
         return self.depth
@@ -74,8 +76,8 @@ class DepthFromCosts:
         return cost_model.best_depth(self.pipeline(), 1, self.most)
 
 
-def in_flight_policy(setting: int | str, overlap: bool):
-    """spec.in_flight: a fixed depth, or "auto" (DepthFromCosts)."""
+def in_flight_policy(setting: int | str, overlap: bool, start: int = 1):
+    """spec.in_flight: a fixed depth, or "auto" (DepthFromCosts, from `start` until rounds are measured)."""
     if setting == "auto":
-        return DepthFromCosts(overlap)
+        return DepthFromCosts(overlap, start=start)
     return FixedDepth(int(setting))

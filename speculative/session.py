@@ -59,7 +59,7 @@ def _ms(t0: float) -> float:
 
 class Session:
     def __init__(self, stage, drafter, channel, spec: SpecSettings = SpecSettings(), replies=None, prefixes=None,
-                 slots: int = 1, batches_on_the_way: int | None = None, predictor=None):
+                 slots: int = 1, batches_on_the_way: int | None = None, predictor=None, depth_at_start: int = 1):
         self.stage, self.drafter, self.channel = stage, drafter, channel
         self.prefixes = prefixes  # cache.dir: rank 0's saved prefixes (speculative.prefixes.RankPrefixes), or None
         self.replies = Replies(replies or channel)  # from the last rank (with more than two ranks, its own link)
@@ -67,9 +67,10 @@ class Session:
         self.k_policy = k_policy(spec.k, spec.adaptive, spec.k_from_costs, spec.overlap)
         self.maker = BlockMaker(stage, drafter, self.k_policy, spec.overlap)
         self.slots = slots  # how many streams may be live at once (serve.max_concurrent)
-        # the slots, the live streams by slot, the batches (batches_on_the_way None: from measured costs)
-        self.scheduler = Scheduler(slots, batches_on_the_way, in_flight_policy(spec.in_flight, spec.overlap),
-                                   spec.prefill_chunk)
+        # the slots, the live streams by slot, the batches (batches_on_the_way None: from measured costs); a
+        # lone stream's depth (spec.in_flight=auto: from depth_at_start, the start-up model's, until measured)
+        self.scheduler = Scheduler(slots, batches_on_the_way,
+                                   in_flight_policy(spec.in_flight, spec.overlap, depth_at_start), spec.prefill_chunk)
         self.ended: list[Stream] = []  # streams that ended outside a tick (settle), for the next tick to return
         self.predictor = predictor  # the cost model's predictions beside what rounds measure (cost_model.Predictor)
 
@@ -305,8 +306,8 @@ class Session:
         decode = s.gen.rounds[1:]
         if self.predictor is not None and any(r.drafted for r in decode):  # the run's: at the acceptance it had
             streams = max(1, round(sum(r.live for r in decode) / len(decode)))
-            s.gen.predicted_tokens_per_s = self.predictor.for_rounds(decode, streams,
-                                                                     len(s.gen.prompt_ids) + s.gen.rounds[0].committed)
+            s.gen.predicted_tokens_per_s = self.predictor.for_rounds(
+                decode, streams, len(s.gen.prompt_ids) + s.gen.rounds[0].committed, before=s.gen.rounds[0])
         holds = (s.gen.prompt_ids + s.output.tokens)[:-1] if s.gen.rounds else s.gen.prompt_ids[:s.gen.reused]
         self.scheduler.give_back(s.slot, holds if clean else None)
         if self.prefixes is not None:

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 from speculative.cost_model import (ENGINE_LAST_MS, ENGINE_RANK0_MS, ENGINE_STEP_MS, Acceptance, DraftCost, LinkCost,
                                     Pipeline, Predictor, RankCost, aggregate_tokens_per_s, best_batches, best_depth,
-                                    at_context, best_k, best_settings, depths_sent, from_rank_costs, rank0_prefill_ms, round_parts, round_ms,
+                                    at_context, best_k, best_settings, deepening_ms, depths_sent, from_rank_costs, rank0_prefill_ms, round_parts, round_ms,
                                     stream_tokens_per_s, tokens_per_round, ttft_s)
 
 
@@ -250,6 +250,27 @@ def test_a_requests_last_rounds_count_at_the_depth_they_were_sent_at():
     # counted at the drained in_flight, the last two rounds would cost a trip / 2 and a whole trip: > 10% less
     assert at_three > 1.1 * 1000 * 65 / (11 * 5 / at_three * 1000 + 5 / mine.tokens_per_s(4, 2) * 1000
                                         + 5 / mine.tokens_per_s(4, 1) * 1000)
+
+
+def test_deepening_a_chain_after_its_first_reply_costs_its_first_trip_less_a_step():
+    """Rank 0 10 ms, rank 1 10 ms, 40 ms each way: the trip 90 ms; at depth 3 a full chain replies every 30 ms.
+    Deepened from 1 after the first token (spec.in_flight=auto), its first reply is a trip away: 60 ms more than a
+    step; from 2 (a reply every 45 ms until the new rounds' replies come): 90 x (1 - 30/45) = 30 ms. A drafter
+    of 10 ms a step at K=4 (prep 50 ms) bounds depth 4's step at 50: deepened from 1, 90 - 50 = 40 ms."""
+    p = ring((10.0, 10.0), (40.0, 40.0), overlap=True, rate=1.0)
+    assert deepening_ms(p, 4, 1, 3) == pytest.approx(60.0)
+    assert deepening_ms(p, 4, 2, 3) == pytest.approx(30.0)
+    assert deepening_ms(p, 4, 3, 3) == deepening_ms(p, 4, 3, 1) == deepening_ms(p, 0, 1, 3) == 0.0
+    assert deepening_ms(ring((10.0, 10.0), (40.0, 40.0), step=10.0, overlap=True), 4, 1, 4) == pytest.approx(40.0)
+    # a request of 13 rounds at depth 3, the chain deepened after the first token (its first round replied with
+    # one on the way) or filled in the first round's wait (three on the way at its reply)
+    rounds = [SimpleNamespace(drafted=4, accepted=4, committed=5, bet=True, in_flight=3) for _ in range(13)]
+    steady = Predictor(p).for_rounds(rounds, before=SimpleNamespace(in_flight=3))  # ~ 5 tokens a 30 ms step
+    assert steady == pytest.approx(1000 * 65 / (13 * 30.0), rel=0.02)
+    assert Predictor(p).for_rounds(rounds, before=SimpleNamespace(in_flight=1)) == pytest.approx(
+        65 / (65 / steady + 0.060))
+    assert Predictor(p).for_rounds(rounds, streams=2, before=SimpleNamespace(in_flight=1)) == pytest.approx(
+        Predictor(p).for_rounds(rounds, streams=2))  # several streams: no chain
 
 
 def test_a_run_prints_its_prediction_and_logs_it_beside_every_round(tiny_qwen, tmp_path, capsys):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from netbridge.protocol import SamplingParams
-from speculative.in_flight import DepthFromCosts
+from speculative.in_flight import DepthFromCosts, in_flight_policy
 from speculative.rounds import RoundRecord
 from tests.support.session_harness import serve, session_args
 from tests.support.tiny_models import ids_arg, reference_greedy, run_pair, run_ranks, with_eos
@@ -120,3 +120,19 @@ def test_auto_depth_goes_deeper_only_when_bets_hold_and_the_trip_is_long():
     for i in range(10):
         busy.observe(record(draft_ms=550.0, stage0_ms=2.0, round_ms=620.0, bet=i % 5 != 0))
     assert busy.now() == 1  # the blocks thrown away at each lost bet would cost rank 0 more than the wire saves
+
+
+def test_auto_depth_starts_at_the_start_up_models_until_rounds_are_measured():
+    """A chain deepened after a request's first token fills in the open, so the depth starts at the start-up
+    model's (launch.prediction.planned_depth) and follows what the rounds measure after the warm-up."""
+    from types import SimpleNamespace
+    from launch.prediction import planned_depth
+    from speculative.session import Session, SpecSettings
+    policy = in_flight_policy("auto", True, start=3)
+    assert policy.now() == 3
+    for i in range(10):
+        policy.observe(record(accepted=0, bet=False))
+    assert policy.now() == 1  # measured: no bet holds
+    session = Session(None, None, None, SpecSettings(overlap=True, in_flight="auto"), depth_at_start=3)
+    assert session.scheduler.in_flight.now() == 3
+    assert planned_depth(SimpleNamespace(settings=SimpleNamespace(spec=SimpleNamespace(in_flight=2)))) == 2
