@@ -66,15 +66,20 @@ class BatchCount:
             return 1
         return cost_model.best_batches(self.pipeline(), 0, streams or self.most, self.most)
 
-    def observe(self, record, waited_ms: float, alone: bool = True) -> None:
-        """A fresh block's round (not a first round, not a bet). The trip is read only from rounds whose reply
+    def observe(self, record, waited_ms: float, alone: bool = True, busy_ms: float | None = None) -> None:
+        """A fresh block's round (not a first round, not a bet). Rank 0's work per batch is all it did since the
+        last reply but wait (`busy_ms`): its forwards are the least of it with a small model (committing, sampling,
+        answering clients, a message per row each way: ~4 ms a one-row batch of the tiny model here, its forward
+        ~1.7), and counting the forwards alone made 4 batches of one row look free (four streams at K=0 over 0 ms
+        read 183 tokens/s, 248 counting it all: bench/README). The trip is read only from rounds whose reply
         rank 0 waited for: one read late (rank 0 busy with another batch) holds rank 0's work besides the trip;
         and only from rounds sent into an empty pipe (`alone`): one sent behind another batch may wait at a later
         rank busy with it, and that wait read as trip makes more batches look free, which lengthens the wait."""
         if record.from_ahead:
             return
         s, rows = self.smoothing, record.batch
-        self.rank0[rows] = ema(self.rank0.get(rows), record.draft_ms + record.stage0_ms, s)
+        work = max(record.draft_ms + record.stage0_ms, busy_ms or 0.0)
+        self.rank0[rows] = ema(self.rank0.get(rows), work, s)
         stages = [*record.middle_ms, record.last_ms]
         if any(len(old) != len(stages) for old in self.stages.values()):
             self.stages = {}
@@ -166,10 +171,11 @@ class Scheduler:
         streams fill the pipe (their rounds, not bets, use the wait)."""
         return self.in_flight.now() if len(self.live) == 1 else 1
 
-    def observe(self, record, waited_ms: float, decode: bool, alone: bool = True) -> None:
+    def observe(self, record, waited_ms: float, decode: bool, alone: bool = True, busy_ms: float | None = None) -> None:
         """A round's costs: a lone stream's teach spec.in_flight=auto its depth, several streams' the batch count
-        (`decode`: not a stream's first round, which carries its prompt; `alone`: sent into an empty pipe)."""
+        (`decode`: not a stream's first round, which carries its prompt; `alone`: sent into an empty pipe; `busy_ms`:
+        rank 0's whole work for the batch, None when not known)."""
         if len(self.live) == 1:
             self.in_flight.observe(record)
         elif decode:
-            self.batch_count.observe(record, waited_ms, alone)
+            self.batch_count.observe(record, waited_ms, alone, busy_ms)

@@ -73,6 +73,7 @@ class Session:
                                    in_flight_policy(spec.in_flight, spec.overlap, depth_at_start), spec.prefill_chunk)
         self.ended: list[Stream] = []  # streams that ended outside a tick (settle), for the next tick to return
         self.predictor = predictor  # the cost model's predictions beside what rounds measure (cost_model.Predictor)
+        self.t_replied: float | None = None  # when the last reply came (rank 0's work per batch: take_batch)
 
     @property
     def live(self) -> list[Stream]:
@@ -243,7 +244,12 @@ class Session:
         ended."""
         on_the_way, t_wait = self.replies.on_the_way, time.perf_counter()
         replies, wasted_ms = self.replies.next()
-        waited_ms, ended = _ms(t_wait), []
+        replied, ended = time.perf_counter(), []
+        waited_ms = (replied - t_wait) * 1000
+        # rank 0's whole work for a batch (forwards, committing, sampling, answering clients, messages): the time
+        # since the last reply came, less this wait
+        busy_ms = None if self.t_replied is None else max((replied - self.t_replied) * 1000 - waited_ms, 0.0)
+        self.t_replied = replied
         for i, (block, reply) in enumerate(replies):
             s = block.stream
             if reply.error is not None:  # its grammar failed on the last rank: it ends alone, nothing committed
@@ -252,12 +258,15 @@ class Session:
                 continue
             record = self.commit_round(s, block, reply, wasted_ms, on_the_way)
             if i == 0:  # the batch's costs, once (scheduler: spec.in_flight=auto, how many batches)
-                self.scheduler.observe(record, waited_ms, decode=len(s.gen.rounds) > 1, alone=block.into_empty_pipe)
+                self.scheduler.observe(record, waited_ms, decode=len(s.gen.rounds) > 1, alone=block.into_empty_pipe,
+                                       busy_ms=busy_ms)
             wasted_ms = 0.0
             if s.on_round is not None:
                 s.on_round(record, reply)
             if s.output.done:
                 ended.append(self.end(s))
+        if not self.scheduler.live:  # rank 0 may idle until the next request: no batch's work
+            self.t_replied = None
         return ended
 
     def commit_round(self, s: Stream, block: Block, reply: Reply, wasted_ms: float, on_the_way: int) -> RoundRecord:

@@ -321,3 +321,15 @@ def test_adaptive_k_judges_a_round_by_the_k_it_asked_for():
     assert policy.after(4, widened, decode=True) == 3
     looked_up = RoundRecord(16, 5, 6, draft_ms=0, stage0_ms=0, round_ms=0, last_ms=0, looked_up=True)
     assert policy.after(4, looked_up, decode=True) == 3
+
+
+def test_the_batch_count_weighs_all_rank_0_does_for_a_batch():
+    """The tiny model at K=0 on this host: rank 0's forward 1.7 ms, rank 1's 1.7, 1 ms of wire, but rank 0 busy 4 ms
+    a batch (committing, sampling, answering, a message per row each way). Counting its forward alone, two batches
+    cycle in max(2 x 1.7, 4.4) and look free; counting all it does, max(2 x 4, 6.7) = 8 against one batch's 6.7."""
+    forwards, everything = BatchCount(), BatchCount()
+    for _ in range(20):
+        forwards.observe(record(1.7, 1.7, 1.0), waited_ms=2.0)
+        everything.observe(record(1.7, 1.7, 1.0), waited_ms=2.0, busy_ms=4.0)
+    assert forwards.now(4) == 2
+    assert everything.now(4) == 1
