@@ -14,7 +14,7 @@ spec.in_flight=auto, the model's own choice), clients 1 / 4, prompts of ~40 and 
 
 One launch per (model, ranks, delay, bandwidth, setting), served (serve.max_concurrent=4), measures its four cells
 (clients x prompt) with /v1/completions requests, each prompt new (no prefix of another's in the slots' caches),
-after one warm-up request. Per cell:
+after one warm-up request of 32 tokens. Per cell:
     one client    measured: the server's tokens/s (decode) and TTFT of the request; predicted: the same request's
                   `predicted_tokens_per_s` / `predicted_ttft_ms` (the cost model at the acceptance the request's
                   own rounds measured, its K and depth: Predictor.for_rounds)
@@ -192,7 +192,9 @@ def measure(cells: list[Cell], a, root: Path) -> list[dict]:
         max_tokens = a.max_tokens if launch.model == "tiny" else a.pair_max_tokens
         started = time.perf_counter()
         with Served(launch.delay_ms, overrides, a.launch_timeout, log, nproc=launch.ranks) as served:
-            complete(served.url, "Say hello.", 4, a.request_timeout)  # warm-up
+            # warm-up: long enough for the online choices (K, depth, batches) to leave their first rounds'
+            # defaults, as they have on a server after its first request
+            complete(served.url, "Say hello.", 32, a.request_timeout)
             startup = startup_prediction(log)
             for cell in mine:
                 seed += 1
