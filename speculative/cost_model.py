@@ -373,20 +373,29 @@ def rank0_prefill_ms(p: Pipeline, prompt_tokens: int, chunk: int) -> float:
                for size, context in chunks(prompt_tokens, chunk)[:-1])
 
 
-def ttft_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] = ()) -> float:
+def ttft_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] = (), k: int = 0,
+           depth: int = 0) -> float:
     """Time to first token of a `prompt_tokens` prompt (nothing cached) crossing in chunks of `chunk`, pipelined
     across the ranks; the last chunk goes with the first round, whose reply carries the token (it drafts nothing
     at any K: the drafter takes that chunk in while the round is on the way). A chunk's cost grows with the
-    context it attends over. `ahead`: prompts admitted before it and still unanswered: the engine prefills each at
-    admission, then sends the first rounds in that order, so theirs go first."""
-    prompts = [*ahead, prompt_tokens]
-    items = [(size, context, False) for n in prompts for size, context in chunks(n, chunk)[:-1]]
-    items += [(*chunks(n, chunk)[-1], True) for n in prompts]
+    context it attends over; the time counts from its admission. `ahead`: prompts admitted before it whose first
+    rounds are not yet sent: rank 0 prefilled each at its admission, before this one's (the newcomer waited for
+    that in its queue: measured, not counted here), but their chunks may still hold the later ranks (counted
+    from its admission on: a little more than they have left); the first rounds go in that order, so theirs go
+    first. Rank 0 takes the reply only after its work in the wait: the drafter taking in each first round's chunk
+    and, for a lone stream (`depth` its rounds on the way, 0: not alone) drafting K under spec.overlap, its first
+    `depth` blocks on the bet (use_the_wait): over a short trip, what the first token waits for."""
+    items = [(size, context, False, r0_done) for n, r0_done in [*((n, True) for n in ahead), (prompt_tokens, False)]
+             for size, context in chunks(n, chunk)[:-1]]
+    firsts = [chunks(n, chunk)[-1] for n in [*ahead, prompt_tokens]]
+    items += [(*first, True, False) for first in firsts]
     free = [0.0] * (2 * len(p.ranks))  # when each resource is next free: rank 0, link 0, rank 1, link 1, ...
     done = 0.0
-    for size, context, first_round in items:
+    for size, context, first_round, r0_done in items:
         ready = 0.0
         for r, rank in enumerate(p.ranks):
+            if r == 0 and r0_done:  # rank 0 took it in and sent it before this admission
+                continue
             work = rank.chunk_ms(size, context)
             # rank 0 sends a Prefill chunk before the drafter takes it in; a first round drafts nothing (its
             # token is not known yet) and goes at once: the drafter takes its chunk in later, in the wait
@@ -405,7 +414,10 @@ def ttft_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] =
             ready = free[2 * r + 1] + link.one_way_ms
         if first_round:
             done = ready
-    return done / 1000.0
+    in_the_wait = sum(p.draft.prefill_ms(size, context) for size, context in firsts)
+    if depth and k and p.overlap:
+        in_the_wait += depth * (round_parts(p, k, 1).prep_ms + p.links[0].message_ms)
+    return max(done, free[0] + in_the_wait) / 1000.0
 
 
 def best_k(p: Pipeline, k_max: int, depth: int = 1) -> int:
@@ -443,7 +455,7 @@ def predict(p: Pipeline, settings: Settings, streams: int = 1, prompt_tokens: in
     long = at_context(p, prompt_tokens)
     return Prediction(stream_tokens_per_s(p, settings.k, settings.depth),
                       aggregate_tokens_per_s(p, settings.k, streams, settings.batches),
-                      ttft_s(p, prompt_tokens, chunk), prompt_tokens, settings, streams,
+                      ttft_s(p, prompt_tokens, chunk, (), settings.k, settings.depth), prompt_tokens, settings, streams,
                       stream_tokens_per_s(long, settings.k, settings.depth),
                       aggregate_tokens_per_s(long, settings.k, streams, settings.batches))
 
@@ -555,8 +567,8 @@ class Predictor:
             return stream_tokens_per_s(p, k, depth)
         return aggregate_tokens_per_s(p, k, streams, best_batches(p, k, streams, self.batches_max)) / streams
 
-    def ttft_s(self, prompt_tokens: int, ahead: tuple[int, ...] = ()) -> float:
-        return ttft_s(self.pipeline(), prompt_tokens, self.chunk, ahead)
+    def ttft_s(self, prompt_tokens: int, ahead: tuple[int, ...] = (), k: int = 0, depth: int = 0) -> float:
+        return ttft_s(self.pipeline(), prompt_tokens, self.chunk, ahead, k, depth)
 
     def for_rounds(self, rounds, streams: int = 1, start: int | None = None, before=None) -> float:
         """One request's tokens/s as the model gives it at the acceptance its own decode rounds measured (and its

@@ -138,12 +138,13 @@ class Session:
         return source, shared
 
     def predict_ttft(self, s: Stream, new_tokens: int) -> None:
-        """The cost model's TTFT of a newcomer, from its arrival when it came with others at once: the streams
-        admitted before it whose first round is not yet sent (their prompts were prefilled just before its own,
-        while it waited) go first; and its admission holds back each of their first rounds by its prefill."""
+        """The cost model's TTFT of a newcomer, from its admission: the streams admitted before it whose first round
+        is not yet sent (their prompts were prefilled just before its own, while it waited) go first; and its
+        admission holds back each of their first rounds by its prefill. Alone, its first wait drafts its chain."""
         unsent = [o for o in self.live if not o.gen.rounds and not o.chain]
         ahead = tuple(len(o.gen.prompt_ids) - o.gen.reused for o in unsent)
-        s.gen.predicted_ttft_s = self.predictor.ttft_s(new_tokens, ahead)
+        depth = 0 if self.live else self.scheduler.in_flight.now()  # alone: its first wait drafts its chain
+        s.gen.predicted_ttft_s = self.predictor.ttft_s(new_tokens, ahead, s.k_now, depth)
         held_back = self.predictor.admission_ms(new_tokens) / 1000
         for o in unsent:
             o.gen.predicted_ttft_s += held_back

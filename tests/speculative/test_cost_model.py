@@ -70,22 +70,42 @@ def test_a_long_prompt_attends_over_its_context_and_the_drafter_takes_it_in():
     """1000 tokens in chunks of 500 on rank 0 (0.1 ms a token, 0.001 ms per token per earlier token), its drafter
     catching up (0.05 and 0.0005), a free rank 1 and free links. Chunk 1: the slice 50 + 0.001 x 500 x 250 = 175 ms,
     sent, then the drafter 25 + 62.5. Chunk 2 (the first round): the slice 50 + 0.001 x 500 x 750 = 425, sent at
-    262.5 + 425 = 687.5 ms; it drafts nothing at any K (the drafter takes chunk 2 in while it is on the way)."""
+    262.5 + 425 = 687.5 ms; it drafts nothing at any K, and rank 0 takes its reply once the drafter has taken
+    chunk 2 in, in the wait: 25 + 0.0005 x 500 x 750 = 212.5 ms, the first token at 900."""
     p = Pipeline((RankCost(0.0, 0.1, attend_ms=0.001), RankCost(0.0)), (LinkCost(), LinkCost()),
                  DraftCost(step_ms=7.0, token_ms=0.05, attend_ms=0.0005))
-    assert ttft_s(p, 1000, 500) == pytest.approx(0.6875)
+    assert ttft_s(p, 1000, 500) == pytest.approx(0.9)
     assert rank0_prefill_ms(p, 1000, 500) == pytest.approx(175 + 87.5)  # what its admission holds rank 0 for
+
+
+def test_a_lone_streams_first_token_waits_for_the_chain_drafted_in_its_wait():
+    """Both ranks 10 ms a block, a drafter step 2 ms (K=4: a block prepared in 4 x 2 + 10 = 18 ms), spec.overlap:
+    rank 0 sends the first round at 10 ms, then drafts its first `depth` blocks on the bet before it takes the
+    reply. Over free links the reply is back at 20 but taken at 10 + 3 x 18 = 64 ms at depth 3 (28 at depth 1);
+    over 40 ms each way it comes at 100, after the drafting."""
+    near = ring((10.0, 10.0), (0.0, 0.0), step=2.0, overlap=True)
+    assert ttft_s(near, 40, 512) == pytest.approx(0.020)  # K=0: nothing drafted in the wait
+    assert ttft_s(near, 40, 512, k=4, depth=3) == pytest.approx(0.064)
+    assert ttft_s(near, 40, 512, k=4, depth=1) == pytest.approx(0.028)
+    assert ttft_s(near, 40, 512, (40,), k=4, depth=0) == pytest.approx(0.030)  # not alone: no chain
+    assert ttft_s(ring((10.0, 10.0), (40.0, 40.0), step=2.0, overlap=True), 40, 512, k=4, depth=3) == pytest.approx(0.1)
 
 
 def test_prompts_admitted_together_queue_on_rank_0():
     """Two 1000-token prompts at once, chunks of 500, both ranks 0.1 ms a token: rank 0 prefills A's first chunk
-    (0-50 ms), then B's (50-100), then sends A's first round (100-150) and B's (150-200); rank 1 answers A at 200 and
-    B at 250. Alone, B would have its token at 150; A's own estimate, 150, grows by B's admission (50)."""
+    (0-50 ms) at A's admission, then, B admitted at 50 (its queue), B's (50-100), then sends A's first round (100-150)
+    and B's (150-200); rank 1 answers A at 200 and B at 250: 200 after B's admission (A's prefill, in B's queue
+    time, is not counted again). Alone, B would have its token at 150; A's own estimate, 150, grows by B's admission
+    (50)."""
     p = ring((0.0, 0.0), (0.0, 0.0), token_ms=0.1)
     assert ttft_s(p, 1000, 500) == pytest.approx(0.15)
-    assert ttft_s(p, 1000, 500, ahead=(1000,)) == pytest.approx(0.25)
+    assert ttft_s(p, 1000, 500, ahead=(1000,)) == pytest.approx(0.2)
     predictor = Predictor(p, chunk=500)
     assert predictor.ttft_s(1000) + predictor.admission_ms(1000) / 1000 == pytest.approx(0.2)
+    # rank 1 ten times slower (0.1 ms a token against 0.01): A's chunk, sent before B came, still holds it for 50 ms
+    # after B's admission; B's chunk follows (50-100), A's first round (100-150), B's (150-200)
+    slow = Pipeline((RankCost(0.0, 0.01), RankCost(0.0, 0.1)), (LinkCost(), LinkCost()))
+    assert ttft_s(slow, 1000, 500, ahead=(1000,)) == pytest.approx(0.2)
 
 
 def test_the_measured_acceptance_counts_a_draft_only_when_it_was_verified():
@@ -308,18 +328,20 @@ def test_a_drafter_step_over_more_rows_costs_what_draft_quant_auto_timed():
 
 def test_a_session_predicts_the_ttft_of_prompts_admitted_together():
     """Session.predict_ttft on the case above: A admitted alone predicts 0.15 s; B, admitted before A's first round
-    went out, predicts 0.25 s and holds A's back by its own prefill (0.05 s): 0.2 s, as the queue runs."""
+    went out, predicts 0.2 s from its admission (0.25 from its arrival: the engine adds the queue it measured) and
+    holds A's back by its own prefill (0.05 s): 0.2 s, as the queue runs."""
     from speculative.session import Session
 
     def stream(tokens):
         return SimpleNamespace(gen=SimpleNamespace(rounds=[], prompt_ids=[1] * tokens, reused=0, predicted_ttft_s=0.0),
                                chain=[], k_now=0)
-    session = SimpleNamespace(live=[], predictor=Predictor(ring((0.0, 0.0), (0.0, 0.0), token_ms=0.1), chunk=500))
+    session = SimpleNamespace(live=[], predictor=Predictor(ring((0.0, 0.0), (0.0, 0.0), token_ms=0.1), chunk=500),
+                              scheduler=SimpleNamespace(in_flight=SimpleNamespace(now=lambda: 1)))
     a, b = stream(1000), stream(1000)
     Session.predict_ttft(session, a, 1000)
     session.live.append(a)
     Session.predict_ttft(session, b, 1000)
-    assert (a.gen.predicted_ttft_s, b.gen.predicted_ttft_s) == pytest.approx((0.2, 0.25))
+    assert (a.gen.predicted_ttft_s, b.gen.predicted_ttft_s) == pytest.approx((0.2, 0.2))
     a.gen.rounds.append("answered")  # once A's first round is in, a newcomer neither waits for it nor holds it back
     c = stream(1000)
     Session.predict_ttft(session, c, 1000)
