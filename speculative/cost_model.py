@@ -126,10 +126,10 @@ class RankCost:
         block = one + (rows - 1) * (self.row_ms + self.token_ms * tokens)
         return max(block + rows * tokens * self.context_ms * _beyond(context, self.timed_context), 0.0)
 
-    def chunk_ms(self, tokens: int, context: int) -> float:
-        """A prefill chunk of `tokens` after `context` cached ones: the block's cost, and attention over the
-        cache and within the chunk (causal: half of it)."""
-        return self.ms(1, tokens) + self.attend_ms * tokens * (context + tokens / 2)
+    def chunk_ms(self, tokens: int, context: int, rows: int = 1) -> float:
+        """A prefill chunk of `tokens` after `context` cached ones (`rows` of them: first rounds sent as one
+        batch): the block's cost, and attention over the cache and within the chunk (causal: half of it)."""
+        return self.ms(rows, tokens) + rows * self.attend_ms * tokens * (context + tokens / 2)
 
 
 @dataclass(frozen=True)
@@ -373,46 +373,65 @@ def rank0_prefill_ms(p: Pipeline, prompt_tokens: int, chunk: int) -> float:
                for size, context in chunks(prompt_tokens, chunk)[:-1])
 
 
+def first_round_batches(lengths: list[int], chunk: int) -> list[list[int]]:
+    """The first rounds of prompts admitted together, by index, in the batches the scheduler sends them in
+    (Scheduler.first_rounds says why): shortest first, a row joining the last batch while the batch, padded to it,
+    holds at most `chunk` tokens and its first row is at least 3/4 its length."""
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        n = lengths[i]
+        if batches and (len(batches[-1]) + 1) * n <= chunk and 4 * lengths[batches[-1][0]] >= 3 * n:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
 def ttft_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] = (), k: int = 0,
            depth: int = 0) -> float:
     """Time to first token of a `prompt_tokens` prompt (nothing cached) crossing in chunks of `chunk`, pipelined
-    across the ranks; the last chunk goes with the first round, whose reply carries the token (it drafts nothing
-    at any K: the drafter takes that chunk in while the round is on the way). A chunk's cost grows with the
-    context it attends over; the time counts from its admission. `ahead`: prompts admitted before it whose first
-    rounds are not yet sent: rank 0 prefilled each at its admission, before this one's (the newcomer waited for
-    that in its queue: measured, not counted here), but their chunks may still hold the later ranks (counted
-    from its admission on: a little more than they have left); the first rounds go in that order, so theirs go
-    first. Rank 0 takes the reply only after its work in the wait: the drafter taking in each first round's chunk
-    and, for a lone stream (`depth` its rounds on the way, 0: not alone) drafting K under spec.overlap, its first
-    `depth` blocks on the bet (use_the_wait): over a short trip, what the first token waits for."""
-    items = [(size, context, False, r0_done) for n, r0_done in [*((n, True) for n in ahead), (prompt_tokens, False)]
+    across the ranks, counted from its admission; the last chunk goes with the first round, whose reply carries
+    the token (it drafts nothing at any K). A chunk's cost grows with the context it attends over.
+
+    `ahead`: prompts admitted before it whose first rounds are not yet sent. Rank 0 prefilled each at its
+    admission, before this one's (the newcomer waited for that in its queue: measured, not counted here), but
+    their chunks may still hold its link and the later ranks (counted from this admission on: a little more than
+    they have left). The first rounds then go in the scheduler's batches (first_round_batches: a batch's rows
+    reply together). Rank 0 takes the reply only after its work in the wait: the drafter taking in each first
+    round's chunk and, for a lone stream (`depth` its rounds on the way, 0: not alone) drafting K under
+    spec.overlap, its first `depth` blocks on the bet (use_the_wait): over a short trip, what the first token
+    waits for."""
+    CHUNK, FIRST, MINE = 0, 1, 2  # a Prefill chunk (no reply), a batch of first rounds, the one holding this prompt's
+    items = [(1, size, context, CHUNK, r0_done)
+             for n, r0_done in [*((n, True) for n in ahead), (prompt_tokens, False)]
              for size, context in chunks(n, chunk)[:-1]]
     firsts = [chunks(n, chunk)[-1] for n in [*ahead, prompt_tokens]]
-    items += [(*first, True, False) for first in firsts]
+    for batch in first_round_batches([size for size, _ in firsts], chunk):
+        kind = MINE if len(firsts) - 1 in batch else FIRST
+        items.append((len(batch), max(firsts[i][0] for i in batch), max(firsts[i][1] for i in batch), kind, False))
     free = [0.0] * (2 * len(p.ranks))  # when each resource is next free: rank 0, link 0, rank 1, link 1, ...
     done = 0.0
-    for size, context, first_round, r0_done in items:
+    for rows, size, context, kind, r0_done in items:
         ready = 0.0
         for r, rank in enumerate(p.ranks):
-            if r == 0 and r0_done:  # rank 0 took it in and sent it before this admission
-                continue
-            work = rank.chunk_ms(size, context)
-            # rank 0 sends a Prefill chunk before the drafter takes it in; a first round drafts nothing (its
-            # token is not known yet) and goes at once: the drafter takes its chunk in later, in the wait
-            drafting = p.draft.prefill_ms(size, context) if r == 0 and not first_round else 0.0
-            start = max(ready, free[2 * r])
-            sent = start + work
-            is_reply = r == len(p.ranks) - 1
-            sends = not is_reply or first_round  # a Prefill message has no reply
-            messages = (p.links[r - 1].message_ms if r else 0.0) + (p.links[r].message_ms if sends else 0.0)
-            free[2 * r] = start + work + drafting + messages  # the next chunk waits for them, this one not (latency)
+            sends = r < len(p.ranks) - 1 or kind != CHUNK  # a Prefill message has no reply
+            if r == 0 and r0_done:  # rank 0 took it in and sent it before this admission: only its wire is left
+                sent = 0.0
+            else:
+                # rank 0 sends a Prefill chunk before the drafter takes it in; a first round drafts nothing (its
+                # token is not known yet) and goes at once: the drafter takes its chunk in later, in the wait
+                drafting = p.draft.prefill_ms(size, context) if r == 0 and kind == CHUNK else 0.0
+                start = max(ready, free[2 * r])
+                sent = start + rank.chunk_ms(size, context, rows)
+                messages = (p.links[r - 1].message_ms if r else 0.0) + (p.links[r].message_ms if sends else 0.0)
+                free[2 * r] = sent + drafting + rows * messages  # the next waits for them, this one not (latency)
             if not sends:
                 break
             link = p.links[r]
             wire = max(sent, free[2 * r + 1])
-            free[2 * r + 1] = wire + link.transfer_ms(p.link_bytes(r, 1, size))
+            free[2 * r + 1] = wire + link.transfer_ms(p.link_bytes(r, rows, size))
             ready = free[2 * r + 1] + link.one_way_ms
-        if first_round:
+        if kind == MINE:
             done = ready
     in_the_wait = sum(p.draft.prefill_ms(size, context) for size, context in firsts)
     if depth and k and p.overlap:

@@ -156,15 +156,8 @@ class Scheduler:
         prefills. Shortest first; a row joins only rows at least 3/4 its length (a prefill's compute grows with
         its tokens: padding a short prompt to a long one costs more than its own forward saves). Never with decode
         rows (padded to a prompt)."""
-        batches: list[list] = []
-        for s in sorted(newcomers, key=lambda s: len(s.pending)):
-            n = len(s.pending)
-            fits = batches and (len(batches[-1]) + 1) * n <= self.prefill_chunk
-            if fits and 4 * len(batches[-1][0].pending) >= 3 * n:
-                batches[-1].append(s)
-            else:
-                batches.append([s])
-        return batches
+        batches = cost_model.first_round_batches([len(s.pending) for s in newcomers], self.prefill_chunk)
+        return [[newcomers[i] for i in batch] for batch in batches]
 
     def depth(self) -> int:
         """How many rounds of a stream may be on the way: spec.in_flight's while it is alone; one while several

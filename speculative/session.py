@@ -33,6 +33,7 @@ import torch
 from netbridge import protocol
 from netbridge.protocol import Prefill, Reply, Request, Round, SamplingParams
 from speculative.blocks import BlockMaker
+from speculative.cost_model import first_round_batches
 from speculative.grammar import GrammarFailure
 from speculative.in_flight import in_flight_policy
 from speculative.k_choice import k_policy
@@ -140,14 +141,19 @@ class Session:
     def predict_ttft(self, s: Stream, new_tokens: int) -> None:
         """The cost model's TTFT of a newcomer, from its admission: the streams admitted before it whose first round
         is not yet sent (their prompts were prefilled just before its own, while it waited) go first; and its
-        admission holds back each of their first rounds by its prefill. Alone, its first wait drafts its chain."""
+        admission holds back each of their first rounds by its prefill, and those whose first round goes in one
+        batch with its own reply with it. Alone, its first wait drafts its chain."""
         unsent = [o for o in self.live if not o.gen.rounds and not o.chain]
         ahead = tuple(len(o.gen.prompt_ids) - o.gen.reused for o in unsent)
         depth = 0 if self.live else self.scheduler.in_flight.now()  # alone: its first wait drafts its chain
         s.gen.predicted_ttft_s = self.predictor.ttft_s(new_tokens, ahead, s.k_now, depth)
         held_back = self.predictor.admission_ms(new_tokens) / 1000
-        for o in unsent:
+        batches = first_round_batches([len(o.pending) for o in [*unsent, s]], self.spec.prefill_chunk)
+        beside = next(batch for batch in batches if len(unsent) in batch)
+        for i, o in enumerate(unsent):
             o.gen.predicted_ttft_s += held_back
+            if i in beside:  # (each prediction counts from its own admission)
+                o.gen.predicted_ttft_s = max(o.gen.predicted_ttft_s, s.t_start - o.t_start + s.gen.predicted_ttft_s)
 
     def restore(self, gen: Generation, reuse: int, slot: int) -> int:
         """cache.dir: the longest saved prefix of the prompt every rank holds, loaded on every rank when longer than

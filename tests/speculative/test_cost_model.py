@@ -87,7 +87,8 @@ def test_a_lone_streams_first_token_waits_for_the_chain_drafted_in_its_wait():
     assert ttft_s(near, 40, 512) == pytest.approx(0.020)  # K=0: nothing drafted in the wait
     assert ttft_s(near, 40, 512, k=4, depth=3) == pytest.approx(0.064)
     assert ttft_s(near, 40, 512, k=4, depth=1) == pytest.approx(0.028)
-    assert ttft_s(near, 40, 512, (40,), k=4, depth=0) == pytest.approx(0.030)  # not alone: no chain
+    # not alone: no chain; the two first rounds go as one batch, 10 ms a rank for both
+    assert ttft_s(near, 40, 512, (40,), k=4, depth=0) == pytest.approx(0.020)
     assert ttft_s(ring((10.0, 10.0), (40.0, 40.0), step=2.0, overlap=True), 40, 512, k=4, depth=3) == pytest.approx(0.1)
 
 
@@ -106,6 +107,10 @@ def test_prompts_admitted_together_queue_on_rank_0():
     # after B's admission; B's chunk follows (50-100), A's first round (100-150), B's (150-200)
     slow = Pipeline((RankCost(0.0, 0.01), RankCost(0.0, 0.1)), (LinkCost(), LinkCost()))
     assert ttft_s(slow, 1000, 500, ahead=(1000,)) == pytest.approx(0.2)
+    # a link of 40 Mbit/s, 1000 bytes a token (a chunk crosses in 100 ms), both ranks 5 ms a chunk: A's chunk still
+    # holds the wire for 100 ms after B's admission, then B's chunk, A's first round and B's: B's token at ~405 ms
+    wire = Pipeline((RankCost(0.0, 0.01), RankCost(0.0, 0.01)), (LinkCost(0.0, 40.0), LinkCost()), hidden_bytes=1000)
+    assert ttft_s(wire, 1000, 500, ahead=(1000,)) == pytest.approx(0.405, rel=1e-3)
 
 
 def test_the_measured_acceptance_counts_a_draft_only_when_it_was_verified():
@@ -332,11 +337,12 @@ def test_a_session_predicts_the_ttft_of_prompts_admitted_together():
     holds A's back by its own prefill (0.05 s): 0.2 s, as the queue runs."""
     from speculative.session import Session
 
-    def stream(tokens):
+    def stream(tokens, t_start=0.0):
         return SimpleNamespace(gen=SimpleNamespace(rounds=[], prompt_ids=[1] * tokens, reused=0, predicted_ttft_s=0.0),
-                               chain=[], k_now=0)
+                               chain=[], k_now=0, pending=[1] * min(tokens, 500), t_start=t_start)
     session = SimpleNamespace(live=[], predictor=Predictor(ring((0.0, 0.0), (0.0, 0.0), token_ms=0.1), chunk=500),
-                              scheduler=SimpleNamespace(in_flight=SimpleNamespace(now=lambda: 1)))
+                              scheduler=SimpleNamespace(in_flight=SimpleNamespace(now=lambda: 1)),
+                              spec=SimpleNamespace(prefill_chunk=500))
     a, b = stream(1000), stream(1000)
     Session.predict_ttft(session, a, 1000)
     session.live.append(a)
@@ -346,6 +352,15 @@ def test_a_session_predicts_the_ttft_of_prompts_admitted_together():
     c = stream(1000)
     Session.predict_ttft(session, c, 1000)
     assert (a.gen.predicted_ttft_s, c.gen.predicted_ttft_s) == pytest.approx((0.2, 0.15))
+    # two 40-token prompts, the second admitted 2 ms after the first: their first rounds go as one batch of two rows
+    # (8 ms a rank), so both tokens come at 16 ms after the second's admission: the first's prediction grows to 18
+    session.live = []
+    d, e = stream(40), stream(40, t_start=0.002)
+    Session.predict_ttft(session, d, 40)
+    assert d.gen.predicted_ttft_s == pytest.approx(0.008)
+    session.live.append(d)
+    Session.predict_ttft(session, e, 40)
+    assert (d.gen.predicted_ttft_s, e.gen.predicted_ttft_s) == pytest.approx((0.018, 0.016))
 
 
 def test_the_predictor_counts_the_bets_that_held():
