@@ -121,6 +121,7 @@ class Session:
             self.drafter.copy_prefix(source, slot, shared)
             held = s.gen.reused = shared
         s.pending, s.k_now = self.prefill_chunks(prompt_ids, held, slot), self.k_policy.first()
+        self.t_replied = None  # an admission is not a batch's work (BatchCount: rank 0's work per batch)
         if self.predictor is not None:
             self.predict_ttft(s, len(prompt_ids) - held)
         self.scheduler.live[slot] = s
@@ -215,6 +216,7 @@ class Session:
         for s in self.live:
             if s.prefilling and s.chain:
                 self.drafter.catch_up(s.committed, slot=s.slot)
+                self.t_replied = None  # not a batch's work: the next reply starts rank 0's count anew
 
     def settle(self) -> None:
         """Commit every reply on the way (before a message whose answer comes back behind them)."""
