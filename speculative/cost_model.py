@@ -607,9 +607,10 @@ class Predictor:
         seconds = sum(r.committed / mine.tokens_per_s(r.drafted, depth, streams, context)
                       for r, depth, context in zip(rounds, depths, contexts))
         if streams <= 1:  # (several streams fill the pipe with their rounds, not bets)
+            p = mine.pipeline()
             deepest = before.in_flight if before is not None else depths[0]  # the chain's depth so far
             for r, depth, context in zip(rounds, depths, contexts):
-                seconds += deepening_ms(at_context(mine.pipeline(), context), r.drafted, deepest, depth) / 1000
+                seconds += deepening_ms(at_context(p, context), r.drafted, deepest, depth) / 1000
                 deepest = max(deepest, depth)
         return sum(r.committed for r in rounds) / seconds if seconds > 0 else 0.0
 
