@@ -405,6 +405,21 @@ def test_k_from_costs_warms_up_cheaply_then_explores_upwards():
     assert picks[0] >= 1 and picks[-3:].count(8) >= 2, picks  # (an explored neighbour now and then)
 
 
+def test_k_from_costs_spreads_its_explorations_over_streams_taking_turns():
+    """Four streams' rounds in turn: each explores every explore_every-th of its own rounds, so no stream pays
+    for them all (one count for all put every exploration on one stream, which then ended rounds after the rest)."""
+    from speculative.k_choice import KFromCosts
+    model = KFromCosts(8, explore_every=4)
+    costed_rounds(model, 8, 8, accept=lambda k: k)  # every draft kept: K=8 is the best
+    assert model.first() == 8
+    picks = {slot: [] for slot in range(4)}
+    for _ in range(8):
+        for slot in picks:
+            record = RoundRecord(8, 8, 9, 80.0, 25.0, 25.0, 25.0, slot=slot)
+            picks[slot].append(model.after(8, record, decode=True))
+    assert all(ks.count(7) == 2 and ks.count(8) == 6 for ks in picks.values()), picks
+
+
 def test_k_from_costs_with_overlap_counts_the_drafting_hidden_in_the_wait():
     """Rank 0's drafting is hidden behind rank 1's work when the bet holds: with overlap the same
     measurements promise more tokens per ms."""
@@ -437,7 +452,7 @@ def test_k_from_costs_is_exact(drafter, overlap, tiny_qwen, tiny_qwen_draft, mon
     from speculative.k_choice import KFromCosts
     picks = []
     choose = KFromCosts.choose
-    monkeypatch.setattr(KFromCosts, "choose", lambda self: picks.append(choose(self)) or picks[-1])
+    monkeypatch.setattr(KFromCosts, "choose", lambda self, slot=0: picks.append(choose(self, slot)) or picks[-1])
     draft = tiny_qwen if drafter == "self" else tiny_qwen_draft
     out = run_pair(*spec_args(tiny_qwen, "model", 8, draft, max_new=40), "spec.k_from_costs=true",
                    f"spec.overlap={overlap}")
