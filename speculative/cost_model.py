@@ -343,6 +343,14 @@ def deepening_ms(p: Pipeline, k: int, before: int, after: int) -> float:
     return trip * max(0.0, 1.0 - chain_step_ms(p, k, after) / chain_step_ms(p, k, before))
 
 
+def drain_ms(p: Pipeline, k: int, rounds: int) -> float:
+    """A lone stream's last `rounds` rounds, their blocks prepared before (nothing more is drafted once the
+    answer's tokens are on the way): they reply a trip after the last of them went, one later-rank block apart,
+    not one chain step each (at 0 ms a step is rank 0's prep, most of a round)."""
+    parts = round_parts(p, k, 1)
+    return max(parts.trip_ms, rounds * parts.later_busiest_ms) if rounds else 0.0
+
+
 def stream_tokens_per_s(p: Pipeline, k: int, depth: int = 1) -> float:
     """One stream's tokens/s at K drafts a round and `depth` rounds on the way."""
     return 1000.0 * tokens_per_round(p.acceptance, k) * kept_rounds_per_ms(p, k, depth)
@@ -604,19 +612,33 @@ class Predictor:
         contexts = [None] * len(rounds) if start is None else list(itertools.accumulate(
             (r.committed for r in rounds[:-1]), initial=start))
         depths = depths_sent(rounds)
+        body = len(rounds) - (drained(rounds) if streams <= 1 else 0)
         seconds = sum(r.committed / mine.tokens_per_s(r.drafted, depth, streams, context)
-                      for r, depth, context in zip(rounds, depths, contexts))
+                      for r, depth, context in zip(rounds[:body], depths, contexts))
         if streams <= 1:  # (several streams fill the pipe with their rounds, not bets)
             p = mine.pipeline()
             deepest = before.in_flight if before is not None else depths[0]  # the chain's depth so far
             for r, depth, context in zip(rounds, depths, contexts):
                 seconds += deepening_ms(at_context(p, context), r.drafted, deepest, depth) / 1000
                 deepest = max(deepest, depth)
+            if body < len(rounds):
+                last = at_context(p, contexts[body])
+                seconds += drain_ms(last, max(r.drafted for r in rounds[body:]), len(rounds) - body) / 1000
         return sum(r.committed for r in rounds) / seconds if seconds > 0 else 0.0
 
     def admission_ms(self, prompt_tokens: int) -> float:
         """What admitting a prompt adds to the TTFT of every stream whose first round is not yet sent."""
         return rank0_prefill_ms(self.pipeline(), prompt_tokens, self.chunk)
+
+
+def drained(rounds) -> int:
+    """How many of a lone stream's last rounds drained its chain: their blocks were prepared in earlier waits and
+    rank 0 prepared none in theirs (the answer's tokens were on the way). Not a fresh round after a lost bet (its
+    prep came after the reply before it), nor rounds in turn (K = 0, no spec.overlap: nothing prepared ahead)."""
+    n = 0
+    while n < len(rounds) and rounds[-1 - n].from_ahead and not rounds[-1 - n].prepared:
+        n += 1
+    return n if n < len(rounds) else 0
 
 
 def depths_sent(rounds) -> list[int]:

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 from speculative.cost_model import (ENGINE_LAST_MS, ENGINE_RANK0_MS, ENGINE_STEP_MS, Acceptance, DraftCost, LinkCost,
                                     Pipeline, Predictor, RankCost, aggregate_tokens_per_s, best_batches, best_depth,
-                                    at_context, best_k, best_settings, deepening_ms, depths_sent, from_rank_costs,
+                                    at_context, best_k, best_settings, chain_step_ms, deepening_ms, depths_sent, drain_ms,
+                                    drained, from_rank_costs,
                                     rank0_prefill_ms, round_parts, round_ms, stream_tokens_per_s, tokens_per_round,
                                     ttft_s)
 
@@ -198,7 +199,8 @@ def test_a_requests_prediction_is_at_its_own_acceptance_whatever_came_before():
     """A request whose drafts were all kept, served after requests whose drafts never were (or always were): its
     prediction is the model at its own rounds' acceptance, the same after either history, and far above what the
     pooled history says."""
-    rounds = [SimpleNamespace(drafted=4, accepted=4, committed=5, bet=None, in_flight=1) for _ in range(10)]
+    rounds = [SimpleNamespace(drafted=4, accepted=4, committed=5, bet=None, in_flight=1, from_ahead=False,
+                              prepared=0) for _ in range(10)]
     after_bad, after_good = (Predictor(ring((10.0, 10.0), (20.0, 20.0), step=5.0)) for _ in range(2))
     for _ in range(50):
         after_bad.observe(4, 0)
@@ -225,7 +227,8 @@ def test_a_decode_round_attends_over_its_context():
     assert round_ms(at_context(p, 40), 0) == pytest.approx(20.0 - 2 * 88 * 0.001)
     assert aggregate_tokens_per_s(long, 0, 2, 1) == pytest.approx(2 * 1000 / (2 * (10.0 + 2 * 2000 * 0.001)))
     # a request's rounds of one token each from 2,128 cached on: the first 24 ms, the next 24.002, ...
-    rounds = [SimpleNamespace(drafted=0, accepted=0, committed=1, bet=None, in_flight=1) for _ in range(3)]
+    rounds = [SimpleNamespace(drafted=0, accepted=0, committed=1, bet=None, in_flight=1, from_ahead=False,
+                              prepared=0) for _ in range(3)]
     assert Predictor(p).for_rounds(rounds, start=2128) == pytest.approx(3000 / (24.0 + 24.002 + 24.004))
     assert Predictor(p).tokens_per_s(0, context=2128) == pytest.approx(1000 / 24.0)
     assert Predictor(p).for_rounds(rounds) == pytest.approx(1000 / 20.0)  # no start: as timed
@@ -265,17 +268,44 @@ def test_a_requests_last_rounds_count_at_the_depth_they_were_sent_at():
     assert depths_sent([SimpleNamespace(in_flight=n) for n in (1, 2, 3, 3)]) == [1, 2, 3, 3]  # a pipe filling up
     assert depths_sent([SimpleNamespace(in_flight=n) for n in (1, 1, 1)]) == [1, 1, 1]
     p = ring((10.0, 10.0), (40.0, 40.0), overlap=True)  # no drafter cost: a chain step is the trip / 3 = 30 ms
-    rounds = [SimpleNamespace(drafted=4, accepted=4, committed=5, bet=True, in_flight=n) for n in [3] * 11 + [2, 1]]
+    rounds = [SimpleNamespace(drafted=4, accepted=4, committed=5, bet=True, in_flight=n, from_ahead=True,
+                              prepared=int(i < 10)) for i, n in enumerate([3] * 11 + [2, 1])]  # the last 3 drain
     predictor = Predictor(p)
     mine = Predictor(p)
     for r in rounds:
         mine.observe(r.drafted, r.accepted, r.bet)
     at_three = mine.tokens_per_s(4, 3)
     assert at_three == pytest.approx(stream_tokens_per_s(mine.pipeline(), 4, 3))
-    assert predictor.for_rounds(rounds) == pytest.approx(at_three)  # every round at depth 3
+    # every round at depth 3 (the three that drain: a trip, three steps less the chance of a lost bet in them)
+    assert predictor.for_rounds(rounds) == pytest.approx(at_three, rel=0.01)
     # counted at the drained in_flight, the last two rounds would cost a trip / 2 and a whole trip: > 10% less
     assert at_three > 1.1 * 1000 * 65 / (11 * 5 / at_three * 1000 + 5 / mine.tokens_per_s(4, 2) * 1000
                                         + 5 / mine.tokens_per_s(4, 1) * 1000)
+
+
+def test_a_chains_last_rounds_drain_a_trip_after_the_last_went():
+    """Rank 0's prep 10 ms (4 draft steps of 2 ms, its slice 2 ms), rank 1 2 ms, 0.5 ms each way: a depth-3 chain
+    replies every 10 ms (rank 0's prep) while it drafts, but its last 3 blocks were prepared in earlier waits (the
+    answer's tokens on the way), so they reply within a trip (3 ms) of the last one sent, 2 ms apart (rank 1):
+    6 ms for the three, not 30. Over 40 ms each way the same three take a trip, three chain steps: no change."""
+    p = ring((2.0, 2.0), (0.5, 0.5), step=2.0, overlap=True, rate=1.0)
+    assert drain_ms(p, 4, 3) == pytest.approx(6.0) and drain_ms(p, 4, 1) == pytest.approx(3.0)
+    rounds = [SimpleNamespace(drafted=4, accepted=4, committed=5, bet=True, in_flight=3, from_ahead=True,
+                              prepared=int(i < 10)) for i in range(13)]
+    assert drained(rounds) == 3
+    mine = Predictor(p)
+    for r in rounds:
+        mine.observe(r.drafted, r.accepted, r.bet)
+    step_s = 5 / mine.tokens_per_s(4, 3)  # a round's time at the chain's pace, at the acceptance measured
+    assert step_s == pytest.approx(0.010, rel=0.02)
+    before = SimpleNamespace(in_flight=3)
+    assert Predictor(p).for_rounds(rounds, before=before) == pytest.approx(65 / (10 * step_s + 0.006))
+    fresh = [*rounds[:-1], SimpleNamespace(**{**vars(rounds[-1]), "from_ahead": False})]  # a lost bet: the last round's prep came after
+    assert drained(fresh) == 0 and Predictor(p).for_rounds(fresh, before=before) == pytest.approx(65 / (13 * step_s))
+    in_turn = [SimpleNamespace(**{**vars(r), "from_ahead": False, "prepared": 0}) for r in rounds]  # K=0 rounds
+    assert drained(in_turn) == 0
+    far = ring((2.0, 2.0), (40.0, 40.0), step=2.0, overlap=True, rate=1.0)  # a chain step: the trip / 3
+    assert drain_ms(far, 4, 3) == pytest.approx(3 * chain_step_ms(far, 4, 3))
 
 
 def test_deepening_a_chain_after_its_first_reply_costs_its_first_trip_less_a_step():
@@ -290,7 +320,8 @@ def test_deepening_a_chain_after_its_first_reply_costs_its_first_trip_less_a_ste
     assert deepening_ms(ring((10.0, 10.0), (40.0, 40.0), step=10.0, overlap=True), 4, 1, 4) == pytest.approx(40.0)
     # a request of 13 rounds at depth 3, the chain deepened after the first token (its first round replied with
     # one on the way) or filled in the first round's wait (three on the way at its reply)
-    rounds = [SimpleNamespace(drafted=4, accepted=4, committed=5, bet=True, in_flight=3) for _ in range(13)]
+    rounds = [SimpleNamespace(drafted=4, accepted=4, committed=5, bet=True, in_flight=3, from_ahead=True,
+                              prepared=int(i < 10)) for i in range(13)]
     steady = Predictor(p).for_rounds(rounds, before=SimpleNamespace(in_flight=3))  # ~ 5 tokens a 30 ms step
     assert steady == pytest.approx(1000 * 65 / (13 * 30.0), rel=0.02)
     assert Predictor(p).for_rounds(rounds, before=SimpleNamespace(in_flight=1)) == pytest.approx(
