@@ -14,7 +14,8 @@ spec.in_flight=auto, the model's own choice), clients 1 / 4, prompts of ~40 and 
 
 One launch per (model, ranks, delay, bandwidth, setting), served (serve.max_concurrent=4), measures its four cells
 (clients x prompt) with /v1/completions requests, each prompt new (no prefix of another's in the slots' caches),
-after one warm-up request of 32 tokens. Per cell:
+after one warm-up request of 32 tokens; every launch of the grid sends a cell the same prompts (a fair choice: the
+pair's acceptance depends on the prompt, 0.42 to 0.83 at K=4 on two of them). Per cell:
     one client    measured: the server's tokens/s (decode) and TTFT of the request; predicted: the same request's
                   `predicted_tokens_per_s` / `predicted_ttft_ms` (the cost model at the acceptance the request's
                   own rounds measured, its K and depth: Predictor.for_rounds)
@@ -24,8 +25,9 @@ after one warm-up request of 32 tokens. Per cell:
                   line's aggregate (at the prior acceptance, scaled by the measured tokens per round over the prior's:
                   the model's aggregate is linear in it; at the cell's context, between the line's two: aggregate_at)
                   gives them, plus the spread of the requests' predicted TTFTs (rank 0 admits and prefills a newcomer
-                  while the others wait), and the p50 of their predicted TTFTs. `auto` leaves the start-up line's
-                  K, so there the sum of the requests' own `predicted_tokens_per_s` stands for the aggregate (each
+                  while the others wait), less what the streams that have their first token decode in that spread
+                  (each at its own predicted rate), and the p50 of their predicted TTFTs. `auto` leaves the start-up
+                  line's K, so there the sum of the requests' own `predicted_tokens_per_s` stands for the aggregate (each
                   the model's aggregate of the streams live beside it over their count, at its rounds' K)
     err           predicted / measured - 1 (the goal: within 15% in every cell)
     choice        the `auto` launch's measured figure over the best fixed setting's in the same cell (goal: >= 0.95)
@@ -114,7 +116,7 @@ def model_overrides(model: str, root: Path) -> list[str]:
     return []  # the defaults: the embedded pair
 
 
-def prompt_texts(folder: str | None, tokens: int, count: int, seed: int) -> list[str]:
+def prompt_texts(folder: str | None, tokens: int, count: int, seed: str) -> list[str]:
     """`count` different texts of about `tokens` tokens each (random ids decoded; the server counts them again)."""
     from transformers import AutoTokenizer
     from launch.config import load_config
@@ -182,7 +184,7 @@ def aggregate_at(startup: dict, context: float) -> float:
 
 def measure(cells: list[Cell], a, root: Path) -> list[dict]:
     """Every cell, one launch per Launch."""
-    rows, seed = [], 0
+    rows = []
     for launch in dict.fromkeys(c.launch for c in cells):
         mine = [c for c in cells if c.launch == launch]
         overrides = [*FIXED, *SETTINGS[launch.setting], *model_overrides(launch.model, root),
@@ -196,9 +198,8 @@ def measure(cells: list[Cell], a, root: Path) -> list[dict]:
             # defaults, as they have on a server after its first request
             complete(served.url, "Say hello.", 32, a.request_timeout)
             startup = startup_prediction(log)
-            for cell in mine:
-                seed += 1
-                prompts = prompt_texts(folder, cell.prompt, cell.clients, seed)
+            for cell in mine:  # every setting the same prompts (the pair's acceptance depends on them)
+                prompts = prompt_texts(folder, cell.prompt, cell.clients, f"{cell.clients} x {cell.prompt}")
                 results = together(served.url, prompts, max_tokens, a.request_timeout * cell.clients)
                 rows.append({"cell": asdict(cell), **figures(results, cell, startup), "load": os.getloadavg()[0]})
                 print(line(rows[-1]), flush=True)
@@ -230,8 +231,13 @@ def figures(results: list[dict], cell: Cell, startup: dict) -> dict:
             prior_round = tokens_per_round(Acceptance(prior=PRIOR_ACCEPTANCE), k) if k else 1.0
             context = prompt_tokens + statistics.mean(r["tokens"] for r in results) / 2  # the middle of the answers
             together = aggregate_at(startup, context) * per_round / prior_round
-        spread_s = (max(r["predicted_ttft_ms"] for r in results) - min(r["predicted_ttft_ms"] for r in results)) / 1000
-        predicted = decoded / (decoded / together + spread_s) if together else 0.0
+        # until the last first token (the spread of the predicted TTFTs), the streams that have theirs decode at
+        # their own predicted rates; the rest at the aggregate
+        last_s = max(r["predicted_ttft_ms"] for r in results) / 1000
+        spread_s = last_s - min(r["predicted_ttft_ms"] for r in results) / 1000
+        early = sum(min((last_s - r["predicted_ttft_ms"] / 1000) * r["predicted_tokens_per_s"], r["tokens"] - 1)
+                    for r in results)
+        predicted = decoded / (spread_s + (decoded - early) / together) if together else 0.0
     return {"prompt_tokens": prompt_tokens, "measured_tokens_per_s": measured, "predicted_tokens_per_s": predicted,
             "measured_ttft_ms": ttft_ms, "predicted_ttft_ms": predicted_ttft_ms,
             "acceptance": statistics.mean(r["acceptance_rate"] for r in results), "startup": startup}

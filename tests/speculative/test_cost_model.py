@@ -13,9 +13,8 @@ from types import SimpleNamespace
 
 from speculative.cost_model import (ENGINE_LAST_MS, ENGINE_RANK0_MS, ENGINE_STEP_MS, Acceptance, DraftCost, LinkCost,
                                     Pipeline, Predictor, RankCost, aggregate_tokens_per_s, best_batches, best_depth,
-                                    at_context, best_k, best_settings, chain_step_ms, deepening_ms, depths_sent, drain_ms,
-                                    drained, from_rank_costs,
-                                    rank0_prefill_ms, round_parts, round_ms, stream_tokens_per_s, tokens_per_round,
+                                    at_context, best_k, best_settings, chain_step_ms, deepening_ms, depths_sent,
+                                    drain_ms, drained, from_rank_costs, rank0_prefill_ms, round_parts, round_ms, stream_tokens_per_s, tokens_per_round,
                                     ttft_s)
 
 
@@ -300,7 +299,8 @@ def test_a_chains_last_rounds_drain_a_trip_after_the_last_went():
     assert step_s == pytest.approx(0.010, rel=0.02)
     before = SimpleNamespace(in_flight=3)
     assert Predictor(p).for_rounds(rounds, before=before) == pytest.approx(65 / (10 * step_s + 0.006))
-    fresh = [*rounds[:-1], SimpleNamespace(**{**vars(rounds[-1]), "from_ahead": False})]  # a lost bet: the last round's prep came after
+    # a lost bet: the last round's block was made after the reply before it
+    fresh = [*rounds[:-1], SimpleNamespace(**{**vars(rounds[-1]), "from_ahead": False})]
     assert drained(fresh) == 0 and Predictor(p).for_rounds(fresh, before=before) == pytest.approx(65 / (13 * step_s))
     in_turn = [SimpleNamespace(**{**vars(r), "from_ahead": False, "prepared": 0}) for r in rounds]  # K=0 rounds
     assert drained(in_turn) == 0
