@@ -14,8 +14,8 @@ from types import SimpleNamespace
 from speculative.cost_model import (ENGINE_LAST_MS, ENGINE_RANK0_MS, ENGINE_STEP_MS, Acceptance, DraftCost, LinkCost,
                                     Pipeline, Predictor, RankCost, aggregate_tokens_per_s, best_batches, best_depth,
                                     at_context, best_k, best_settings, chain_step_ms, deepening_ms, depths_sent,
-                                    drain_ms, drained, from_rank_costs, rank0_prefill_ms, round_parts, round_ms, stream_tokens_per_s, tokens_per_round,
-                                    ttft_s)
+                                    drain_ms, drained, from_rank_costs, rank0_prefill_ms, round_parts, round_ms,
+                                    stream_tokens_per_s, tokens_per_round, ttft_s)
 
 
 def ring(ranks=(10.0, 10.0), one_way=(0.0, 0.0), mbps=(float("inf"), float("inf")), step=0.0, rate=0.5, overlap=False,
