@@ -61,7 +61,7 @@ class BlockMaker:
         prepared_ms, prepared = 0.0, 0
         while s.chain and s.chain[-1].sent_at is not None:  # else one is held back already
             tip = s.chain[-1]
-            k_next = min(self.k_policy.bet(tip.k, len(tip.drafts)), s.remaining - s.promised - 1)
+            k_next = min(self.k_policy.bet(tip.k, len(tip.drafts), s.k_now), s.remaining - s.promised - 1)
             if k_next == 0:
                 self.drafter.catch_up(s.committed, slot=s.slot)
             if k_next <= 0 or not (s.sent < depth or self.overlap):
