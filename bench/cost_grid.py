@@ -122,7 +122,8 @@ def prompt_texts(folder: str | None, tokens: int, count: int, seed: str) -> list
     from launch.config import load_config
     tok = AutoTokenizer.from_pretrained(folder or load_config(["serve.port=1"]).model.target)  # the default: the pair's
     rng = random.Random(seed)
-    words = [w for w in tok.get_vocab() if w.isalpha() and len(w) > 2][:4000] or list(tok.get_vocab())
+    # sorted: a fast tokenizer's vocabulary comes in another order at every load (the same seed drew other words)
+    words = sorted(w for w in tok.get_vocab() if w.isalpha() and len(w) > 2)[:4000] or sorted(tok.get_vocab())
     texts = []
     for _ in range(count):
         text = " ".join(rng.choice(words) for _ in range(tokens))
