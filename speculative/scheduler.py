@@ -43,10 +43,15 @@ class BatchCount:
     Each rank's work per batch is measured at every batch size seen (a moving average per size) and read as a line
     in the rows, fixed + row_ms x rows: a batched forward reads the weights once, but its compute grows with the
     rows (on a CPU a quantized drafter's step over 8 rows costs ~1.8x one row's), so G batches of 1/G of the
-    streams each cost less than G whole ones. Sizes come and go as streams start and end; one size seen: flat."""
+    streams each cost less than G whole ones. Sizes come and go as streams start and end; while one size is seen,
+    a row more costs what the start-up model (`prior`) says it does at the K measured, else nothing: flat, with
+    which the embedded pair's four streams, ever run as one batch of 4 rows, never tried two batches of 2, which
+    measured 19.1 tokens/s against 16.0 (rank 0's drafting and rank 1's forward grow ~30 and ~60 ms a row)."""
 
-    def __init__(self, given: int | None = None, smoothing: float = 0.2, most: int = 8):
-        self.given, self.smoothing, self.most = given, smoothing, most
+    def __init__(self, given: int | None = None, smoothing: float = 0.2, most: int = 8,
+                 prior: cost_model.Pipeline | None = None):
+        self.given, self.smoothing, self.most, self.prior = given, smoothing, most, prior
+        self.k = 0  # the K of the rounds measured (the prior's row costs are at it)
         self.trip = None  # ms, moving average: the wire's part of a round
         self.rank0: dict[int, float] = {}  # rows -> rank 0's work per batch of that many rows (moving averages)
         self.stages: dict[int, list[float]] = {}  # rows -> each later rank's work per batch (middle ranks', the last's)
@@ -54,9 +59,21 @@ class BatchCount:
     def pipeline(self) -> cost_model.Pipeline:
         """The cost model of what was measured: rank 0's work, each later rank's, the wire as one link."""
         n = len(next(iter(self.stages.values())))
-        ranks = (rows_line(self.rank0), *(rows_line({b: ms[i] for b, ms in self.stages.items()}) for i in range(n)))
+        row_ms = self.prior_row_ms(n + 1)
+        ranks = (rows_line(self.rank0, row_ms[0]),
+                 *(rows_line({b: ms[i] for b, ms in self.stages.items()}, row_ms[i + 1]) for i in range(n)))
         links = (cost_model.LinkCost(self.trip), *(cost_model.LinkCost() for _ in range(n)))
         return cost_model.Pipeline(ranks, links, acceptance=cost_model.Acceptance(), overlap=False)
+
+    def prior_row_ms(self, ranks: int) -> list[float]:
+        """What a row more adds to each rank's work per batch as the start-up model says, at the K measured (rank
+        0: its drafting and its slice; a later rank: its slice); zeros without one, or for another ring."""
+        p, k = self.prior, self.k
+        if p is None or len(p.ranks) != ranks:
+            return [0.0] * ranks
+        def prep(rows: int) -> float:
+            return p.draft.round_ms(k, rows) + p.ranks[0].ms(rows, k + 1)
+        return [prep(2) - prep(1), *(r.ms(2, k + 1) - r.ms(1, k + 1) for r in p.ranks[1:])]
 
     def now(self, streams: int | None = None) -> int:
         """G for `streams` live streams (None: as many as G may be)."""
@@ -77,7 +94,7 @@ class BatchCount:
         rank busy with it, and that wait read as trip makes more batches look free, which lengthens the wait."""
         if record.from_ahead:
             return
-        s, rows = self.smoothing, record.batch
+        s, rows, self.k = self.smoothing, record.batch, record.drafted
         work = max(record.draft_ms + record.stage0_ms, busy_ms or 0.0)
         self.rank0[rows] = ema(self.rank0.get(rows), work, s)
         stages = [*record.middle_ms, record.last_ms]
@@ -89,11 +106,12 @@ class BatchCount:
             self.trip = ema(self.trip, record.network_ms, s)
 
 
-def rows_line(by_rows: dict[int, float]) -> cost_model.RankCost:
+def rows_line(by_rows: dict[int, float], prior_row_ms: float = 0.0) -> cost_model.RankCost:
     """A resource's ms per batch as fixed + row_ms x rows, least squares through the sizes measured (never falling
-    with the rows, never below zero); one size: the same at any size."""
+    with the rows, never below zero); one size: through it, `prior_row_ms` a row."""
     if len(by_rows) == 1:
-        return cost_model.RankCost(next(iter(by_rows.values())))
+        ((rows, ms),) = by_rows.items()
+        return cost_model.RankCost(max(0.0, ms - prior_row_ms * rows), row_ms=prior_row_ms)
     xs, ys = list(by_rows), list(by_rows.values())
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs))
@@ -101,10 +119,11 @@ def rows_line(by_rows: dict[int, float]) -> cost_model.RankCost:
 
 
 class Scheduler:
-    def __init__(self, count: int, batches_on_the_way: int | None = None, depth=None, prefill_chunk: int = 512):
+    def __init__(self, count: int, batches_on_the_way: int | None = None, depth=None, prefill_chunk: int = 512,
+                 prior: cost_model.Pipeline | None = None):
         self.count = count
         self.prefill_chunk = prefill_chunk  # the most tokens a batch of first rounds carries, padding included
-        self.batch_count = BatchCount(batches_on_the_way)
+        self.batch_count = BatchCount(batches_on_the_way, prior=prior)  # prior: the start-up cost model
         self.in_flight = depth or FixedDepth(1)  # spec.in_flight: rounds of a lone stream on the way (speculative.in_flight)
         self.held: list[list[int]] = [[] for _ in range(count)]  # per slot: the tokens its caches hold, in order
         self.last_used = [0.0] * count  # per slot: when it was last given to a stream

@@ -9,6 +9,7 @@ import pytest
 from netbridge.protocol import SamplingParams
 from speculative.k_choice import AdaptiveK
 from speculative.rounds import RoundRecord
+from speculative.cost_model import DraftCost, LinkCost, Pipeline, RankCost
 from speculative.scheduler import BatchCount, Scheduler
 from speculative.output import Output
 from tests.support.session_harness import serve, serve_together, session_args, with_ranks
@@ -186,6 +187,27 @@ def test_the_batch_count_weighs_a_batch_s_cost_by_its_rows():
     for _ in range(20):
         count.observe(record(330, 300, 80, batch=4), waited_ms=5.0)
     assert count.now(8) == 2
+
+
+def test_the_batch_count_takes_a_rows_cost_from_the_start_up_model_while_one_size_is_measured():
+    """Only 8-row batches seen, rank 0 630 ms and rank 1 500, 80 ms of wire: flat, one batch (1210 ms). The start-up
+    model says a row more costs rank 0 40 ms (4 draft steps, 10 ms a row each) and rank 1 25 (5 ms a row-token over
+    a block of 5): a 4-row batch 630 - 4 x 40 = 470 and 500 - 4 x 25 = 400, two cycle in max(2 x 470, 470 + 400 + 80)
+    = 950 ms: two. Once two sizes are measured, they decide."""
+    prior = Pipeline((RankCost(0.0), RankCost(100.0, token_ms=5.0)), (LinkCost(40.0), LinkCost(40.0)),
+                     DraftCost(20.0, row_ms=10.0))
+    count = BatchCount(prior=prior)
+    for _ in range(20):
+        count.observe(record(630, 500, 80, batch=8), waited_ms=5.0)
+    assert count.now(8) == 2
+    for _ in range(20):
+        count.observe(record(625, 495, 80, batch=4), waited_ms=5.0)  # measured: a row costs ~nothing
+    assert count.now(8) == 1
+    other_ring = Pipeline((RankCost(0.0),) * 3, (LinkCost(),) * 3, DraftCost(20.0, row_ms=10.0))
+    flat = BatchCount(prior=other_ring)  # a prior of another ring says nothing
+    for _ in range(20):
+        flat.observe(record(630, 500, 80, batch=8), waited_ms=5.0)
+    assert flat.now(8) == 1
 
 
 def test_the_batch_count_reads_the_trip_only_from_replies_rank_0_waited_for():
