@@ -434,6 +434,17 @@ def test_k_from_costs_with_overlap_counts_the_drafting_hidden_in_the_wait():
     assert max(ovl) > max(seq)
 
 
+def test_k_from_costs_under_overlap_counts_the_guess_a_block_on_a_bet_drafts():
+    """Rank 0 bound (no wire): a draft step 2.6 ms, stage 0 1.5 ms, every draft kept. A block on a bet drafts the
+    guess of the next token too, K+1 steps: K=1 gives 2 tokens in 6.7 ms, K=8 9 in 24.9, so the most drafts win.
+    Counted as K steps, K=1 read 2 tokens in 4.1 ms and won."""
+    from speculative.k_choice import KFromCosts
+    model = KFromCosts(8, overlap=True)
+    for k in (1, 0, 8, 4):
+        costed_rounds(model, 6, k, accept=lambda k: k, draft_ms=2.6, block=lambda n: 3.0)
+    assert model.choose() >= 6, model.rates()
+
+
 def test_k_from_costs_ignores_the_draft_cost_of_a_round_that_caught_up():
     """After K=0 rounds the next drafting round first feeds the drafter what it missed: that cost is
     not the per-token draft cost."""
