@@ -91,7 +91,7 @@ class KFromCosts:
         self.warmup = [1, 0]  # the block sizes to measure first
         self.tried = [0] * (k_max + 2)  # [i]: decode rounds in which draft i was verified
         self.kept = [0] * (k_max + 2)  # [i]: ... and accepted
-        self.draft_ms: float | None = None  # per draft token
+        self.draft_ms: float | None = None  # per drafter step (K drafts: K + 1 steps' worth, pipeline)
         self.wire_ms: float | None = None
         self.stage0_ms: dict[int, float] = {}  # block size -> rank 0's slice, ms
         self.later_ms: dict[int, float] = {}  # block size -> the later ranks' slices, head and verification, ms
@@ -108,8 +108,8 @@ class KFromCosts:
         self.seen += 1
         if not r.from_ahead:  # else its drafting and stage 0 ran in the last round's wait, unmeasured here
             self.stage0_ms[n] = ema(self.stage0_ms.get(n), r.stage0_ms, self.smoothing)
-            if r.drafted and not self.after_undrafted:
-                self.draft_ms = ema(self.draft_ms, r.draft_ms / r.drafted, self.smoothing)
+            if r.drafted and not self.after_undrafted:  # K drafts in K + 1 steps' worth (pipeline)
+                self.draft_ms = ema(self.draft_ms, r.draft_ms / (r.drafted + 1), self.smoothing)
         self.after_undrafted = r.drafted == 0
 
     def _acceptance(self, prior_weight: float = 4.0) -> cost_model.Acceptance:
@@ -118,12 +118,14 @@ class KFromCosts:
 
     def pipeline(self) -> cost_model.Pipeline:
         """The cost model of what was measured: rank 0 (drafting, its slice per block size), the later ranks as
-        one stage (their slices per block size), the wire as one link. Under overlap a block on a bet drafts the
-        guess of the next token too, a step more than its K (without it K=1 read 620 tokens/s at 0 ms where its rounds
-        ran at ~290, against ~380 at K=4: `auto` chose K=1)."""
+        one stage (their slices per block size), the wire as one link. K drafts cost K + 1 drafter steps' worth: a
+        block on a bet drafts the guess of the next token too, and a fresh round's first step takes in the tokens the
+        last reply committed (at 0 ms, the tiny model: 4.5-4.8 ms for one draft where a step in a chain is ~2.3).
+        Counted as K steps, K=1 read 620 tokens/s at 0 ms where its rounds ran at ~290, against ~380 at K=4, and
+        `auto` chose K=1."""
         ranks = (cost_model.RankCost(0.0, by_tokens=self.stage0_ms), cost_model.RankCost(0.0, by_tokens=self.later_ms))
         links = (cost_model.LinkCost(self.wire_ms), cost_model.LinkCost())
-        draft = cost_model.DraftCost(self.draft_ms, extra_steps=1 if self.overlap else 0)
+        draft = cost_model.DraftCost(self.draft_ms, extra_steps=1)
         return cost_model.Pipeline(ranks, links, draft, self._acceptance(), overlap=self.overlap)
 
     def rates(self) -> list[float]:
