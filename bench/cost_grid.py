@@ -27,8 +27,8 @@ pair's acceptance depends on the prompt, 0.42 to 0.83 at K=4 on two of them). Pe
                   gives them, plus the spread of the requests' predicted TTFTs (rank 0 admits and prefills a newcomer
                   while the others wait), less what the streams that have their first token decode in that spread
                   (each at its own predicted rate), and the p50 of their predicted TTFTs. `auto` leaves the start-up
-                  line's K, so there the sum of the requests' own `predicted_tokens_per_s` stands for the aggregate (each
-                  the model's aggregate of the streams live beside it over their count, at its rounds' K)
+                  line's K, so there the sum of the requests' own `predicted_tokens_per_s` stands for the aggregate
+                  (each the model's aggregate of the streams live beside it over their count, at its rounds' K)
     err           predicted / measured - 1 (the goal: within 15% in every cell)
     choice        the `auto` launch's measured figure over the best fixed setting's in the same cell (goal: >= 0.95)
 Writes <out>/results.json and prints a markdown table. Figures beside other work measure the other work: run alone.
