@@ -603,9 +603,10 @@ class Predictor:
         context (`start`: the tokens cached before the first of them, its prompt's and the first round's; each
         round after the tokens committed before it; None: every round as timed), and what deepening a lone stream's
         chain cost (deepening_ms: spec.in_flight=auto rising after the first token; `before`: the round before
-        the first, the depth the chain had when they began). The
-        rounds' own predictions lean on what earlier rounds measured (the prior at first), which on a short request
-        of a prompt drafted far better or worse than the prior mostly measures the prior."""
+        the first, the depth the chain had when they began); a lone stream's last rounds that drained its chain
+        (drained) cost drain_ms together, not a chain step each. The rounds' own predictions lean on what earlier
+        rounds measured (the prior at first), which on a short request of a prompt drafted far better or worse than
+        the prior mostly measures the prior."""
         mine = Predictor(self.start, self.chunk, self.batches_max)
         for r in rounds:
             mine.observe(r.drafted, r.accepted, r.bet)
