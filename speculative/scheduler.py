@@ -71,9 +71,8 @@ class BatchCount:
         p, k = self.prior, self.k
         if p is None or len(p.ranks) != ranks:
             return [0.0] * ranks
-        def prep(rows: int) -> float:
-            return p.draft.round_ms(k, rows) + p.ranks[0].ms(rows, k + 1)
-        return [prep(2) - prep(1), *(r.ms(2, k + 1) - r.ms(1, k + 1) for r in p.ranks[1:])]
+        prep = cost_model.round_parts(p, k, 2).prep_ms - cost_model.round_parts(p, k, 1).prep_ms
+        return [prep, *(r.ms(2, k + 1) - r.ms(1, k + 1) for r in p.ranks[1:])]
 
     def now(self, streams: int | None = None) -> int:
         """G for `streams` live streams (None: as many as G may be)."""
