@@ -10,6 +10,7 @@ import re
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from datetime import timedelta
 
 import torch
@@ -19,6 +20,7 @@ from netbridge.frames import MAX_FRAME_BYTES, Message, decode, encode
 
 # The meta field carrying a message's send time while a link is emulated; Channel.recv removes it
 SENT_AT = "_sent_at"
+BUNDLE = "bundle"  # the kind of a frame that carries several messages (Channel.send_all)
 
 
 class PeerError(RuntimeError):
@@ -37,6 +39,7 @@ class Channel(ABC):
     def __init__(self, timeout_s: float, emulate_delay_ms: float = 0.0, emulate_mbps: float = 0.0):
         self.timeout_s = timeout_s
         self.incoming = WireSchedule(emulate_delay_ms, emulate_mbps)  # the wire from the peer to this end
+        self.unread: deque[Message] = deque()  # the rest of a bundle whose first message recv returned
 
     def send(self, kind: str, meta: dict | None = None, **tensors: torch.Tensor) -> None:
         meta = dict(meta or {})
@@ -44,18 +47,37 @@ class Channel(ABC):
             meta[SENT_AT] = time.time()  # a clock both ends read alike on one host (and, NTP-synced, on two)
         self.send_frame(encode(Message(kind, meta, tensors)))
 
+    def send_all(self, messages: list[Message]) -> None:
+        """`messages` as one frame; the peer's recv returns them one by one, in order. A frame costs both ends and
+        the link a fixed amount whatever it carries (encoding, the gloo sender's two operations, the relay's seal
+        and hop; ~1 ms each end here under load: netbridge.link_probe's message_ms), so a batch of several streams'
+        Rounds, and their Replies, travel as one frame, not one a row."""
+        if len(messages) == 1:
+            return self.send(messages[0].kind, messages[0].meta, **messages[0].tensors)
+        parts, tensors = [], {}
+        for i, msg in enumerate(messages):
+            parts.append([msg.kind, msg.meta, list(msg.tensors)])
+            tensors.update({f"{i}/{name}": t for name, t in msg.tensors.items()})
+        self.send(BUNDLE, {"parts": parts}, **tensors)
+
     def recv(self, expect: str | tuple[str, ...] | None = None) -> Message:
-        frame = self.recv_frame()
-        msg = decode(frame)
-        sent = msg.meta.pop(SENT_AT, None)
-        if isinstance(sent, (int, float)) and math.isfinite(sent) and self.incoming.active:
-            self._until_arrival(float(sent), len(frame))
+        if not self.unread:
+            self.unread.extend(unbundle(self._recv_frame_message(), self.peer_name))
+        msg = self.unread.popleft()
         kinds = (expect,) if isinstance(expect, str) else expect
         if expect is not None and msg.kind not in kinds:
             if msg.kind == "error":
                 raise PeerError(f"{self.peer_name} failed: {msg.meta.get('error', '?')}")
             raise PeerError(f"protocol error: expected {' or '.join(kinds)}, got {msg.kind!r}; are both ranks the same "
                             "Tandem version and config?")
+        return msg
+
+    def _recv_frame_message(self) -> Message:
+        frame = self.recv_frame()
+        msg = decode(frame)
+        sent = msg.meta.pop(SENT_AT, None)
+        if isinstance(sent, (int, float)) and math.isfinite(sent) and self.incoming.active:
+            self._until_arrival(float(sent), len(frame))
         return msg
 
     def _until_arrival(self, sent: float, nbytes: int) -> None:
@@ -74,6 +96,25 @@ class Channel(ABC):
 
     def close(self) -> None:
         pass
+
+
+def unbundle(frame: Message, peer_name: str = "the other rank") -> list[Message]:
+    """The messages a frame carries: itself, or a bundle's parts (Channel.send_all), each checked against the frame."""
+    if frame.kind != BUNDLE:
+        return [frame]
+    parts, messages, used = frame.meta.get("parts"), [], set()
+    try:
+        for i, (kind, meta, names) in enumerate(parts):
+            if not isinstance(kind, str) or kind == BUNDLE or not isinstance(meta, dict):
+                raise TypeError
+            messages.append(Message(kind, meta, {name: frame.tensors[f"{i}/{name}"] for name in names}))
+            used.update(f"{i}/{name}" for name in names)
+        if not messages or used != set(frame.tensors):
+            raise TypeError
+    except (TypeError, ValueError, KeyError):
+        raise PeerError(f"protocol error: {peer_name} sent a malformed bundle frame; are both ranks the same Tandem "
+                        "version?") from None
+    return messages
 
 
 class GlooChannel(Channel):

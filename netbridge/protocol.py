@@ -11,9 +11,10 @@
                                              Reply carries]), which its verifier uses
     Prefill(start, hidden)              -->  a long prompt's leading chunks: extend the cache, no reply
     Round(slot, start, hidden, drafts,  -->  forward its slice from `start` in `slot`, verify; `batch` Rounds of
-          [q], batch)                        several slots sent back to back run as one forward
+          [q], batch)                        several slots run as one forward; they travel as one frame (send_all)
                                         <--  Reply(accepted, token, last_ms, marks, [logprobs], [error]), one per
-                                                 Round; `error`: its request's grammar failed, that request ends
+                                                 Round, a batch's in one frame; `error`: its request's grammar
+                                                 failed, that request ends
     ... more Rounds, more Requests (serving: several generations live at once, each in its own slot) ...
     Idle                                -->  nothing to do yet (serving): the link is alive
     Bye                                 -->  the session is over
@@ -37,8 +38,9 @@ from dataclasses import dataclass, field
 import torch
 
 from netbridge.channel import Channel, PeerError
+from netbridge.frames import Message
 
-VERSION = 12  # bumped when a message changes; Hello carries it
+VERSION = 13  # bumped when a message changes; Hello carries it
 
 
 @dataclass
@@ -175,6 +177,17 @@ MESSAGES = {cls.__name__.lower(): cls for cls in (Hellos, Request, Lookup, Resto
 
 
 def send(channel: Channel, msg) -> None:
+    raw = as_message(msg)
+    channel.send(raw.kind, raw.meta, **raw.tensors)
+
+
+def send_all(channel: Channel, msgs: list) -> None:
+    """`msgs` in one frame (a batch's Rounds, their Replies): the peer's recv returns them one by one."""
+    channel.send_all([as_message(msg) for msg in msgs])
+
+
+def as_message(msg) -> Message:
+    """A message dataclass as the frame's kind, JSON meta and tensors."""
     meta, tensors = {}, {}
     for f in dataclasses.fields(msg):
         value = getattr(msg, f.name)
@@ -186,7 +199,7 @@ def send(channel: Channel, msg) -> None:
             meta[f.name] = dataclasses.asdict(value)
         elif value is not None:
             meta[f.name] = value
-    channel.send(type(msg).__name__.lower(), meta, **tensors)
+    return Message(type(msg).__name__.lower(), meta, tensors)
 
 
 def recv(channel: Channel, *expect: type):

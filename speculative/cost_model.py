@@ -17,10 +17,10 @@ A round of K drafts for `rows` streams (round_parts):
     prep  = rank 0's work: K drafter steps + its slice over a block of K+1
     trip  = send -> reply: every forward link and later rank in turn, and the reply link
     busiest = the most any one resource (rank 0's prep, a later rank, a link's transfer) spends on it
-Every row is a message (a Round) on each forward link and one (a Reply) on the reply link, and each message costs
-its two ends CPU (LinkCost.message_ms): each rank is busy rows x (its two links' message_ms) more a round. A lone
-message's cost is inside the link's measured latency, so a round in turn pays only the rows after the first:
-(rows - 1) x message_ms a link on the trip; a full pipe (several batches, a chain of bets) pays them all.
+A batch is one frame on each link, whatever its rows (its Rounds forward, its Replies back: Channel.send_all), and
+a frame costs its two ends CPU (LinkCost.message_ms): each rank is busy its two links' message_ms more a round. A
+lone frame's cost is inside the link's measured latency, so a round in turn pays nothing more; a full pipe (several
+batches, a chain of bets) pays every frame.
 A round commits tokens_per_round(K) = 1 + sum_j prod_{i<=j} a_i tokens per stream.
 
 One stream with D rounds on the way (stream_tokens_per_s; spec.overlap, spec.in_flight): rank 0 sends blocks
@@ -156,9 +156,9 @@ class DraftCost:
 
 @dataclass(frozen=True)
 class LinkCost:
-    """One link: one_way_ms latency, mbps bandwidth (Mbit/s; inf: unlimited), message_ms the CPU a message costs
+    """One link: one_way_ms latency, mbps bandwidth (Mbit/s; inf: unlimited), message_ms the CPU a frame costs
     each end beyond the first of several back to back (serialization, the channel's send and receive path: the
-    link probe's burst; a lone message's is in one_way_ms)."""
+    link probe's burst; a lone frame's is in one_way_ms). A batch's rows travel as one frame."""
     one_way_ms: float = 0.0
     mbps: float = math.inf
     message_ms: float = 0.0
@@ -275,9 +275,8 @@ def round_parts(p: Pipeline, k: int, rows: int = 1) -> RoundParts:
     prep = p.draft.round_ms(k, rows, p.context) + p.ranks[0].ms(rows, tokens, p.context)
     later = [r.ms(rows, tokens, p.context) for r in p.ranks[1:]]
     wires = [link.transfer_ms(p.link_bytes(i, rows, tokens)) for i, link in enumerate(p.links)]
-    queued = sum((rows - 1) * link.message_ms for link in p.links)  # the rows behind each link's first message
-    trip = sum(later) + sum(link.one_way_ms for link in p.links) + sum(wires) + queued
-    busy = [w + rows * messages_ms(p, r) for r, w in enumerate([prep, *later])]  # a full pipe: every message
+    trip = sum(later) + sum(link.one_way_ms for link in p.links) + sum(wires)
+    busy = [w + messages_ms(p, r) for r, w in enumerate([prep, *later])]  # a full pipe: every frame
     later_busiest = max([*busy[1:], *wires, 0.0])
     full = shared_ms(p, busy)
     full_prep, full_later = full[0], max([*full[1:], *wires, 0.0])
@@ -286,7 +285,7 @@ def round_parts(p: Pipeline, k: int, rows: int = 1) -> RoundParts:
 
 
 def messages_ms(p: Pipeline, r: int) -> float:
-    """What one message on each of rank r's two links costs it: the one it receives on, the one it sends on
+    """What one frame on each of rank r's two links costs it: the one it receives on, the one it sends on
     (rank 0: the reply link, link 0; with two ranks both are the two directions of one channel)."""
     return p.links[r - 1].message_ms + p.links[r].message_ms
 
@@ -432,7 +431,7 @@ def ttft_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] =
                 start = max(ready, free[2 * r])
                 sent = start + rank.chunk_ms(size, context, rows)
                 messages = (p.links[r - 1].message_ms if r else 0.0) + (p.links[r].message_ms if sends else 0.0)
-                free[2 * r] = sent + drafting + rows * messages  # the next waits for them, this one not (latency)
+                free[2 * r] = sent + drafting + messages  # the next waits for them, this one not (latency)
             if not sends:
                 break
             link = p.links[r]

@@ -145,9 +145,9 @@ def run_last(stage: Stage, channel: Channel, reply_to: Channel | None = None, pr
             stage.run(msg.start, msg.hidden.to(stage.device), num_logits=None, slot=msg.slot)
         elif isinstance(msg, Round):
             batch = [msg] + [protocol.recv(channel, Round) for _ in range(msg.batch - 1)]
-            for reply in verify_batch(stage, batch, [slots.setdefault(m.slot, SlotVerifier()) for m in batch], t_wait):
-                protocol.send(reply_to, reply)
-                rounds += reply.accepted >= 0
+            replies = verify_batch(stage, batch, [slots.setdefault(m.slot, SlotVerifier()) for m in batch], t_wait)
+            protocol.send_all(reply_to, replies)
+            rounds += sum(reply.accepted >= 0 for reply in replies)
             if prefixes is not None:  # after the replies: a prompt's first round filled the cache, save it
                 for m in batch:
                     prefixes.after_prefill(m.slot)
@@ -228,9 +228,9 @@ def run_middle(stage: Stage, prev: Channel, next: Channel, prefixes=None) -> int
             batch = [msg] + [protocol.recv(prev, Round) for _ in range(msg.batch - 1)]
             forward_batch(stage, batch, t_wait)
             rounds += len(batch)
-            for m in batch:
-                protocol.send(next, m)
-                if prefixes is not None:
+            protocol.send_all(next, batch)
+            if prefixes is not None:
+                for m in batch:
                     prefixes.after_prefill(m.slot)
         else:
             protocol.send(next, msg)

@@ -85,7 +85,7 @@ class BatchCount:
     def observe(self, record, waited_ms: float, alone: bool = True, busy_ms: float | None = None) -> None:
         """A fresh block's round (not a first round, not a bet). Rank 0's work per batch is all it did since the
         last reply but wait (`busy_ms`): its forwards are the least of it with a small model (committing, sampling,
-        answering clients, a message per row each way: ~4 ms a one-row batch of the tiny model here, its forward
+        answering clients, a frame each way: ~4 ms a one-row batch of the tiny model here, its forward
         ~1.7), and counting the forwards alone made 4 batches of one row look free (four streams at K=0 over 0 ms
         read 183 tokens/s, 248 counting it all: bench/README). The trip is read only from rounds whose reply
         rank 0 waited for: one read late (rank 0 busy with another batch) holds rank 0's work besides the trip;

@@ -231,15 +231,14 @@ class Session:
         self.send_batch(blocks)
 
     def send_batch(self, blocks: list[Block]) -> None:
-        """`blocks` (of different streams) back to back, as one batch: one forward on every later rank."""
-        empty = not self.replies.waiting
+        """`blocks` (of different streams) as one batch, in one frame: one forward on every later rank."""
+        empty, sent_at = not self.replies.waiting, time.perf_counter()
+        protocol.send_all(self.channel, [Round(block.start, block.hidden, block.drafts.tokens, block.drafts.q_ids,
+                                               block.drafts.q_probs, guess=block.guess, slot=block.stream.slot,
+                                               batch=len(blocks)) for block in blocks])
         for block in blocks:
             block.batch, block.into_empty_pipe = len(blocks), empty
-            block.sent_at = time.perf_counter()
-            protocol.send(self.channel, Round(block.start, block.hidden, block.drafts.tokens, block.drafts.q_ids,
-                                              block.drafts.q_probs, guess=block.guess, slot=block.stream.slot,
-                                              batch=len(blocks)))
-            block.send_ms, block.hidden = _ms(block.sent_at), None
+            block.sent_at, block.send_ms, block.hidden = sent_at, _ms(sent_at), None
         self.replies.expect(blocks)
 
     def send_held(self, s: Stream) -> None:

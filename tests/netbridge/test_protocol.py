@@ -89,6 +89,40 @@ def test_one_recv_accepts_any_of_the_expected_kinds():
     assert kinds == [Request, Idle, Prefill, Round, Bye]
 
 
+def test_a_bundle_is_one_frame_whose_messages_come_one_by_one():
+    """A batch's Rounds (and their Replies) cross as one frame: each frame costs both ends a fixed amount."""
+    a, b = local_pair(timeout_s=5)
+    sent = [Round(3, torch.randn(1, 2, 4), torch.tensor([5]), slot=1, batch=2),
+            Round(9, torch.randn(1, 3, 4, dtype=torch.bfloat16), torch.tensor([6, 7]), slot=2, batch=2),
+            Reply(accepted=1, token=8, last_ms=0.5, marks=[1.0])]
+    protocol.send_all(a, sent)
+    protocol.send(a, Bye())
+    assert b.inbox.qsize() == 2  # the bundle, then the Bye
+    assert all(same(protocol.recv(b, type(msg)), msg) for msg in sent)
+    assert b.inbox.qsize() == 1 and isinstance(protocol.recv(b, Bye), Bye)
+    protocol.send_all(a, sent[:2])
+    with pytest.raises(PeerError) as info:  # each message of a bundle is checked as it is read
+        protocol.recv(b, Reply)
+    assert_one_line_peer_error(info, "expected reply", "'round'")
+
+
+@pytest.mark.parametrize("parts,tensors", [
+    ("garbage", {}),
+    ([], {}),
+    ([["round", {"start": 1}, ["hidden"]]], {}),  # a tensor the frame does not carry
+    ([["idle", {}, []]], {"0/hidden": torch.zeros(1)}),  # a tensor no part names
+    ([["bundle", {"parts": []}, []]], {}),  # a bundle in a bundle
+    ([["round", "start", []]], {}),
+    ([["round", {}]], {}),
+], ids=["not-a-list", "empty", "missing-tensor", "stray-tensor", "nested", "meta-not-a-dict", "short-part"])
+def test_a_malformed_bundle_is_one_peer_error_line(parts, tensors):
+    a, b = local_pair(timeout_s=5)
+    a.send("bundle", {"parts": parts}, **tensors)
+    with pytest.raises(PeerError) as info:
+        protocol.recv(b, Round, protocol.Idle)
+    assert_one_line_peer_error(info, "malformed bundle", "same Tandem version")
+
+
 def assert_one_line_peer_error(info, *needles):
     error = info.value
     assert type(error) is PeerError

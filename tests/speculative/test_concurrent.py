@@ -139,6 +139,27 @@ def test_eight_requests_at_once_through_the_relay(ranks, tiny_qwen, tiny_qwen_dr
     assert max(r.batch for g in gens for r in g.rounds) >= 4
 
 
+def test_a_batch_crosses_every_link_as_one_frame(tiny_qwen, tiny_qwen_draft):
+    """Three ranks, eight requests in one batch: every frame that carries Rounds (rank 0 -> 1, 1 -> 2) or Replies
+    (2 -> 0) carries a whole batch, each Round saying the batch it is part of; outputs stay generate's."""
+    from netbridge.channel import BUNDLE, local_ring, unbundle
+    from netbridge.frames import decode
+    links = local_ring(3, 30.0)
+    frames = {r: [] for r in range(3)}
+    for r, (_, to_next) in enumerate(links):
+        to_next.send_frame = (lambda frame, r=r, send=to_next.send_frame: (frames[r].append(decode(frame)), send(frame)))
+    gens, _ = serve_together(session_args(tiny_qwen, tiny_qwen_draft, max_new=40), requests(), ranks=3,
+                             links=links, batches=1)
+    for prompt, n, gen in zip(PROMPTS, LENGTHS, gens):
+        assert gen.output.tokens == reference_greedy(tiny_qwen, prompt, n), (prompt, n)
+    for r, kind in ((0, "round"), (1, "round"), (2, "reply")):
+        batches = [unbundle(f) for f in frames[r] if f.kind in (kind, BUNDLE)]
+        assert max(len(b) for b in batches) >= 4, r
+        assert all(m.kind == kind for b in batches for m in b), r
+        if kind == "round":
+            assert all(m.meta.get("batch", 1) == len(b) for b in batches for m in b), r
+
+
 def test_streams_take_turns(tiny_qwen, tiny_qwen_draft):
     """Round-robin: while two streams are live, neither gets a second round before the other has had its next,
     so a long answer cannot starve a short one (four streams, answers from 4 to 40 tokens)."""

@@ -450,11 +450,11 @@ def costly(p: Pipeline, *message_ms: float) -> Pipeline:
     return replace(p, links=tuple(replace(link, message_ms=m) for link, m in zip(p.links, message_ms)))
 
 
-def test_every_message_costs_the_ranks_at_its_ends_in_a_full_pipe():
-    """Two ranks of 1 ms a round over free links, 0.5 ms a message: a row is a Round one way and a Reply back, so each
-    rank is busy 1 + 2 x 0.5 = 2 ms a one-row batch, and four streams at K=0 in four batches cycle in 4 x 2 = 8 ms,
-    not 4 x 1. A lone round's messages are inside the links' latency (as probed): nothing more; a batch of four
-    rows in turn waits for the three behind each link's first: 3 x 0.5 ms a link."""
+def test_every_frame_costs_the_ranks_at_its_ends_in_a_full_pipe():
+    """Two ranks of 1 ms a round over free links, 0.5 ms a frame: a batch is a frame of Rounds one way and a frame of
+    Replies back, so each rank is busy 1 + 2 x 0.5 = 2 ms a batch, and four streams at K=0 in four batches cycle in
+    4 x 2 = 8 ms, not 4 x 1. A lone round's frames are inside the links' latency (as probed): nothing more; a batch of
+    four rows is still one frame each way: the same 2 ms busy, no row queued behind another."""
     free = ring((1.0, 1.0), rate=1.0)
     p = costly(free, 0.5, 0.5)
     parts = round_parts(p, 0, 1)
@@ -463,8 +463,9 @@ def test_every_message_costs_the_ranks_at_its_ends_in_a_full_pipe():
     assert aggregate_tokens_per_s(free, 0, 4, 4) == pytest.approx(1000 * 4 / 4.0)
     assert aggregate_tokens_per_s(p, 0, 4, 4) == pytest.approx(1000 * 4 / 8.0)
     assert round_ms(p, 0, 1) == round_ms(free, 0, 1) == 2.0  # one stream alone, in turn
-    assert round_ms(p, 0, 4) == pytest.approx(round_ms(free, 0, 4) + 2 * 3 * 0.5)
-    assert round_parts(p, 0, 4).busiest_ms == pytest.approx(1.0 + 4 * 2 * 0.5)  # every row's two messages
+    assert round_ms(p, 0, 4) == pytest.approx(round_ms(free, 0, 4))
+    assert round_parts(p, 0, 4).busiest_ms == pytest.approx(1.0 + 2 * 0.5)  # the batch's two frames
+    assert aggregate_tokens_per_s(p, 0, 4, 1) == pytest.approx(1000 * 4 / 2.0)  # one batch of four, in turn: 1 + 1 ms
 
 
 def test_a_chain_of_bets_leaves_rank_0_at_its_prep_and_messages():
@@ -478,16 +479,16 @@ def test_a_chain_of_bets_leaves_rank_0_at_its_prep_and_messages():
     assert stream_tokens_per_s(p, 4, 1) == stream_tokens_per_s(slow, 4, 1) == pytest.approx(5 * 1000 / 200)
 
 
-def test_a_rank_pays_for_the_messages_on_its_own_two_links():
-    """Three ranks, links of 0.1 / 0.2 / 0.4 ms a message (rank 0 -> 1, 1 -> 2, the reply 2 -> 0), two rows: rank 0
-    pays 2 x (0.4 + 0.1) = 1.0, rank 1 2 x (0.1 + 0.2) = 0.6 besides its 1 ms, rank 2 2 x (0.2 + 0.4) = 1.2."""
+def test_a_rank_pays_for_the_frames_on_its_own_two_links():
+    """Three ranks, links of 0.1 / 0.2 / 0.4 ms a frame (rank 0 -> 1, 1 -> 2, the reply 2 -> 0), a batch of two rows
+    (one frame a link): rank 0 pays 0.4 + 0.1 = 0.5, rank 1 0.1 + 0.2 = 0.3 besides its 1 ms, rank 2 0.2 + 0.4 = 0.6."""
     inf = float("inf")
     p = costly(ring((0.0, 1.0, 0.0), (0.0,) * 3, (inf,) * 3), 0.1, 0.2, 0.4)
     parts = round_parts(p, 0, 2)
-    assert parts.full_prep_ms == pytest.approx(1.0)
-    assert parts.later_busiest_ms == pytest.approx(1.6)  # rank 1, above rank 2's 1.2
-    assert round_parts(replace(p, ranks=(RankCost(0.0),) * 3), 0, 2).later_busiest_ms == pytest.approx(1.2)
-    assert parts.trip_ms == pytest.approx(1.0 + 0.1 + 0.2 + 0.4)  # the second row behind each link's first
+    assert parts.full_prep_ms == pytest.approx(0.5)
+    assert parts.later_busiest_ms == pytest.approx(1.3)  # rank 1, above rank 2's 0.6
+    assert round_parts(replace(p, ranks=(RankCost(0.0),) * 3), 0, 2).later_busiest_ms == pytest.approx(0.6)
+    assert parts.trip_ms == pytest.approx(1.0)  # a lone batch's frames: inside each link's latency
 
 
 def test_each_prefill_chunk_keeps_the_ranks_at_its_ends_busy_a_message_more():
