@@ -96,7 +96,7 @@ class GenConfig:
 @dataclass
 class TransportConfig:
     kind: str = "gloo"  # gloo | relay: what carries the links between hosts
-    local_links: str = "auto"  # auto | direct | transport: a link between two ranks of one host; auto = direct (loopback TCP) when the run spans 2+ hosts (--nnodes>1), else transport.kind
+    local_links: str = "auto"  # auto | direct | transport: a link between two ranks of one host; auto = direct (loopback TCP), except one host with kind=relay (it emulates hosts through the relay)
     relay: str | None = None  # HOST:PORT of the relay (kind=relay); null = torchrun's tandem-relay --rdzv_endpoint
     session: str | None = None  # session id both ranks give the relay; null = torchrun's --rdzv_id
     secret: str | None = None  # the two nodes' pairing secret (keys their end-to-end encryption); prefer secret_file

@@ -66,7 +66,9 @@ def open_links(cfg: TandemConfig, rank: int, ranks: int, place: HostPlace | None
     prev, next = (rank - 1) % ranks, (rank + 1) % ranks
     if settings.kind != "relay":
         _init_gloo(settings, rank)
-    local = LocalLinks(settings, rank, local_peers(settings.local_links, place or host_place(ranks), rank, ranks))
+    place = place or host_place(ranks)
+    local = LocalLinks(settings, rank, local_peers(settings.local_links, place, rank, ranks, settings.kind),
+                       emulated=place.hosts < 2)
     links: dict[int, Channel] = {}
     try:
         for peer in dict.fromkeys((next, prev) if rank == 0 else (prev, next)):

@@ -1,8 +1,13 @@
 """transport.* of the config, read once into plain settings, and the links opened from them.
 
 A ring link between two ranks of one host is direct (`LocalLinks`: a loopback TCP Channel) when
-transport.local_links says so (auto: when the run spans 2+ hosts); every other link is what transport.kind
-says. torchrun numbers the ranks of a host one after another (its agent gives each node a base rank, the
+transport.local_links says so (auto: unless one host runs the whole ring with kind=relay, which emulates hosts
+through the relay); every other link is what transport.kind says. A gloo link costs each frame two rendezvous
+with the peer and a sender thread that waits for its process's GIL, so a frame sent while its rank computes
+leaves only when the rank next waits (two ranks busy 1 ms a round: a round trip of 1.8-2.5 ms at p50 and 2.8 at
+p90 over gloo, 1.2 ms over loopback TCP, whose send is the kernel's). On one host, which emulates several, a
+direct link carries transport.emulate_* as the transport's would; between hosts a direct link never leaves its
+host and carries none. torchrun numbers the ranks of a host one after another (its agent gives each node a base rank, the
 ranks before it, plus LOCAL_RANK), so on the ring 0 -> 1 -> ... -> N-1 -> 0 a rank's predecessor is on its
 host iff LOCAL_RANK > 0, its successor iff LOCAL_RANK + 1 < LOCAL_WORLD_SIZE: N hosts make N host-to-host
 links, whatever the ranks per host (`local_peers`).
@@ -99,10 +104,11 @@ def host_place(ranks: int, env=os.environ) -> HostPlace:
     return HostPlace(int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", ranks)), int(env.get("GROUP_WORLD_SIZE", 1)))
 
 
-def local_peers(mode: str, place: HostPlace, rank: int, ranks: int) -> set[int]:
+def local_peers(mode: str, place: HostPlace, rank: int, ranks: int, kind: str = "gloo") -> set[int]:
     """The ring neighbours of `rank` it links to directly (on its host), by transport.local_links `mode`: auto is
-    direct when the run spans 2+ hosts (one host with kind=relay emulates two: its links go through the relay)."""
-    if mode == "transport" or (mode == "auto" and place.hosts < 2):
+    direct but where one host runs the ring with `kind` relay (it emulates several hosts: its links go through the
+    relay)."""
+    if mode == "transport" or (mode == "auto" and place.hosts < 2 and kind == "relay"):
         return set()
     prev, next = (rank - 1) % ranks, (rank + 1) % ranks
     if place.hosts < 2:  # every rank is on this host, the link from the last back to rank 0 too
@@ -121,20 +127,21 @@ class LocalLinks:
     store before any link is opened (so a peer dialing it never waits on this rank's order), and dials the
     others once their lower rank has published."""
 
-    def __init__(self, s: TransportSettings, rank: int, peers: set[int]):
+    def __init__(self, s: TransportSettings, rank: int, peers: set[int], emulated: bool = False):
         from netbridge.loopback_channel import LoopbackListener
         self.settings, self.rank, self.peers = s, rank, peers
+        self.emulation = s.emulation if emulated else {}  # one host emulating several: its links are the WAN
         self.store = local_store(s.timeout_s) if peers else None
         self.listeners = {peer: LoopbackListener() for peer in peers if peer > rank}
         for peer, listener in self.listeners.items():
             self.store.set(local_key(rank, peer), f"{listener.port} {listener.token.hex()}")
 
     def open(self, peer: int):
-        """The Channel to `peer` on this host (no emulated delay: the link never leaves it)."""
+        """The Channel to `peer` on this host (emulated only where the whole run is on it: `emulated`)."""
         from netbridge.loopback_channel import LoopbackChannel
         name, s = f"rank {peer}", self.settings
         if peer in self.listeners:
-            return self.listeners.pop(peer).accept(s.timeout_s, name)
+            return self.listeners.pop(peer).accept(s.timeout_s, name, **self.emulation)
         try:
             self.store.wait([local_key(self.rank, peer)], timedelta(seconds=s.timeout_s))
             port, token = self.store.get(local_key(self.rank, peer)).decode().split()
@@ -142,7 +149,7 @@ class LocalLinks:
             raise PeerError(f"rank {peer} did not open its port on this host within {s.timeout_s:g} s (transport.timeout_s); "
                             f"is it running, and are ranks {self.rank} and {peer} on one host? "
                             "(transport.local_links=transport sends every link through transport.kind)") from None
-        return LoopbackChannel.connect(int(port), bytes.fromhex(token), s.timeout_s, name)
+        return LoopbackChannel.connect(int(port), bytes.fromhex(token), s.timeout_s, name, **self.emulation)
 
     def close(self) -> None:
         for listener in self.listeners.values():

@@ -49,11 +49,18 @@ def test_n_hosts_make_n_crossings_whatever_the_ranks_per_host(per_host, crossing
     assert host_links("transport", places(*per_host)) == [True] * len(crossing)
 
 
-def test_one_host_goes_through_the_transport_unless_direct_is_asked():
+def test_one_host_with_the_relay_goes_through_it_unless_direct_is_asked():
     """One torchrun with --nproc_per_node=2 and kind=relay emulates two hosts: auto keeps it on the relay."""
-    assert host_links("auto", places(4)) == [True] * 4
+    assert [(r + 1) % 4 not in local_peers("auto", p, r, 4, "relay") for r, p in enumerate(places(4))] == [True] * 4
     assert host_links("direct", places(4)) == [False] * 4  # the link from the last rank back to rank 0 too
     assert local_peers("direct", HostPlace(0, 2, 1), 0, 2) == {1}
+
+
+def test_one_host_over_gloo_links_directly():
+    """gloo between two ranks of one host costs each frame two rendezvous and its sender thread's wait for the GIL;
+    a loopback socket does the same job for less (launch.transport), so auto links them directly."""
+    assert host_links("auto", places(4)) == [False] * 4
+    assert local_peers("auto", HostPlace(1, 2, 1), 1, 2, "gloo") == {0}
 
 
 def test_both_ends_of_every_link_agree():
@@ -161,6 +168,35 @@ def test_direct_links_open_around_a_ring_of_four_through_the_store(monkeypatch):
     for pair in links.values():
         for c in pair:
             c.close()
+    del master
+
+
+def test_one_host_over_gloo_carries_the_emulated_link_on_its_direct_links(monkeypatch):
+    """Two ranks on one host, kind=gloo, transport.emulate_delay_ms=40: the direct link between them is the emulated
+    WAN the run asked for (one host emulates two), so a message takes the 40 ms it would over gloo."""
+    import launch.distributed
+    port = free_port()
+    master = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    monkeypatch.setattr(launch.distributed, "_init_gloo", lambda settings, rank: None)  # the links are what is tested
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    cfg = load_config(["prompt_ids=[1]", "transport.kind=gloo", "transport.emulate_delay_ms=40", "transport.timeout_s=10"])
+    links = {}
+    threads = [threading.Thread(target=lambda r=r: links.__setitem__(r, open_links(cfg, r, 2, HostPlace(r, 2, 1))),
+                                daemon=True) for r in (1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    (a, _), (b, _) = links[0], links[1]
+    assert isinstance(a, LoopbackChannel) and isinstance(b, LoopbackChannel)
+    t0 = time.perf_counter()
+    a.send("ping")
+    b.recv("ping")
+    assert 0.035 <= time.perf_counter() - t0 < 1.0
+    for c in (a, b):
+        c.close()
     del master
 
 
