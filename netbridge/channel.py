@@ -21,6 +21,7 @@ from netbridge.frames import MAX_FRAME_BYTES, Message, decode, encode
 # The meta field carrying a message's send time while a link is emulated; Channel.recv removes it
 SENT_AT = "_sent_at"
 BUNDLE = "bundle"  # the kind of a frame that carries several messages (Channel.send_all)
+BUNDLE_BYTES = 1 << 20  # a bundle's tensors at most: decode rounds' blocks share a frame, a prompt's chunks do not
 
 
 class PeerError(RuntimeError):
@@ -48,17 +49,20 @@ class Channel(ABC):
         self.send_frame(encode(Message(kind, meta, tensors)))
 
     def send_all(self, messages: list[Message]) -> None:
-        """`messages` as one frame; the peer's recv returns them one by one, in order. A frame costs both ends and
-        the link a fixed amount whatever it carries (encoding, the gloo sender's two operations, the relay's seal
-        and hop; ~1 ms each end here under load: netbridge.link_probe's message_ms), so a batch of several streams'
-        Rounds, and their Replies, travel as one frame, not one a row."""
-        if len(messages) == 1:
-            return self.send(messages[0].kind, messages[0].meta, **messages[0].tensors)
-        parts, tensors = [], {}
-        for i, msg in enumerate(messages):
-            parts.append([msg.kind, msg.meta, list(msg.tensors)])
-            tensors.update({f"{i}/{name}": t for name, t in msg.tensors.items()})
-        self.send(BUNDLE, {"parts": parts}, **tensors)
+        """`messages` in as few frames as BUNDLE_BYTES allows; the peer's recv returns them one by one, in order. A
+        frame costs both ends and the link a fixed amount whatever it carries (encoding, the channel's send and
+        receive path, the relay's seal and hop: netbridge.link_probe's message_ms), so a batch of several streams'
+        Rounds, and their Replies, travel as one frame, not one a row; a message too big to share one (a first
+        round carrying a prompt's last chunk) goes alone, as it would have, so no frame outlasts a single one's."""
+        for group in bundles(messages):
+            if len(group) == 1:
+                self.send(group[0].kind, group[0].meta, **group[0].tensors)
+                continue
+            parts, tensors = [], {}
+            for i, msg in enumerate(group):
+                parts.append([msg.kind, msg.meta, list(msg.tensors)])
+                tensors.update({f"{i}/{name}": t for name, t in msg.tensors.items()})
+            self.send(BUNDLE, {"parts": parts}, **tensors)
 
     def recv(self, expect: str | tuple[str, ...] | None = None) -> Message:
         if not self.unread:
@@ -96,6 +100,19 @@ class Channel(ABC):
 
     def close(self) -> None:
         pass
+
+
+def bundles(messages: list[Message], limit: int = BUNDLE_BYTES) -> list[list[Message]]:
+    """`messages` in order, in groups whose tensors hold at most `limit` bytes (a bigger message alone)."""
+    groups, size = [], 0
+    for msg in messages:
+        nbytes = sum(t.numel() * t.element_size() for t in msg.tensors.values())
+        if not groups or size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(msg)
+        size += nbytes
+    return groups
 
 
 def unbundle(frame: Message, peer_name: str = "the other rank") -> list[Message]:

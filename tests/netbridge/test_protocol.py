@@ -106,6 +106,19 @@ def test_a_bundle_is_one_frame_whose_messages_come_one_by_one():
     assert_one_line_peer_error(info, "expected reply", "'round'")
 
 
+def test_a_message_too_big_to_share_a_frame_goes_alone():
+    """A first round carrying a prompt's last chunk (over BUNDLE_BYTES) is a frame of its own, as it was before
+    bundles: no frame outlasts a single message's transfer; the small ones around it still share frames."""
+    from netbridge.channel import BUNDLE_BYTES
+    a, b = local_pair(timeout_s=5)
+    big = Round(0, torch.zeros(1, BUNDLE_BYTES // 4 + 1, 1), torch.zeros(0, dtype=torch.long), slot=1, batch=4)
+    sent = [Round(5, torch.zeros(1, 2, 4), torch.tensor([1]), slot=0, batch=4), big,
+            *(Round(7, torch.zeros(1, 2, 4), torch.tensor([1]), slot=s, batch=4) for s in (2, 3))]
+    protocol.send_all(a, sent)
+    assert b.inbox.qsize() == 3  # the small one, the big one, the two small ones after it
+    assert all(same(protocol.recv(b, Round), msg) for msg in sent)
+
+
 @pytest.mark.parametrize("parts,tensors", [
     ("garbage", {}),
     ([], {}),
