@@ -18,11 +18,12 @@ import struct
 import time
 
 from netbridge.channel import Channel, PeerError
-from netbridge.frames import MAX_FRAME_BYTES
+from netbridge.frames import MAX_FRAME_BYTES, FrameError, decode
 
 LENGTH = struct.Struct("!I")
 TOKEN_BYTES = 16
 _SMALL = 64 * 1024  # frames up to this size go out in one send with their length
+LEFT_FRAMES, LEFT_WAIT_S = 64, 0.5  # a failed send looks this far into what the peer sent for its Error frame
 
 
 class LoopbackChannel(Channel):
@@ -58,8 +59,23 @@ class LoopbackChannel(Channel):
         except socket.timeout:
             raise PeerError(f"{self.peer_name} took no bytes for {self.timeout_s:g} s (transport.timeout_s); is it stuck?") from None
         except OSError as e:
+            cause = self._left_word()
+            if cause is not None:
+                raise PeerError(f"{self.peer_name} failed: {cause}") from None
             raise PeerError(f"lost {self.peer_name} on this host while sending ({e.strerror or type(e).__name__}): "
                             "its process ended") from None
+
+    def _left_word(self) -> str | None:
+        """After a send failed: the cause in the Error frame the peer left before its socket closed (a rank that
+        fails says why on its links first), if its bytes are still in this end's buffer; None when there is none."""
+        try:
+            for _ in range(LEFT_FRAMES):
+                msg = decode(self.recv_frame(LEFT_WAIT_S))
+                if msg.kind == "error":
+                    return str(msg.meta.get("error", "?"))
+        except (PeerError, FrameError, OSError):
+            pass
+        return None
 
     def _send_all(self, data) -> None:
         # Not sendall: its timeout bounds the whole call; here each send() waits at most the timeout for room
@@ -67,8 +83,8 @@ class LoopbackChannel(Channel):
         while sent < len(view):
             sent += self.sock.send(view[sent:])
 
-    def recv_frame(self) -> bytes:
-        self.sock.settimeout(self.timeout_s)
+    def recv_frame(self, timeout_s: float | None = None) -> bytes:
+        self.sock.settimeout(self.timeout_s if timeout_s is None else timeout_s)
         (n,) = LENGTH.unpack(self._read(LENGTH.size, frame_started=False))
         if not 0 < n <= MAX_FRAME_BYTES:
             raise PeerError(f"{self.peer_name} announced a frame of {n} bytes (bound {MAX_FRAME_BYTES}); garbage on the wire")

@@ -140,7 +140,7 @@ class Round:
     guess: int | None = None  # a block sent on a bet (spec.in_flight): the token it begins with, which the
     # round before must give; the last rank skips a block whose bet it already knows failed
     slot: int = 0  # whose round: the slot of the generation it belongs to
-    batch: int = 1  # this Round and the batch - 1 after it (sent back to back) run as one forward on every rank;
+    batch: int = 1  # this Round and the batch - 1 after it (in one frame: send_all) run as one forward on every rank;
     # each gets its own Reply, in order
 
 

@@ -113,9 +113,12 @@ def test_a_check_only_rank_0_makes_reaches_every_rank_at_once(tmp_path, monkeypa
 
 
 @pytest.mark.slow  # a torchrun launch of 6-10 s: the default suite keeps under 5 minutes
-def test_a_rank_that_fails_while_its_peer_sends_is_named_by_its_cause(tmp_path):
-    """gloo: a send completes only when the peer receives, so rank 0, sending its prompt while rank 1 fails to
-    load, never reads rank 1's Error frame; rank 1's cause reaches it through torchrun's store instead."""
+@pytest.mark.parametrize("links", ["auto", "transport"])
+def test_a_rank_that_fails_while_its_peer_sends_is_named_by_its_cause(tmp_path, links):
+    """Rank 0 sends its prompt while rank 1 fails to load. Over gloo (`transport`) a send completes only when the
+    peer receives, so rank 0 never reads rank 1's Error frame; rank 1's cause reaches it through torchrun's store.
+    Over the direct link of one host (`auto`) the send breaks on the closed socket; the cause is the Error frame
+    rank 1 left in it."""
     import subprocess
     import sys
     from tests.support.tiny_models import REPO
@@ -126,7 +129,8 @@ def test_a_rank_that_fails_while_its_peer_sends_is_named_by_its_cause(tmp_path):
     out = tmp_path / "out.json"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
                            f"--master_port={free_port()}", str(REPO / "train_free_infer.py"), *one_shot(broken, out),
-                           "model.split=2", "transport.timeout_s=20"], cwd=REPO, capture_output=True, text=True, timeout=120)
+                           "model.split=2", "transport.timeout_s=20", f"transport.local_links={links}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
     rank0 = [line for line in proc.stderr.splitlines() if line.startswith("tandem[rank 0]")]
     assert proc.returncode != 0 and rank0, proc.stderr[-3000:]
     assert "down_proj" in rank0[0] and "lost rank 1" not in rank0[0], rank0
