@@ -386,8 +386,10 @@ def describe(plan: Plan) -> str:
                  if mine.alone_layer_ms > 0 else "")
         context = (f", {1000 * (cfg.spec.k + 1) * mine.context_ms:.2f} ms a layer more per 1k tokens cached beyond "
                    f"{CONTEXT}" if mine.context_ms > 0 else "")
+        rows = (f", {n * mine.layer_row_ms + mine.head_row_ms:.2f} ms more per stream batched beside"
+                if mine.layer_row_ms > 0 or mine.head_row_ms > 0 else "")
         line += (f"estimated {mine.ms_for(n):.0f} ms per round ({n} x {mine.layer_ms:.1f} ms per layer over blocks of "
-                 f"{cfg.spec.k + 1}{context}, {mine.fixed_ms:.0f} ms besides{drafting}; timed here{alone})")
+                 f"{cfg.spec.k + 1}{context}{rows}, {mine.fixed_ms:.0f} ms besides{drafting}; timed here{alone})")
     if rank == 0 and drafts_with_model(cfg):
         line += "; " + drafter_place(cfg.draft.device, plan.draft_device, plan.device,
                                      int(os.environ.get("LOCAL_WORLD_SIZE", plan.ranks)))

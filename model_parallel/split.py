@@ -50,6 +50,8 @@ class RankCosts:
     alone_layer_ms: float = 0.0  # spec.overlap: layer_ms timed again while the other ranks idle (0: not timed)
     context_ms: float = 0.0  # a decode block: one layer's ms per token per cached token beyond CONTEXT (0: not timed)
     draft_context_ms: float = 0.0  # rank 0: a drafter step's ms per cached token beyond CONTEXT (the whole drafter)
+    layer_row_ms: float = 0.0  # one layer's ms per row more in a batch of streams' blocks, its tokens included
+    head_row_ms: float = 0.0  # the last rank: the head's ms per row more (each row's K + 1 logits; 0: no head)
 
     def at(self, slots: int) -> RankCosts:
         """These costs with `slots` KV slots (serve.max_concurrent): each slot its own cache on every layer."""
@@ -172,6 +174,7 @@ PROBE_TOKENS = 128  # a one-layer stage is also timed over a block this long: it
 # (from a block of 128 on: a CPU's matrix products run near their full rate there, as over a 512-token chunk)
 LONG_CONTEXT = 1024  # ... and after this many cached tokens: the slope is attention's ms per token per earlier one
 DECODE_CONTEXT = 2048  # ... and a round's block after this many: its slope is a decode round's cost per cached token
+ROW_PROBE = 4  # ... and over this many rows of the block (several streams' in one forward): its slope is a row's cost
 WINDOW_S = 1.5  # each run is repeated, in turn with the others, for about this long after its warm-up
 MIN_SAMPLES, MAX_SAMPLES, WARMUP = 5, 25, 2
 QUICK_S = 0.1  # MIN_SAMPLES cycles this quick are enough: a GPU's times hold still (and tests' tiny models)
@@ -320,6 +323,8 @@ class Speed:
     draft_attend_ms: float = 0.0  # the whole drafter's attention ms per token per earlier token
     context_ms: float = 0.0  # one target layer's ms per token of the round's block per cached token beyond CONTEXT
     draft_context_ms: float = 0.0  # the whole drafter's step, ms per cached token beyond CONTEXT
+    layer_row_ms: float = 0.0  # one target layer's ms per row more than one (a batch of streams' blocks)
+    head_row_ms: float = 0.0  # the head's ms per row more (0: no head)
 
 
 def probe_runs(runs: dict, name, model: Timed, probe: int) -> None:
@@ -338,6 +343,26 @@ def long_runs(runs: dict, name, model: Timed) -> None:
     this one +12 to +15; the tiny model's four over one token: +0.17 to +0.22, +0.05 and +0.27 to +0.34)."""
     runs[name, "long"] = stage_runs(model.model, model.tokens, model.device, model.dtype, model.quant,
                                     context=DECODE_CONTEXT, sizes=(1,))[1]
+
+
+def rows_runs(runs: dict, model: Timed) -> None:
+    """A one-layer stage of the target over ROW_PROBE rows of its block (several streams' blocks as one forward,
+    each in its own slot), and the head over them too where the rank has it: beside the same over one row, the
+    slope is what a batch pays per stream (the tiny model's four layers over a row of one token: 0.8 ms, four
+    rows 1.55, measured in a round; a batch of rows is not a longer block: each row attends over its own slot)."""
+    runs["target", "rows"] = stage_runs(model.model, model.tokens, model.device, model.dtype, model.quant,
+                                        rows=ROW_PROBE, sizes=(1,))[1]
+    if model.head:
+        runs["target", "rows head"] = head_run(model.model, model.tokens, model.device, model.dtype, model.quant,
+                                               rows=ROW_PROBE)[0]
+
+
+def row_slopes(ms: dict, target: Timed, scale: float) -> tuple[float, float]:
+    """(one layer's ms per row more, the head's) from rows_runs' and the same over one row (their fastest runs:
+    a small difference, which load only adds to)."""
+    layer = max(ms["target", "rows"] - ms["target", 1], 0.0) / (ROW_PROBE - 1)
+    head = max(ms["target", "rows head"] - ms["target", "head"], 0.0) * scale / (ROW_PROBE - 1) if target.head else 0.0
+    return layer, head
 
 
 def context_slope(ms: dict, name, tokens: int) -> float:
@@ -367,6 +392,7 @@ def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WIN
     probe = max(PROBE_TOKENS, 2 * target.tokens)
     probe_runs(runs, "probe", target, probe)
     long_runs(runs, "target", target)
+    rows_runs(runs, target)
     if drafter is not None:
         probe_runs(runs, "drafter probe", drafter, probe)
         long_runs(runs, "drafter", drafter)
@@ -376,8 +402,10 @@ def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WIN
     layer_ms, call_ms = layer_and_call_ms({n: ms["target", n] for n in STAGE_SIZES})
     other_ms = call_ms + (ms["target", "head"] * scale["target"] if target.head else 0.0)
     token_ms, attend_ms = slopes(ms, "probe", ms["target", 1], target.tokens, probe)
+    layer_row_ms, head_row_ms = row_slopes(fastest, target, scale["target"])
     speed = Speed(layer_ms, other_ms, token_ms, attend_ms=attend_ms,
-                  context_ms=context_slope(fastest, "target", target.tokens))
+                  context_ms=context_slope(fastest, "target", target.tokens), layer_row_ms=layer_row_ms,
+                  head_row_ms=head_row_ms)
     if drafter is not None:
         step_ms = model_ms(ms, "drafter", drafter, scale["drafter"])
         layers = drafter.model.config.num_hidden_layers

@@ -529,8 +529,11 @@ def from_rank_costs(costs, layer_counts: list[int], links: list[LinkCost], block
     ranks = []
     for r, (c, n) in enumerate(zip(costs, layer_counts)):
         fixed = (c.fixed_ms - (draft_steps * step if r == 0 else 0.0)) / slow[r] + engine_ms(r, len(costs))
-        ranks.append(rank_cost(n, c.layer_ms / slow[r], max(fixed, 0.0), block_tokens,
-                               getattr(c, "layer_token_ms", 0.0), attend_ms=getattr(c, "attend_ms", 0.0),
+        token_ms = getattr(c, "layer_token_ms", 0.0)
+        # a row more: its layers' and its head's share as timed over ROW_PROBE rows, less its tokens' (RankCost adds them)
+        row = (n * getattr(c, "layer_row_ms", 0.0) + getattr(c, "head_row_ms", 0.0)) / slow[r]
+        ranks.append(rank_cost(n, c.layer_ms / slow[r], max(fixed, 0.0), block_tokens, token_ms,
+                               row_ms=max(row - n * token_ms * block_tokens, 0.0), attend_ms=getattr(c, "attend_ms", 0.0),
                                context_ms=getattr(c, "context_ms", 0.0) / slow[r], timed_context=timed_context))
     draft = DraftCost()
     if draft_steps:  # another row in a step costs what another token does (one more row of each matrix product)

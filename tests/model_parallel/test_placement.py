@@ -283,7 +283,8 @@ def test_timing_measures_what_a_long_prompt_and_more_rows_cost(tiny_qwen, monkey
     and after 1024 cached); the drafter's layer 0.2 ms a step, 0.002 ms a token more (its catch-up on a prompt,
     another row in a step) and 0.0005 per earlier token, times its 4 layers. A decode block after 2048 cached
     tokens instead of 128 (the 1-layer stages): the target's 0.0002 ms a layer per block token per cached token,
-    the drafter's 0.0001 a layer per cached token, times its 4 layers."""
+    the drafter's 0.0001 a layer per cached token, times its 4 layers. Four rows of the block in one forward: a
+    target layer 0.4 ms a row more; the last rank's head (timed on a slice, 0.2 ms over one row) 0.1 a row more."""
     import model_parallel.split as split
     from model_parallel.loader import ModelSource
     probe, extra = split.PROBE_TOKENS, 128 * (split.LONG_CONTEXT - split.CONTEXT)
@@ -294,6 +295,8 @@ def test_timing_measures_what_a_long_prompt_and_more_rows_cost(tiny_qwen, monkey
     given["drafter probe", split.LONG_CONTEXT] = given["drafter probe", split.CONTEXT] + 0.0005 * extra
     cached = split.DECODE_CONTEXT - split.CONTEXT
     given["target", "long"], given["drafter", "long"] = 1.5 + 5 * 0.0002 * cached, 0.7 + 0.0001 * cached
+    given["target", "rows"] = 1.5 + (split.ROW_PROBE - 1) * 0.4
+    given["target", "head"], given["target", "rows head"] = 0.2, 0.2 + (split.ROW_PROBE - 1) * 0.1
     monkeypatch.setattr(split, "sample_ms", lambda runs, window_s: {name: [given[name]] for name in runs})
     model = ModelSource.open(tiny_qwen, "float32")
     speed = split.time_rank(split.Timed(model, 5, "cpu", torch.float32),
@@ -303,3 +306,7 @@ def test_timing_measures_what_a_long_prompt_and_more_rows_cost(tiny_qwen, monkey
     assert speed.fixed_ms == pytest.approx(0.5 + 5 * speed.draft_step_ms)
     assert (speed.draft_token_ms, speed.draft_attend_ms) == pytest.approx((4 * 0.002, 4 * 0.0005))
     assert (speed.context_ms, speed.draft_context_ms) == pytest.approx((0.0002, 4 * 0.0001))
+    assert (speed.layer_row_ms, speed.head_row_ms) == pytest.approx((0.4, 0.0))  # rank 0: no head
+    last = split.time_rank(split.Timed(model, 5, "cpu", torch.float32, head=True))
+    scale = model.config.vocab_size / min(model.config.vocab_size, split.MAX_HEAD_ROWS)
+    assert (last.layer_row_ms, last.head_row_ms) == pytest.approx((0.4, 0.1 * scale))

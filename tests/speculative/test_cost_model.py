@@ -445,6 +445,22 @@ def test_a_rank_timed_alone_and_at_once_gives_its_costs_alone_and_its_slowdown()
     assert p.ranks[1].ms(1, 1) == pytest.approx(2 * 3.0 + ENGINE_LAST_MS)
 
 
+def test_a_row_more_in_a_batch_costs_what_the_timing_over_rows_said():
+    """Rank 1: 3 layers of 1 ms over a block of 5, a layer 0.4 ms a row more, the head 0.6 ms a row more, 0.02 ms a
+    token more per layer (which RankCost adds per row on its own): four rows cost 3 x (3 x 0.4 + 0.6) = 5.4 ms more
+    than one; timed at once at twice its cost alone, half that. Untimed (0): a row costs only its tokens."""
+    timed = SimpleNamespace(layer_ms=1.0, fixed_ms=0.0, layer_token_ms=0.02, layer_row_ms=0.4, head_row_ms=0.6)
+    p = from_rank_costs([SimpleNamespace(layer_ms=1.0, fixed_ms=0.0), timed], [1, 3], [LinkCost(), LinkCost()], 5)
+    assert p.ranks[1].ms(4, 5) - p.ranks[1].ms(1, 5) == pytest.approx(3 * (3 * 0.4 + 0.6))
+    assert p.ranks[1].ms(1, 5) == pytest.approx(3 * 1.0 + ENGINE_LAST_MS)  # one row: the block as timed
+    shared = SimpleNamespace(**vars(timed), alone_layer_ms=0.5)
+    p = from_rank_costs([SimpleNamespace(layer_ms=1.0, fixed_ms=0.0), shared], [1, 3], [LinkCost(), LinkCost()], 5)
+    assert p.ranks[1].ms(4, 5) - p.ranks[1].ms(1, 5) == pytest.approx(3 * (3 * 0.4 + 0.6) / 2)
+    untimed = SimpleNamespace(layer_ms=1.0, fixed_ms=0.0, layer_token_ms=0.02)
+    p = from_rank_costs([SimpleNamespace(layer_ms=1.0, fixed_ms=0.0), untimed], [1, 3], [LinkCost(), LinkCost()], 5)
+    assert p.ranks[1].ms(4, 5) - p.ranks[1].ms(1, 5) == pytest.approx(3 * 3 * 0.02 * 5)
+
+
 def costly(p: Pipeline, *message_ms: float) -> Pipeline:
     """`p` with link i's messages costing its two ends message_ms[i] each."""
     return replace(p, links=tuple(replace(link, message_ms=m) for link, m in zip(p.links, message_ms)))
