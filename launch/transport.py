@@ -2,15 +2,15 @@
 
 A ring link between two ranks of one host is direct (`LocalLinks`: a loopback TCP Channel) when
 transport.local_links says so (auto: unless one host runs the whole ring with kind=relay, which emulates hosts
-through the relay); every other link is what transport.kind says. A gloo link costs each frame two rendezvous
-with the peer and a sender thread that waits for its process's GIL, so a frame sent while its rank computes
-leaves only when the rank next waits (bench/busy_link.py, two ranks computing 3 ms between frames: a round trip
-of 3.8 ms at p50 and 8.0 at p90 over gloo, 3.3 and 3.4 over loopback TCP, whose send is the kernel's). On one host, which emulates several, a
-direct link carries transport.emulate_* as the transport's would; between hosts a direct link never leaves its
-host and carries none. torchrun numbers the ranks of a host one after another (its agent gives each node a base rank, the
-ranks before it, plus LOCAL_RANK), so on the ring 0 -> 1 -> ... -> N-1 -> 0 a rank's predecessor is on its
-host iff LOCAL_RANK > 0, its successor iff LOCAL_RANK + 1 < LOCAL_WORLD_SIZE: N hosts make N host-to-host
-links, whatever the ranks per host (`local_peers`).
+through the relay); every other link is what transport.kind says. A gloo link costs each frame two rendezvous with
+the peer and a sender thread that waits for its process's GIL, so a frame sent while its rank computes leaves only
+when the rank next waits (bench/busy_link.py, two ranks computing 3 ms between frames: a round trip of 3.8 ms at
+p50 and 8.0 at p90 over gloo, 3.3 and 3.4 over loopback TCP, whose send is the kernel's). On one host, which
+emulates several, a direct link carries transport.emulate_* as the transport's would; between hosts a direct link
+never leaves its host and carries none. torchrun numbers the ranks of a host one after another (its agent gives
+each node a base rank, the ranks before it, plus LOCAL_RANK), so on the ring 0 -> 1 -> ... -> N-1 -> 0 a rank's
+predecessor is on its host iff LOCAL_RANK > 0, its successor iff LOCAL_RANK + 1 < LOCAL_WORLD_SIZE: N hosts make N
+host-to-host links, whatever the ranks per host (`local_peers`).
 
 netbridge never sees the config: it takes these values. Under torchrun's tandem-relay rendezvous the relay
 address and session default to the rendezvous endpoint and --rdzv_id (launch/torchrun/relay_rendezvous.py sets
