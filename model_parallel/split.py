@@ -348,8 +348,9 @@ def long_runs(runs: dict, name, model: Timed) -> None:
 def rows_runs(runs: dict, model: Timed) -> None:
     """A one-layer stage of the target over ROW_PROBE rows of its block (several streams' blocks as one forward,
     each in its own slot), and the head over them too where the rank has it: beside the same over one row, the
-    slope is what a batch pays per stream (the tiny model's four layers over a row of one token: 0.8 ms, four
-    rows 1.55, measured in a round; a batch of rows is not a longer block: each row attends over its own slot)."""
+    slope is what a batch pays per stream (the tiny model's four layers: 0.8 ms timed over one row of one token,
+    1.55 ms over four rows in a traced round; a batch of rows is not a longer block: each row attends over its own
+    slot)."""
     runs["target", "rows"] = stage_runs(model.model, model.tokens, model.device, model.dtype, model.quant,
                                         rows=ROW_PROBE, sizes=(1,))[1]
     if model.head:
