@@ -382,6 +382,8 @@ def describe(plan: Plan) -> str:
         line += "ms per round not timed (model.split was given)"
     else:
         drafting = f", the drafter's {draft_steps(cfg)} steps" if rank == 0 and drafts_with_model(cfg) else ""
+        if drafting and mine.draft_row_ms > 0:
+            drafting += f" ({mine.draft_row_ms:.2f} ms more a step per stream batched beside)"
         alone = (f" with every rank at once; {mine.alone_layer_ms:.1f} ms a layer alone"
                  if mine.alone_layer_ms > 0 else "")
         context = (f", {1000 * (cfg.spec.k + 1) * mine.context_ms:.2f} ms a layer more per 1k tokens cached beyond "

@@ -52,6 +52,7 @@ class RankCosts:
     draft_context_ms: float = 0.0  # rank 0: a drafter step's ms per cached token beyond CONTEXT (the whole drafter)
     layer_row_ms: float = 0.0  # one layer's ms per row more in a batch of streams' blocks, its tokens included
     head_row_ms: float = 0.0  # the last rank: the head's ms per row more (each row's K + 1 logits; 0: no head)
+    draft_row_ms: float = 0.0  # rank 0: a drafter step's ms per row more (every layer and the head; 0: not timed)
 
     def at(self, slots: int) -> RankCosts:
         """These costs with `slots` KV slots (serve.max_concurrent): each slot its own cache on every layer."""
@@ -325,6 +326,7 @@ class Speed:
     draft_context_ms: float = 0.0  # the whole drafter's step, ms per cached token beyond CONTEXT
     layer_row_ms: float = 0.0  # one target layer's ms per row more than one (a batch of streams' blocks)
     head_row_ms: float = 0.0  # the head's ms per row more (0: no head)
+    draft_row_ms: float = 0.0  # a drafter step's ms per row more (its every layer and its head)
 
 
 def probe_runs(runs: dict, name, model: Timed, probe: int) -> None:
@@ -345,24 +347,25 @@ def long_runs(runs: dict, name, model: Timed) -> None:
                                     context=DECODE_CONTEXT, sizes=(1,))[1]
 
 
-def rows_runs(runs: dict, model: Timed) -> None:
-    """A one-layer stage of the target over ROW_PROBE rows of its block (several streams' blocks as one forward,
-    each in its own slot), and the head over them too where the rank has it: beside the same over one row, the
-    slope is what a batch pays per stream (the tiny model's four layers: 0.8 ms timed over one row of one token,
-    1.55 ms over four rows in a traced round; a batch of rows is not a longer block: each row attends over its own
-    slot)."""
-    runs["target", "rows"] = stage_runs(model.model, model.tokens, model.device, model.dtype, model.quant,
-                                        rows=ROW_PROBE, sizes=(1,))[1]
+def rows_runs(runs: dict, name, model: Timed) -> None:
+    """A one-layer stage of `model` over ROW_PROBE rows of its block (several streams' blocks as one forward, each
+    in its own slot), and its head over them too where it has one: beside the same over one row, the slope is what
+    a batch pays per stream (the tiny model's four layers: 0.8 ms timed over one row of one token, 1.55 ms over four
+    rows in a traced round; a batch of rows is not a longer block: each row attends over its own slot). For a
+    drafter, a step over several streams' rows (its prefill slope said 0.02 ms a row for the tiny model's step,
+    where four rows' steps measured 0.39 ms a row more in a traced round)."""
+    runs[name, "rows"] = stage_runs(model.model, model.tokens, model.device, model.dtype, model.quant,
+                                    rows=ROW_PROBE, sizes=(1,))[1]
     if model.head:
-        runs["target", "rows head"] = head_run(model.model, model.tokens, model.device, model.dtype, model.quant,
-                                               rows=ROW_PROBE)[0]
+        runs[name, "rows head"] = head_run(model.model, model.tokens, model.device, model.dtype, model.quant,
+                                           rows=ROW_PROBE)[0]
 
 
-def row_slopes(ms: dict, target: Timed, scale: float) -> tuple[float, float]:
+def row_slopes(ms: dict, name, model: Timed, scale: float) -> tuple[float, float]:
     """(one layer's ms per row more, the head's) from rows_runs' and the same over one row (their fastest runs:
     a small difference, which load only adds to)."""
-    layer = max(ms["target", "rows"] - ms["target", 1], 0.0) / (ROW_PROBE - 1)
-    head = max(ms["target", "rows head"] - ms["target", "head"], 0.0) * scale / (ROW_PROBE - 1) if target.head else 0.0
+    layer = max(ms[name, "rows"] - ms[name, 1], 0.0) / (ROW_PROBE - 1)
+    head = max(ms[name, "rows head"] - ms[name, "head"], 0.0) * scale / (ROW_PROBE - 1) if model.head else 0.0
     return layer, head
 
 
@@ -393,17 +396,18 @@ def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WIN
     probe = max(PROBE_TOKENS, 2 * target.tokens)
     probe_runs(runs, "probe", target, probe)
     long_runs(runs, "target", target)
-    rows_runs(runs, target)
+    rows_runs(runs, "target", target)
     if drafter is not None:
         probe_runs(runs, "drafter probe", drafter, probe)
         long_runs(runs, "drafter", drafter)
+        rows_runs(runs, "drafter", drafter)
     samples = sample_ms(runs, window_s)
     ms = {name: statistics.median(v) for name, v in samples.items()}
     fastest = {name: min(v) for name, v in samples.items()}  # a slope from a small difference: load only adds
     layer_ms, call_ms = layer_and_call_ms({n: ms["target", n] for n in STAGE_SIZES})
     other_ms = call_ms + (ms["target", "head"] * scale["target"] if target.head else 0.0)
     token_ms, attend_ms = slopes(ms, "probe", ms["target", 1], target.tokens, probe)
-    layer_row_ms, head_row_ms = row_slopes(fastest, target, scale["target"])
+    layer_row_ms, head_row_ms = row_slopes(fastest, "target", target, scale["target"])
     speed = Speed(layer_ms, other_ms, token_ms, attend_ms=attend_ms,
                   context_ms=context_slope(fastest, "target", target.tokens), layer_row_ms=layer_row_ms,
                   head_row_ms=head_row_ms)
@@ -411,9 +415,11 @@ def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WIN
         step_ms = model_ms(ms, "drafter", drafter, scale["drafter"])
         layers = drafter.model.config.num_hidden_layers
         draft_token, draft_attend = slopes(ms, "drafter probe", ms["drafter", 1], drafter.tokens, probe)
+        draft_layer_row, draft_head_row = row_slopes(fastest, "drafter", drafter, scale["drafter"])
         speed = replace(speed, fixed_ms=other_ms + drafter.calls * step_ms, draft_step_ms=step_ms,
                         draft_token_ms=layers * draft_token, draft_attend_ms=layers * draft_attend,
-                        draft_context_ms=layers * context_slope(fastest, "drafter", drafter.tokens))
+                        draft_context_ms=layers * context_slope(fastest, "drafter", drafter.tokens),
+                        draft_row_ms=layers * draft_layer_row + draft_head_row)
     _release(target, drafter)
     return speed
 

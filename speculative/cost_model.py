@@ -536,10 +536,13 @@ def from_rank_costs(costs, layer_counts: list[int], links: list[LinkCost], block
                                row_ms=max(row - n * token_ms * block_tokens, 0.0), attend_ms=getattr(c, "attend_ms", 0.0),
                                context_ms=getattr(c, "context_ms", 0.0) / slow[r], timed_context=timed_context))
     draft = DraftCost()
-    if draft_steps:  # another row in a step costs what another token does (one more row of each matrix product)
+    if draft_steps:
         token = getattr(costs[0], "draft_token_ms", 0.0)
         attend = getattr(costs[0], "draft_attend_ms", 0.0)
-        draft = DraftCost(step / slow[0] + ENGINE_STEP_MS, token, token, 1 if overlap else 0, attend,
+        # a row more in a step: as timed over ROW_PROBE rows (each row attends over its own slot); untimed, what
+        # another token of a prompt costs (one more row of each matrix product), which is far below it
+        row = getattr(costs[0], "draft_row_ms", 0.0) / slow[0] or token
+        draft = DraftCost(step / slow[0] + ENGINE_STEP_MS, row, token, 1 if overlap else 0, attend,
                           getattr(costs[0], "draft_context_ms", 0.0) / slow[0], timed_context)
     return Pipeline(tuple(ranks), tuple(links), draft, acceptance, hidden_bytes, overlap, tuple(slow))
 

@@ -284,7 +284,8 @@ def test_timing_measures_what_a_long_prompt_and_more_rows_cost(tiny_qwen, monkey
     another row in a step) and 0.0005 per earlier token, times its 4 layers. A decode block after 2048 cached
     tokens instead of 128 (the 1-layer stages): the target's 0.0002 ms a layer per block token per cached token,
     the drafter's 0.0001 a layer per cached token, times its 4 layers. Four rows of the block in one forward: a
-    target layer 0.4 ms a row more; the last rank's head (timed on a slice, 0.2 ms over one row) 0.1 a row more."""
+    target layer 0.4 ms a row more; the last rank's head (timed on a slice, 0.2 ms over one row) 0.1 a row more; a
+    drafter step over four rows: its layer 0.3 ms a row more, its head 0.05, so 4 x 0.3 + 0.05 x scale a step."""
     import model_parallel.split as split
     from model_parallel.loader import ModelSource
     probe, extra = split.PROBE_TOKENS, 128 * (split.LONG_CONTEXT - split.CONTEXT)
@@ -297,6 +298,8 @@ def test_timing_measures_what_a_long_prompt_and_more_rows_cost(tiny_qwen, monkey
     given["target", "long"], given["drafter", "long"] = 1.5 + 5 * 0.0002 * cached, 0.7 + 0.0001 * cached
     given["target", "rows"] = 1.5 + (split.ROW_PROBE - 1) * 0.4
     given["target", "head"], given["target", "rows head"] = 0.2, 0.2 + (split.ROW_PROBE - 1) * 0.1
+    given["drafter", "rows"] = 0.7 + (split.ROW_PROBE - 1) * 0.3
+    given["drafter", "rows head"] = 0.3 + (split.ROW_PROBE - 1) * 0.05
     monkeypatch.setattr(split, "sample_ms", lambda runs, window_s: {name: [given[name]] for name in runs})
     model = ModelSource.open(tiny_qwen, "float32")
     speed = split.time_rank(split.Timed(model, 5, "cpu", torch.float32),
@@ -307,6 +310,8 @@ def test_timing_measures_what_a_long_prompt_and_more_rows_cost(tiny_qwen, monkey
     assert (speed.draft_token_ms, speed.draft_attend_ms) == pytest.approx((4 * 0.002, 4 * 0.0005))
     assert (speed.context_ms, speed.draft_context_ms) == pytest.approx((0.0002, 4 * 0.0001))
     assert (speed.layer_row_ms, speed.head_row_ms) == pytest.approx((0.4, 0.0))  # rank 0: no head
-    last = split.time_rank(split.Timed(model, 5, "cpu", torch.float32, head=True))
     scale = model.config.vocab_size / min(model.config.vocab_size, split.MAX_HEAD_ROWS)
+    assert speed.draft_row_ms == pytest.approx(4 * 0.3 + 0.05 * scale)
+    last = split.time_rank(split.Timed(model, 5, "cpu", torch.float32, head=True))
+    assert last.draft_row_ms == 0.0
     assert (last.layer_row_ms, last.head_row_ms) == pytest.approx((0.4, 0.1 * scale))

@@ -461,6 +461,20 @@ def test_a_row_more_in_a_batch_costs_what_the_timing_over_rows_said():
     assert p.ranks[1].ms(4, 5) - p.ranks[1].ms(1, 5) == pytest.approx(3 * 3 * 0.02 * 5)
 
 
+def test_a_row_more_in_a_draft_step_costs_what_the_drafters_timing_over_rows_said():
+    """Rank 0 drafts 4 (5 steps with spec.overlap) with a step of 1 ms at one row and 0.4 ms a row more as timed
+    over rows: four rows cost 5 x 3 x 0.4 = 6 ms more a round than one. A prompt token costs the drafter 0.02 ms
+    (its catch-up), which is what a row cost before rows were timed, and still is where they were not."""
+    timed = SimpleNamespace(layer_ms=1.0, fixed_ms=5 * 1.0, draft_step_ms=1.0, draft_token_ms=0.02, draft_row_ms=0.4)
+    last = SimpleNamespace(layer_ms=1.0, fixed_ms=0.0)
+    p = from_rank_costs([timed, last], [1, 1], [LinkCost(), LinkCost()], 5, draft_steps=5)
+    assert p.draft.round_ms(4, 4) - p.draft.round_ms(4, 1) == pytest.approx(5 * 3 * 0.4)
+    assert p.draft.prefill_ms(100) == pytest.approx(100 * 0.02)
+    untimed = SimpleNamespace(**{**vars(timed), "draft_row_ms": 0.0})
+    p = from_rank_costs([untimed, last], [1, 1], [LinkCost(), LinkCost()], 5, draft_steps=5)
+    assert p.draft.round_ms(4, 4) - p.draft.round_ms(4, 1) == pytest.approx(5 * 3 * 0.02)
+
+
 def costly(p: Pipeline, *message_ms: float) -> Pipeline:
     """`p` with link i's messages costing its two ends message_ms[i] each."""
     return replace(p, links=tuple(replace(link, message_ms=m) for link, m in zip(p.links, message_ms)))
