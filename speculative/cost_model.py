@@ -60,7 +60,8 @@ others' work), the others' counted whatever host they are on): G >= 2 batches cy
 and a chain of bets leaves rank 0 every max(prep, later rank) so slowed (trip / D unchanged: a wire shares nothing).
 
 Besides the forwards timed, each round costs the engine's own work (ENGINE_*: committing, sampling, verifying,
-replying), and a drafter step with more rows costs one more token's worth per row (DraftCost.row_ms).
+replying), more for each row of a batch (ENGINE_*_ROW_MS: each stream committed and answered, its messages read and
+written), and a drafter step with more rows costs what the drafter's timing over rows says (DraftCost.row_ms).
 
 The choices (best_settings): K in 0..k_max and the depth in 1..depth_max that maximise one stream's tokens/s
 (the smallest depth within DEPTH_MARGIN of the best: deeper only for a clear gain), and for B streams the
@@ -81,6 +82,11 @@ REPLY_BYTES_PER_ROW = 128  # a reply per stream: the verdict and its token ids
 # 8-layer model, where nothing else hides it): rank 0 commits, detokenizes and schedules, the last rank verifies
 # and replies; each draft step samples its token besides the drafter's forward.
 ENGINE_RANK0_MS, ENGINE_LAST_MS, ENGINE_STEP_MS = 0.8, 0.5, 0.3
+# ... and per row of a batch beyond the first (a traced run of the tiny model over two ranks at K=0, batches of 1
+# and of 4 rows, 2026-12-05: rank 0 busy 1.61 -> 2.54 ms a batch, its forward 1.19 -> 1.64, so 0.16 ms a row
+# besides it: committing, detokenizing and answering each stream; the last rank's verification 0.013 ms a row, and
+# the round less the last rank's time 0.48 -> 0.66 ms: 0.06 a row, each row's Round and Reply read and written).
+ENGINE_RANK0_ROW_MS, ENGINE_LATER_ROW_MS = 0.16, 0.07
 PRIOR_ACCEPTANCE = 0.5  # a draft's chance to be kept before any is measured (pooled: (kept + 1) / (tried + 2))
 BET_PRIOR_WEIGHT = 1.0  # the bets measured lean on the position rates' product as on this many bets (Predictor)
 
@@ -513,6 +519,12 @@ def engine_ms(rank: int, ranks: int) -> float:
     return (ENGINE_RANK0_MS if rank == 0 else 0.0) + (ENGINE_LAST_MS if rank == ranks - 1 else 0.0)
 
 
+def engine_row_ms(rank: int) -> float:
+    """... and per row of a batch beyond the first (ENGINE_*_ROW_MS): rank 0 commits and answers each stream, a
+    later rank reads and writes each row's messages."""
+    return ENGINE_RANK0_ROW_MS if rank == 0 else ENGINE_LATER_ROW_MS
+
+
 def from_rank_costs(costs, layer_counts: list[int], links: list[LinkCost], block_tokens: int, draft_steps: int = 0,
                     hidden_bytes: int = 0, overlap: bool = True, acceptance: Acceptance = Acceptance(),
                     timed_context: int = 0) -> Pipeline:
@@ -532,8 +544,9 @@ def from_rank_costs(costs, layer_counts: list[int], links: list[LinkCost], block
         token_ms = getattr(c, "layer_token_ms", 0.0)
         # a row more: its layers' and its head's share as timed over ROW_PROBE rows, less its tokens' (RankCost adds them)
         row = (n * getattr(c, "layer_row_ms", 0.0) + getattr(c, "head_row_ms", 0.0)) / slow[r]
+        row = max(row - n * token_ms * block_tokens, 0.0) + engine_row_ms(r)
         ranks.append(rank_cost(n, c.layer_ms / slow[r], max(fixed, 0.0), block_tokens, token_ms,
-                               row_ms=max(row - n * token_ms * block_tokens, 0.0), attend_ms=getattr(c, "attend_ms", 0.0),
+                               row_ms=row, attend_ms=getattr(c, "attend_ms", 0.0),
                                context_ms=getattr(c, "context_ms", 0.0) / slow[r], timed_context=timed_context))
     draft = DraftCost()
     if draft_steps:

@@ -63,7 +63,11 @@ class BatchCount:
         ranks = (rows_line(self.rank0, row_ms[0]),
                  *(rows_line({b: ms[i] for b, ms in self.stages.items()}, row_ms[i + 1]) for i in range(n)))
         links = (cost_model.LinkCost(self.trip), *(cost_model.LinkCost() for _ in range(n)))
-        return cost_model.Pipeline(ranks, links, acceptance=cost_model.Acceptance(), overlap=False)
+        # ranks that share a host's cores slow each other once several batches keep them all at work (the start-up
+        # timing at once and alone): what one batch measured does not show it, and more batches were taken where
+        # they cost (three ranks on two cores: two batches of two rows, 649 tokens/s, where one of four gave more)
+        together = self.prior.together if self.prior is not None and len(self.prior.ranks) == n + 1 else ()
+        return cost_model.Pipeline(ranks, links, acceptance=cost_model.Acceptance(), overlap=False, together=together)
 
     def prior_row_ms(self, ranks: int) -> list[float]:
         """What a row more adds to each rank's work per batch as the start-up model says, at the K measured (rank

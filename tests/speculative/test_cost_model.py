@@ -11,7 +11,8 @@ import pytest
 
 from types import SimpleNamespace
 
-from speculative.cost_model import (ENGINE_LAST_MS, ENGINE_RANK0_MS, ENGINE_STEP_MS, Acceptance, DraftCost, LinkCost,
+from speculative.cost_model import (ENGINE_LAST_MS, ENGINE_LATER_ROW_MS, ENGINE_RANK0_MS, ENGINE_RANK0_ROW_MS,
+                                    ENGINE_STEP_MS, Acceptance, DraftCost, LinkCost,
                                     Pipeline, Predictor, RankCost, aggregate_tokens_per_s, best_batches, best_depth,
                                     at_context, best_k, best_settings, chain_step_ms, deepening_ms, depths_sent,
                                     drain_ms, drained, from_rank_costs, rank0_prefill_ms, round_parts, round_ms,
@@ -128,14 +129,16 @@ def test_the_measured_acceptance_counts_a_draft_only_when_it_was_verified():
 def test_a_placements_timing_becomes_the_pipeline():
     """Rank 0: 2 layers of 1 ms over a block of 5, 20 ms besides of which 4 drafter steps of 4 ms; the drafter 0.5 ms
     a token more (a row more in a step, or a prompt token), rank 1: 3 layers, 0.1 ms a token more, attention 0.01.
-    The engine's own work per round goes to rank 0, the last rank and every step."""
+    The engine's own work per round goes to rank 0, the last rank and every step, and per row more to every rank."""
     costs = [SimpleNamespace(layer_ms=1.0, fixed_ms=20.0, layer_token_ms=0.0, draft_step_ms=4.0, draft_token_ms=0.5),
              SimpleNamespace(layer_ms=1.0, fixed_ms=0.0, layer_token_ms=0.1, attend_ms=0.01)]
     p = from_rank_costs(costs, [2, 3], [LinkCost(), LinkCost()], block_tokens=5, draft_steps=4, overlap=False)
     assert p.draft.step_ms == 4.0 + ENGINE_STEP_MS and p.draft.row_ms == p.draft.token_ms == 0.5
     assert p.ranks[0].ms(1, 5) == pytest.approx(2 * 1.0 + 20.0 - 16.0 + ENGINE_RANK0_MS)
     assert p.ranks[1].ms(1, 5) == pytest.approx(3.0 + ENGINE_LAST_MS)
-    assert p.ranks[1].ms(2, 5) == pytest.approx(3.0 + ENGINE_LAST_MS + 3 * 0.1 * 5)  # a row more: 5 tokens more
+    # a row more: 5 tokens more and the engine's work for a row
+    assert p.ranks[1].ms(2, 5) == pytest.approx(3.0 + ENGINE_LAST_MS + 3 * 0.1 * 5 + ENGINE_LATER_ROW_MS)
+    assert p.ranks[0].ms(2, 5) - p.ranks[0].ms(1, 5) == pytest.approx(ENGINE_RANK0_ROW_MS)
     assert p.ranks[1].chunk_ms(100, 200) == pytest.approx(p.ranks[1].ms(1, 100) + 3 * 0.01 * 100 * 250)
     step_over_four = 4.0 + ENGINE_STEP_MS + 3 * 0.5
     assert round_parts(p, 3, rows=4).prep_ms == pytest.approx(3 * step_over_four + p.ranks[0].ms(4, 4))
@@ -448,17 +451,18 @@ def test_a_rank_timed_alone_and_at_once_gives_its_costs_alone_and_its_slowdown()
 def test_a_row_more_in_a_batch_costs_what_the_timing_over_rows_said():
     """Rank 1: 3 layers of 1 ms over a block of 5, a layer 0.4 ms a row more, the head 0.6 ms a row more, 0.02 ms a
     token more per layer (which RankCost adds per row on its own): four rows cost 3 x (3 x 0.4 + 0.6) = 5.4 ms more
-    than one; timed at once at twice its cost alone, half that. Untimed (0): a row costs only its tokens."""
+    than one; timed at once at twice its cost alone, half that. Untimed (0): a row costs only its tokens. The engine's
+    work for a row (ENGINE_LATER_ROW_MS) comes on top in each case."""
     timed = SimpleNamespace(layer_ms=1.0, fixed_ms=0.0, layer_token_ms=0.02, layer_row_ms=0.4, head_row_ms=0.6)
     p = from_rank_costs([SimpleNamespace(layer_ms=1.0, fixed_ms=0.0), timed], [1, 3], [LinkCost(), LinkCost()], 5)
-    assert p.ranks[1].ms(4, 5) - p.ranks[1].ms(1, 5) == pytest.approx(3 * (3 * 0.4 + 0.6))
+    assert p.ranks[1].ms(4, 5) - p.ranks[1].ms(1, 5) == pytest.approx(3 * (3 * 0.4 + 0.6 + ENGINE_LATER_ROW_MS))
     assert p.ranks[1].ms(1, 5) == pytest.approx(3 * 1.0 + ENGINE_LAST_MS)  # one row: the block as timed
     shared = SimpleNamespace(**vars(timed), alone_layer_ms=0.5)
     p = from_rank_costs([SimpleNamespace(layer_ms=1.0, fixed_ms=0.0), shared], [1, 3], [LinkCost(), LinkCost()], 5)
-    assert p.ranks[1].ms(4, 5) - p.ranks[1].ms(1, 5) == pytest.approx(3 * (3 * 0.4 + 0.6) / 2)
+    assert p.ranks[1].ms(4, 5) - p.ranks[1].ms(1, 5) == pytest.approx(3 * ((3 * 0.4 + 0.6) / 2 + ENGINE_LATER_ROW_MS))
     untimed = SimpleNamespace(layer_ms=1.0, fixed_ms=0.0, layer_token_ms=0.02)
     p = from_rank_costs([SimpleNamespace(layer_ms=1.0, fixed_ms=0.0), untimed], [1, 3], [LinkCost(), LinkCost()], 5)
-    assert p.ranks[1].ms(4, 5) - p.ranks[1].ms(1, 5) == pytest.approx(3 * 3 * 0.02 * 5)
+    assert p.ranks[1].ms(4, 5) - p.ranks[1].ms(1, 5) == pytest.approx(3 * (3 * 0.02 * 5 + ENGINE_LATER_ROW_MS))
 
 
 def test_a_row_more_in_a_draft_step_costs_what_the_drafters_timing_over_rows_said():
