@@ -231,6 +231,19 @@ def test_the_batch_count_takes_a_rows_cost_from_the_start_up_model_while_one_siz
     assert flat.now(8) == 1
 
 
+def test_the_batch_count_charges_more_batches_what_ranks_sharing_cores_cost_each_other():
+    """Rank 0 30 ms a batch, rank 1 20, 40 ms of wire: three batches cycle in max(3 x 30, 30 + 20 + 40) = 90 ms,
+    what one takes, so three. Where the start-up timing read each rank twice as slow with the other at work (one
+    host's cores), a full pipe slows each by the other's work: rank 0 30 + 20 = 50 ms a batch, and two batches
+    already take max(2 x 50, 90) = 100 ms: one."""
+    alone, shared = BatchCount(), BatchCount(prior=Pipeline((RankCost(0.0),) * 2, (LinkCost(),) * 2,
+                                                            together=(2.0, 2.0)))
+    for _ in range(20):
+        for count in (alone, shared):
+            count.observe(record(30, 20, 40), waited_ms=5.0)
+    assert (alone.now(8), shared.now(8)) == (3, 1)
+
+
 def test_the_batch_count_reads_the_trip_only_from_replies_rank_0_waited_for():
     """A reply read late (rank 0 busy drafting another batch) holds rank 0's work in its round_ms: counted as trip,
     it would make more batches look free, which makes rank 0 busier, which lengthens the trip seen: a runaway."""
