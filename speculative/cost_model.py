@@ -612,6 +612,13 @@ class Predictor:
             return stream_tokens_per_s(p, k, depth)
         return aggregate_tokens_per_s(p, k, streams, best_batches(p, k, streams, self.batches_max)) / streams
 
+    def rates_together(self, k_max: int, streams: int, context: int | None = None) -> list[float]:
+        """The tokens/s of `streams` together at each K in 0..k_max now (each K in its best batch count), their
+        rounds after `context` cached tokens (spec.k_from_costs while several streams are live)."""
+        p = at_context(self.pipeline(), context)
+        return [aggregate_tokens_per_s(p, k, streams, best_batches(p, k, streams, self.batches_max))
+                for k in range(k_max + 1)]
+
     def ttft_s(self, prompt_tokens: int, ahead: tuple[int, ...] = (), k: int = 0, depth: int = 0) -> float:
         return ttft_s(self.pipeline(), prompt_tokens, self.chunk, ahead, k, depth)
 

@@ -16,6 +16,11 @@ positions not yet measured get measured, and a change (a repetitive stretch, a f
 stream (its KV slot): one count for all, with four streams taking turns, put every exploration on the same stream,
 one round in two, and that stream ended a round after the rest (four clients at 150 ms: 0.94x a fixed K).
 An acceptance rate with few samples leans on the pooled rate of all positions, not on a fixed prior.
+While several streams are live (a round's `live`), K is the one with the most tokens/s of them together, from the
+start-up cost model at the acceptance measured (`together`: cost_model.Predictor.rates_together): their rounds go
+out in batches with no bets to hide drafting behind, each row of a draft step costs what the drafter's timing over
+rows says, and the measured block costs above (each at whatever rows it ran) cannot tell a K=0 block of four rows
+from one of one: one stream's best K=4 over 0 ms ran four 2,000-token streams at 0.61x the fixed K=0.
 Any K is lossless: this decides speed only.
 
 Three policies share one small interface (`k_policy` picks one from the settings): `first()` is a
@@ -52,7 +57,7 @@ class FixedK:
     def bet(self, k_tip: int, drafted: int, k_now: int) -> int:
         return k_tip
 
-    def after(self, k_now: int, record, decode: bool) -> int:
+    def after(self, k_now: int, record, decode: bool, context: int | None = None) -> int:
         return k_now
 
 
@@ -70,24 +75,28 @@ class AdaptiveK(FixedK):
     def bet(self, k_tip: int, drafted: int, k_now: int) -> int:
         return next_k(k_tip, drafted, drafted, self.k_max)
 
-    def after(self, k_now: int, record, decode: bool) -> int:
+    def after(self, k_now: int, record, decode: bool, context: int | None = None) -> int:
         drafted, accepted = record.drafted, record.accepted
         if not record.looked_up:  # by the K it asked for: a batch drafts past it for free (blocks.widths), and a
             drafted, accepted = min(drafted, k_now), min(accepted, k_now)  # miss among those says nothing of its K
         return next_k(k_now, drafted, accepted, self.k_max)
 
 
-def k_policy(k_max: int, adaptive: bool, from_costs: bool, overlap: bool):
+def k_policy(k_max: int, adaptive: bool, from_costs: bool, overlap: bool, together=None):
     """The K policy the settings name (from_costs wins over adaptive); KFromCosts's estimates carry over
-    generations, so a session keeps one policy for its life."""
+    generations, so a session keeps one policy for its life. `together`: KFromCosts's rates for several streams."""
     if from_costs and k_max > 0:
-        return KFromCosts(k_max, overlap)
+        return KFromCosts(k_max, overlap, together=together)
     return AdaptiveK(k_max) if adaptive else FixedK(k_max)
 
 
 class KFromCosts:
-    def __init__(self, k_max: int, overlap: bool = False, smoothing: float = 0.2, explore_every: int = 8):
+    def __init__(self, k_max: int, overlap: bool = False, smoothing: float = 0.2, explore_every: int = 8,
+                 together=None):
         self.k_max, self.overlap, self.smoothing, self.explore_every = k_max, overlap, smoothing, explore_every
+        # (k_max, streams, context) -> tokens/s of `streams` together at each K in 0..k_max (None: one stream's
+        # rates serve for any number)
+        self.together = together
         self.warmup = [1, 0]  # the block sizes to measure first
         self.tried = [0] * (k_max + 2)  # [i]: decode rounds in which draft i was verified
         self.kept = [0] * (k_max + 2)  # [i]: ... and accepted
@@ -160,8 +169,12 @@ class KFromCosts:
         whose rates said K=3 or 4: 5.4 tokens/s where the fixed K=4 measured 12.1)."""
         return k_now
 
-    def after(self, k_now: int, record, decode: bool) -> int:
+    def after(self, k_now: int, record, decode: bool, context: int | None = None) -> int:
+        """The K of the stream's next round; `context` the tokens its caches hold (several streams' rates)."""
         if not decode:
             return k_now
         self.observe(record)
+        if record.live > 1 and self.together is not None:
+            rates = self.together(self.k_max, record.live, context)
+            return max(range(self.k_max + 1), key=rates.__getitem__)
         return self.choose(record.slot)

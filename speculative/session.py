@@ -65,7 +65,8 @@ class Session:
         self.prefixes = prefixes  # cache.dir: rank 0's saved prefixes (speculative.prefixes.RankPrefixes), or None
         self.replies = Replies(replies or channel)  # from the last rank (with more than two ranks, its own link)
         self.spec = spec
-        self.k_policy = k_policy(spec.k, spec.adaptive, spec.k_from_costs, spec.overlap)
+        self.k_policy = k_policy(spec.k, spec.adaptive, spec.k_from_costs, spec.overlap,
+                                 predictor.rates_together if predictor is not None else None)
         self.maker = BlockMaker(stage, drafter, self.k_policy, spec.overlap)
         self.slots = slots  # how many streams may be live at once (serve.max_concurrent)
         # the slots, the live streams by slot, the batches (batches_on_the_way None: from measured costs); a
@@ -300,7 +301,8 @@ class Session:
                              on_the_way, block.drafts.looked_up, cut=block.drafts.cut)
         s.gen.rounds.append(record)
         self.predict(s, record, decode=len(s.gen.rounds) > 1)
-        s.k_now = self.k_policy.after(s.k_now, record, decode=len(s.gen.rounds) > 1)
+        s.k_now = self.k_policy.after(s.k_now, record, decode=len(s.gen.rounds) > 1,
+                                      context=len(s.gen.prompt_ids) + len(s.output.tokens))
         return record
 
     def predict(self, s: Stream, record: RoundRecord, decode: bool) -> None:

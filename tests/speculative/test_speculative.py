@@ -445,6 +445,27 @@ def test_k_from_costs_under_overlap_counts_the_guess_a_block_on_a_bet_drafts():
     assert model.choose() >= 6, model.rates()
 
 
+def test_k_from_costs_with_several_streams_live_takes_the_models_best_k_for_them_together():
+    """Two ranks of 1 ms, 0.5 ms each way, every draft kept; a drafter step 1 ms, and 1 ms more per row. Alone K=4
+    pays (5 tokens in 5 + 1 + 2 = 8 ms against 1 in 3); four streams in a batch take 5 x 4 + 1 + 2 = 23 ms for 20
+    tokens at K=4, 3 ms for 4 at K=0: there K=0. A round with four streams live gets the model's K for them, whatever
+    the one-stream rates measured say (its warm-up's K=1 here)."""
+    from speculative.cost_model import Acceptance, DraftCost, LinkCost, Pipeline, Predictor, RankCost
+    from speculative.k_choice import KFromCosts
+    p = Pipeline((RankCost(1.0), RankCost(1.0)), (LinkCost(0.5), LinkCost(0.5)), DraftCost(1.0, row_ms=1.0),
+                 Acceptance(prior=1.0), overlap=False)
+    predictor = Predictor(p)
+    alone, together = predictor.rates_together(4, 1), predictor.rates_together(4, 4)
+    assert max(range(5), key=alone.__getitem__) == 4 and max(range(5), key=together.__getitem__) == 0
+    model = KFromCosts(4, together=predictor.rates_together)
+    costed_rounds(model, 8, 1, accept=lambda k: k, draft_ms=1.0, block=lambda n: 1.0, wire_ms=100.0)  # its warm-up
+    costed_rounds(model, 8, 0, accept=lambda k: k, draft_ms=1.0, block=lambda n: 1.0, wire_ms=100.0)  # and more
+    one = RoundRecord(1, 1, 2, 1.0, 1.0, 101.0, 0.5, live=1)
+    assert model.after(1, one, decode=True) == 4  # one stream: its own rates (every draft kept, a long trip)
+    four = RoundRecord(4, 4, 5, 5.0, 1.0, 3.0, 1.0, live=4)
+    assert model.after(4, four, decode=True, context=100) == 0
+
+
 def test_k_from_costs_ignores_the_draft_cost_of_a_round_that_caught_up():
     """After K=0 rounds the next drafting round first feeds the drafter what it missed: that cost is
     not the per-token draft cost."""
@@ -466,8 +487,11 @@ def test_k_from_costs_is_exact(drafter, overlap, tiny_qwen, tiny_qwen_draft, mon
     choose = KFromCosts.choose
     monkeypatch.setattr(KFromCosts, "choose", lambda self, slot=0: picks.append(choose(self, slot)) or picks[-1])
     draft = tiny_qwen if drafter == "self" else tiny_qwen_draft
+    # every bet holding: a trip of 2 x 10 ms makes K=8 clearly best (over none, K=1 to 8 read within 2% of each
+    # other, and a noisy block time chose K=1 or 2 for 11 rounds in half the runs, 2026-12-05)
+    trip = ["transport.emulate_delay_ms=10"] if drafter == "self" and overlap == "true" else []
     out = run_pair(*spec_args(tiny_qwen, "model", 8, draft, max_new=40), "spec.k_from_costs=true",
-                   f"spec.overlap={overlap}")
+                   f"spec.overlap={overlap}", *trip)
     assert out["token_ids"] == reference_greedy(tiny_qwen, PROMPT, 40)
     if drafter == "unrelated":  # a drafter that is never right: K=0 rounds (the drafter catching up in the
         assert 0 in picks and any(k > 0 for k in picks[2:]), picks  # wait) and explored drafting rounds
