@@ -80,7 +80,7 @@ class SpecConfig:
     k: int = 4  # draft tokens per round (0 = one token per round trip); the most with spec.adaptive
     adaptive: bool = True  # K grows by 2 after a fully accepted round, shrinks by 1 after a miss (1..k)
     overlap: bool = True  # while a round is in flight, draft (and run stage 0 on) the next one; output unchanged
-    k_from_costs: bool = False  # K (0..k) maximises expected tokens/s from measured acceptance and costs; output unchanged
+    k_from_costs: bool = False  # K (0..k) maximises expected tokens/s (of the live streams together) from measured acceptance and costs; output unchanged
     in_flight: int | str = 1  # rounds of one stream on the way at once, sent on the bet that the ones before are fully accepted (1..8, or auto: from measured costs); output unchanged
 
 
