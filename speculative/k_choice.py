@@ -20,7 +20,8 @@ While several streams are live (a round's `live`), K is the one with the most to
 start-up cost model at the acceptance measured (`together`: cost_model.Predictor.rates_together): their rounds go
 out in batches with no bets to hide drafting behind, each row of a draft step costs what the drafter's timing over
 rows says, and the measured block costs above (each at whatever rows it ran) cannot tell a K=0 block of four rows
-from one of one: one stream's best K=4 over 0 ms ran four 2,000-token streams at 0.61x the fixed K=0.
+from one of one: one stream's best K=4 over 0 ms ran four 2,000-token streams at 0.61x the fixed K=0 (the K=0
+so chosen still runs on the split placed for spec.k: bench/README.md).
 Any K is lossless: this decides speed only.
 
 Three policies share one small interface (`k_policy` picks one from the settings): `first()` is a
