@@ -449,7 +449,7 @@ def test_k_from_costs_with_several_streams_live_takes_the_models_best_k_for_them
     """Two ranks of 1 ms, 0.5 ms each way, every draft kept; a drafter step 1 ms, and 1 ms more per row. Alone K=4
     pays (5 tokens in 5 + 1 + 2 = 8 ms against 1 in 3); four streams in a batch take 5 x 4 + 1 + 2 = 23 ms for 20
     tokens at K=4, 3 ms for 4 at K=0: there K=0. A round with four streams live gets the model's K for them, whatever
-    the one-stream rates measured say (its warm-up's K=1 here)."""
+    the one-stream rates measured say (K=4 here: every draft kept over a 100 ms wire)."""
     from speculative.cost_model import Acceptance, DraftCost, LinkCost, Pipeline, Predictor, RankCost
     from speculative.k_choice import KFromCosts
     p = Pipeline((RankCost(1.0), RankCost(1.0)), (LinkCost(0.5), LinkCost(0.5)), DraftCost(1.0, row_ms=1.0),
