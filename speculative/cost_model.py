@@ -612,6 +612,10 @@ class Predictor:
             return stream_tokens_per_s(p, k, depth)
         return aggregate_tokens_per_s(p, k, streams, best_batches(p, k, streams, self.batches_max)) / streams
 
+    def best_depth(self, k: int, depth_max: int = 4) -> int:
+        """A lone stream's depth now (spec.in_flight=auto): best_depth at the acceptance and bets measured."""
+        return best_depth(self.pipeline(), k, depth_max)
+
     def rates_together(self, k_max: int, streams: int, context: int | None = None) -> list[float]:
         """The tokens/s of `streams` together at each K in 0..k_max now (each K in its best batch count), their
         rounds after `context` cached tokens (spec.k_from_costs while several streams are live)."""

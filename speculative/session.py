@@ -72,7 +72,9 @@ class Session:
         # the slots, the live streams by slot, the batches (batches_on_the_way None: from measured costs); a
         # lone stream's depth (spec.in_flight=auto: from depth_at_start, the start-up model's, until measured)
         self.scheduler = Scheduler(slots, batches_on_the_way,
-                                   in_flight_policy(spec.in_flight, spec.overlap, depth_at_start), spec.prefill_chunk,
+                                   in_flight_policy(spec.in_flight, spec.overlap, depth_at_start,
+                                                    predictor.best_depth if predictor is not None else None),
+                                   spec.prefill_chunk,
                                    predictor.start if predictor is not None else None)
         self.ended: list[Stream] = []  # streams that ended outside a tick (settle), for the next tick to return
         self.predictor = predictor  # the cost model's predictions beside what rounds measure (cost_model.Predictor)

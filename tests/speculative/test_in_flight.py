@@ -122,6 +122,19 @@ def test_auto_depth_goes_deeper_only_when_bets_hold_and_the_trip_is_long():
     assert busy.now() == 1  # the blocks thrown away at each lost bet would cost rank 0 more than the wire saves
 
 
+def test_auto_depth_follows_the_start_up_model_where_the_run_has_one():
+    """Rounds that measure a trip shorter than preparing a block keep the lumped costs at depth 1; the start-up model
+    (a 100 ms trip, 6 ms to prepare a block, every bet held) says deeper, and where the run has one, it decides."""
+    from speculative.cost_model import Acceptance, DraftCost, LinkCost, Pipeline, Predictor, RankCost
+    predictor = Predictor(Pipeline((RankCost(1.0), RankCost(2.0)), (LinkCost(50.0), LinkCost(50.0)), DraftCost(1.0),
+                                   Acceptance(prior=1.0)))
+    lumped, modelled = DepthFromCosts(), DepthFromCosts(model=predictor.best_depth)
+    for _ in range(10):
+        for policy in (lumped, modelled):
+            policy.observe(record(bet=True, round_ms=4.0))
+    assert lumped.now() == 1 and modelled.now() == predictor.best_depth(3) > 1
+
+
 def test_auto_depth_starts_at_the_start_up_models_until_rounds_are_measured():
     """A chain deepened after a request's first token fills in the open, so the depth starts at the start-up
     model's (launch.prediction.planned_depth) and follows what the rounds measure after the warm-up."""
