@@ -13,9 +13,9 @@ where rank 0's block costs about a round trip (the embedded pair on a CPU: ~550 
 ~620 ms trip) the wasted blocks cost more than the wire saves. The smallest D within 5% of the best is
 chosen, so `auto` only leaves 1 for a clear gain. Any depth is lossless.
 Where the run has a start-up cost model (`model`: cost_model.Predictor.best_depth), the depth is its best at the
-acceptance and bets measured: the rounds' own costs lumped into one block, one trip and one later rank read depth 1
-within 5% of depth 3 over 0 ms on two cores, where the rounds measured depth 3 19% faster and the start-up model
-(each rank's work, sharing the host's cores in a full pipe) 24% (bench/README.md); without one, the lumped costs.
+acceptance and bets measured (each rank's work, the ranks sharing a host's cores in a full pipe: one model for K,
+the depth and the batches); without one, the rounds' own costs lumped as below. Measured the same over 40 and
+150 ms, within noise over 0 ms (bench/README.md).
 """
 from __future__ import annotations
 
