@@ -14,7 +14,7 @@ where rank 0's block costs about a round trip (the embedded pair on a CPU: ~550 
 chosen, so `auto` only leaves 1 for a clear gain. Any depth is lossless.
 Where the run has a start-up cost model (`model`: cost_model.Predictor.best_depth), the depth is its best at the
 acceptance and bets measured (each rank's work, the ranks sharing a host's cores in a full pipe: one model for K,
-the depth and the batches); without one, the rounds' own costs lumped as below. Measured the same over 40 and
+the depth and the batches); without one, the rounds' own costs lumped as above. Measured the same over 40 and
 150 ms, within noise over 0 ms (bench/README.md).
 """
 from __future__ import annotations
