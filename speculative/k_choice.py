@@ -108,6 +108,9 @@ class KFromCosts:
         self.seen = 0
         self.chosen: dict[int, int] = {}  # per KV slot: its rounds' K chosen from the rates since the warm-up
         self.after_undrafted = False  # the last round drafted nothing: the next one's drafting includes catch-up
+        # several streams' K (k_together): the last one worked out, for which (streams, context // 1024), how many
+        # rounds ago
+        self.together_k, self.together_key, self.together_age = 0, None, 0
 
     def observe(self, r) -> None:
         """A decode round's RoundRecord (not the prefill round: it says nothing about K)."""
@@ -176,6 +179,17 @@ class KFromCosts:
             return k_now
         self.observe(record)
         if record.live > 1 and self.together is not None:
-            rates = self.together(self.k_max, record.live, context)
-            return max(range(self.k_max + 1), key=rates.__getitem__)
+            return self.k_together(record.live, context)
         return self.choose(record.slot)
+
+    def k_together(self, streams: int, context: int | None) -> int:
+        """The model's best K for `streams` live together, worked out again when their count or the context's
+        thousand changes, or after explore_every rounds (the acceptance moves slowly): once for every stream's every
+        round cost rank 0 ~0.18 ms each, ~15% of a four-row batch over 0 ms."""
+        key = (streams, None if context is None else context // 1024)
+        self.together_age += 1
+        if key != self.together_key or self.together_age > self.explore_every:
+            rates = self.together(self.k_max, streams, context)
+            self.together_k = max(range(self.k_max + 1), key=rates.__getitem__)
+            self.together_key, self.together_age = key, 1
+        return self.together_k

@@ -464,6 +464,15 @@ def test_k_from_costs_with_several_streams_live_takes_the_models_best_k_for_them
     assert model.after(1, one, decode=True) == 4  # one stream: its own rates (every draft kept, a long trip)
     four = RoundRecord(4, 4, 5, 5.0, 1.0, 3.0, 1.0, live=4)
     assert model.after(4, four, decode=True, context=100) == 0
+    asked = []  # worked out again only when the streams or the context's thousand change, or every 8 rounds
+    model.together = lambda *args: asked.append(args) or predictor.rates_together(*args)
+    for context in range(101, 108):
+        assert model.after(0, four, decode=True, context=context) == 0
+    assert asked == []
+    model.after(0, four, decode=True, context=108)
+    model.after(0, RoundRecord(0, 0, 1, 0.0, 1.0, 3.0, 1.0, live=3), decode=True, context=109)
+    model.after(0, four, decode=True, context=1100)
+    assert [(streams, context) for _, streams, context in asked] == [(4, 108), (3, 109), (4, 1100)]
 
 
 def test_k_from_costs_ignores_the_draft_cost_of_a_round_that_caught_up():
