@@ -56,9 +56,11 @@ def with_draft_rows(p: Pipeline, draft_format) -> Pipeline:
 
 def planned_settings(plan, p: Pipeline) -> Settings:
     """The K, depth and batch count the run starts from: spec.k (spec.k_from_costs: the model's best K within
-    it), spec.in_flight (auto: the model's), the batches the model picks for the KV slots."""
+    it, at its best depth spec.in_flight allows), spec.in_flight (auto: the model's at that K), the batches the
+    model picks for the KV slots."""
     spec = plan.settings.spec
-    k = cost_model.best_k(p, spec.k) if spec.k_from_costs and spec.k > 0 else spec.k
+    depths = cost_model.depths_allowed(spec.in_flight)
+    k = cost_model.best_k(p, spec.k, depths) if spec.k_from_costs and spec.k > 0 else spec.k
     depth = cost_model.best_depth(p, k) if spec.in_flight == "auto" else int(spec.in_flight)
     return Settings(k, depth, cost_model.best_batches(p, k, plan.slots) if plan.slots > 1 else 1)
 

@@ -74,6 +74,7 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 
+DEPTH_MAX = 4  # spec.in_flight=auto's deepest chain
 DEPTH_MARGIN = 0.05  # a deeper pipe only for a clear gain: the smallest depth within 5% of the best
 TIE = 1e-9  # relative: rates this close are equal (batch counts)
 FRAME_BYTES = 256  # a message's header on the wire besides its tensors
@@ -452,13 +453,24 @@ def ttft_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] =
     return max(done, free[0] + in_the_wait) / 1000.0
 
 
-def best_k(p: Pipeline, k_max: int, depth: int = 1) -> int:
-    """The K in 0..k_max with the most tokens/s for one stream at `depth` (the smallest on a tie)."""
-    rates = [stream_tokens_per_s(p, k, depth) for k in range(k_max + 1)]
+def depths_allowed(in_flight) -> tuple[int, ...]:
+    """The depths spec.in_flight lets a lone stream run at: auto 1..DEPTH_MAX, else the one it names."""
+    return tuple(range(1, DEPTH_MAX + 1)) if in_flight == "auto" else (int(in_flight),)
+
+
+def stream_rates(p: Pipeline, k_max: int, depths=(1,)) -> list[float]:
+    """One stream's tokens/s at each K in 0..k_max, each at its best of `depths` (spec.in_flight=auto: 1..DEPTH_MAX;
+    a fixed depth: that one)."""
+    return [max(stream_tokens_per_s(p, k, d) for d in depths) for k in range(k_max + 1)]
+
+
+def best_k(p: Pipeline, k_max: int, depths=(1,)) -> int:
+    """The K in 0..k_max with the most tokens/s for one stream at its best of `depths` (the smallest on a tie)."""
+    rates = stream_rates(p, k_max, depths)
     return max(range(k_max + 1), key=rates.__getitem__)
 
 
-def best_depth(p: Pipeline, k: int, depth_max: int = 4) -> int:
+def best_depth(p: Pipeline, k: int, depth_max: int = DEPTH_MAX) -> int:
     """The smallest depth in 1..depth_max within DEPTH_MARGIN of the best one-stream rate at K."""
     rates = [stream_tokens_per_s(p, k, d) for d in range(1, depth_max + 1)]
     return next(d for d, r in enumerate(rates, 1) if r >= (1 - DEPTH_MARGIN) * max(rates))
@@ -472,11 +484,11 @@ def best_batches(p: Pipeline, k: int, streams: int, batches_max: int = 8) -> int
     return max(g for g, r in enumerate(rates, 1) if r >= top * (1 - TIE))
 
 
-def best_settings(p: Pipeline, k_max: int, depth_max: int = 4, streams: int = 1, batches_max: int = 8) -> Settings:
+def best_settings(p: Pipeline, k_max: int, depth_max: int = DEPTH_MAX, streams: int = 1,
+                  batches_max: int = 8) -> Settings:
     """K, depth and batches from the model: K and the depth for one stream (jointly; the depth the smallest
     within DEPTH_MARGIN at that K), the batch count for `streams` streams at that K."""
-    depths = range(1, depth_max + 1)
-    k = max(range(k_max + 1), key=lambda k: max(stream_tokens_per_s(p, k, d) for d in depths))
+    k = best_k(p, k_max, range(1, depth_max + 1))
     return Settings(k, best_depth(p, k, depth_max), best_batches(p, k, streams, batches_max) if streams > 1 else 1)
 
 
@@ -612,14 +624,17 @@ class Predictor:
             return stream_tokens_per_s(p, k, depth)
         return aggregate_tokens_per_s(p, k, streams, best_batches(p, k, streams, self.batches_max)) / streams
 
-    def best_depth(self, k: int, depth_max: int = 4) -> int:
+    def best_depth(self, k: int, depth_max: int = DEPTH_MAX) -> int:
         """A lone stream's depth now (spec.in_flight=auto): best_depth at the acceptance and bets measured."""
         return best_depth(self.pipeline(), k, depth_max)
 
-    def rates_together(self, k_max: int, streams: int, context: int | None = None) -> list[float]:
-        """The tokens/s of `streams` together at each K in 0..k_max now (each K in its best batch count), their
-        rounds after `context` cached tokens (spec.k_from_costs while several streams are live)."""
+    def rates(self, k_max: int, streams: int, context: int | None = None, depths=(1,)) -> list[float]:
+        """spec.k_from_costs's rates now, at each K in 0..k_max: one stream's tokens/s at its best of `depths`, or
+        `streams` streams' together (each K in its best batch count: their rounds fill the pipe, no chain), their
+        rounds after `context` cached tokens."""
         p = at_context(self.pipeline(), context)
+        if streams <= 1:
+            return stream_rates(p, k_max, depths)
         return [aggregate_tokens_per_s(p, k, streams, best_batches(p, k, streams, self.batches_max))
                 for k in range(k_max + 1)]
 

@@ -35,7 +35,7 @@ class FixedDepth:
 
 
 class DepthFromCosts:
-    def __init__(self, overlap: bool = True, most: int = 4, smoothing: float = 0.2, warmup: int = 4, start: int = 1,
+    def __init__(self, overlap: bool = True, most: int = cost_model.DEPTH_MAX, smoothing: float = 0.2, warmup: int = 4, start: int = 1,
                  model=None):
         self.overlap, self.most, self.smoothing, self.warmup = overlap, most, smoothing, warmup
         self.model = model  # (K, most) -> the start-up cost model's best depth now (None: the lumped costs below)

@@ -16,12 +16,16 @@ positions not yet measured get measured, and a change (a repetitive stretch, a f
 stream (its KV slot): one count for all, with four streams taking turns, put every exploration on the same stream,
 one round in two, and that stream ended a round after the rest (four clients at 150 ms: 0.94x a fixed K).
 An acceptance rate with few samples leans on the pooled rate of all positions, not on a fixed prior.
-While several streams are live (a round's `live`), K is the one with the most tokens/s of them together, from the
-start-up cost model at the acceptance measured (`together`: cost_model.Predictor.rates_together): their rounds go
-out in batches with no bets to hide drafting behind, each row of a draft step costs what the drafter's timing over
-rows says, and the measured block costs above (each at whatever rows it ran) cannot tell a K=0 block of four rows
-from one of one: one stream's best K=4 over 0 ms ran four 2,000-token streams at 0.61x the fixed K=0 (the K=0
-so chosen still runs on the split placed for spec.k: bench/README.md).
+Where the run has a start-up cost model (`model`: cost_model.Predictor.rates, every rank timed), K is that model's
+best at the acceptance measured, and the rounds' own costs above serve only runs without one. A lone stream's K is
+the best at its best depth spec.in_flight allows (auto: 1..DEPTH_MAX, jointly with the depth; from depth 1's rates
+and then the depth at that K, one client over 0 ms drafted K=1-2 where K=4 ran faster); it still tries a neighbour
+every explore_every-th round, and one draft before any is measured. While several streams are live (a round's
+`live`), K is the one with the most tokens/s of them together: their rounds go out in batches with no bets to hide
+drafting behind, each row of a draft step costs what the drafter's timing over rows says, and the measured block
+costs above (each at whatever rows it ran) cannot tell a K=0 block of four rows from one of one: one stream's best
+K=4 over 0 ms ran four 2,000-token streams at 0.61x the fixed K=0 (the K=0 so chosen still runs on the split placed
+for spec.k: bench/README.md).
 Any K is lossless: this decides speed only.
 
 Three policies share one small interface (`k_policy` picks one from the settings): `first()` is a
@@ -83,21 +87,22 @@ class AdaptiveK(FixedK):
         return next_k(k_now, drafted, accepted, self.k_max)
 
 
-def k_policy(k_max: int, adaptive: bool, from_costs: bool, overlap: bool, together=None):
+def k_policy(k_max: int, adaptive: bool, from_costs: bool, overlap: bool, model=None):
     """The K policy the settings name (from_costs wins over adaptive); KFromCosts's estimates carry over
-    generations, so a session keeps one policy for its life. `together`: KFromCosts's rates for several streams."""
+    generations, so a session keeps one policy for its life. `model`: KFromCosts's rates from the start-up cost
+    model (cost_model.Predictor.rates), where the run has one."""
     if from_costs and k_max > 0:
-        return KFromCosts(k_max, overlap, together=together)
+        return KFromCosts(k_max, overlap, model=model)
     return AdaptiveK(k_max) if adaptive else FixedK(k_max)
 
 
 class KFromCosts:
     def __init__(self, k_max: int, overlap: bool = False, smoothing: float = 0.2, explore_every: int = 8,
-                 together=None):
+                 model=None):
         self.k_max, self.overlap, self.smoothing, self.explore_every = k_max, overlap, smoothing, explore_every
-        # (k_max, streams, context) -> tokens/s of `streams` together at each K in 0..k_max (None: one stream's
-        # rates serve for any number)
-        self.together = together
+        # (k_max, streams, context) -> the start-up cost model's tokens/s at each K in 0..k_max: one stream's at its
+        # best depth, or `streams` together (None: the rates of the rounds' own costs below, any number of streams)
+        self.model = model
         self.warmup = [1, 0]  # the block sizes to measure first
         self.tried = [0] * (k_max + 2)  # [i]: decode rounds in which draft i was verified
         self.kept = [0] * (k_max + 2)  # [i]: ... and accepted
@@ -108,9 +113,9 @@ class KFromCosts:
         self.seen = 0
         self.chosen: dict[int, int] = {}  # per KV slot: its rounds' K chosen from the rates since the warm-up
         self.after_undrafted = False  # the last round drafted nothing: the next one's drafting includes catch-up
-        # several streams' K (k_together): the last one worked out, for which (streams, context // 1024), how many
+        # the model's K (k_modelled): the last one worked out, for which (streams, context // 1024), how many
         # rounds ago
-        self.together_k, self.together_key, self.together_age = 0, None, 0
+        self.modelled_k, self.modelled_key, self.modelled_age = 0, None, 0
 
     def observe(self, r) -> None:
         """A decode round's RoundRecord (not the prefill round: it says nothing about K)."""
@@ -155,7 +160,10 @@ class KFromCosts:
         if self.draft_ms is None:  # nothing was ever proposed (an n-gram drafter without a match)
             return self.k_max
         rates = self.rates()
-        best = max(range(self.k_max + 1), key=rates.__getitem__)
+        return self.explored(max(range(self.k_max + 1), key=rates.__getitem__), slot)
+
+    def explored(self, best: int, slot: int | None) -> int:
+        """`best`, or on every explore_every-th round of the stream in `slot` its neighbour (None: never)."""
         if slot is None:
             return best
         self.chosen[slot] = self.chosen.get(slot, 0) + 1
@@ -165,7 +173,7 @@ class KFromCosts:
 
     # --- the K policy interface (FixedK) ---------------------------------------------------------
     def first(self) -> int:
-        return self.choose(None)
+        return self.choose(None) if self.model is None else self.k_modelled(1, None)
 
     def bet(self, k_tip: int, drafted: int, k_now: int) -> int:
         """The K chosen after the stream's last reply: a chain goes on while its bets hold, and the tip's K held
@@ -178,18 +186,21 @@ class KFromCosts:
         if not decode:
             return k_now
         self.observe(record)
-        if record.live > 1 and self.together is not None:
-            return self.k_together(record.live, context)
-        return self.choose(record.slot)
+        if self.model is None:
+            return self.choose(record.slot)
+        best = self.k_modelled(record.live, context)  # (a lone stream still explores: a drafter never right at
+        return self.explored(best, record.slot) if record.live == 1 else best  # first may come right later)
 
-    def k_together(self, streams: int, context: int | None) -> int:
-        """The model's best K for `streams` live together, worked out again when their count or the context's
-        thousand changes, or after explore_every rounds (the acceptance moves slowly): once for every stream's every
-        round cost rank 0 ~0.18 ms each, ~15% of a four-row batch over 0 ms."""
+    def k_modelled(self, streams: int, context: int | None) -> int:
+        """The model's best K for `streams` live (one: at its best depth), worked out again when their count or
+        the context's thousand changes, or after explore_every rounds (the acceptance moves slowly): once for every
+        stream's every round cost rank 0 ~0.18 ms each, ~15% of a four-row batch over 0 ms."""
+        if not self.tried[1]:  # no draft measured yet: one, as the warm-up does (the model at the prior acceptance
+            return 1  # may say K=0, which measures nothing until a neighbour is explored)
         key = (streams, None if context is None else context // 1024)
-        self.together_age += 1
-        if key != self.together_key or self.together_age > self.explore_every:
-            rates = self.together(self.k_max, streams, context)
-            self.together_k = max(range(self.k_max + 1), key=rates.__getitem__)
-            self.together_key, self.together_age = key, 1
-        return self.together_k
+        self.modelled_age += 1
+        if key != self.modelled_key or self.modelled_age > self.explore_every:
+            rates = self.model(self.k_max, streams, context)
+            self.modelled_k = max(range(self.k_max + 1), key=rates.__getitem__)
+            self.modelled_key, self.modelled_age = key, 1
+        return self.modelled_k

@@ -26,12 +26,14 @@ prefix was computed in other blocks than a fresh prefill would use, so a near-ti
 from __future__ import annotations
 
 from dataclasses import dataclass
+import functools
 import time
 
 import torch
 
 from netbridge import protocol
 from netbridge.protocol import Prefill, Reply, Request, Round, SamplingParams
+from speculative import cost_model
 from speculative.blocks import BlockMaker
 from speculative.cost_model import first_round_batches
 from speculative.grammar import GrammarFailure
@@ -65,8 +67,12 @@ class Session:
         self.prefixes = prefixes  # cache.dir: rank 0's saved prefixes (speculative.prefixes.RankPrefixes), or None
         self.replies = Replies(replies or channel)  # from the last rank (with more than two ranks, its own link)
         self.spec = spec
-        self.k_policy = k_policy(spec.k, spec.adaptive, spec.k_from_costs, spec.overlap,
-                                 predictor.rates_together if predictor is not None else None)
+        # spec.k_from_costs: K from the start-up cost model where the run has one, a lone stream's at its best depth
+        # spec.in_flight allows (jointly with the depth under auto: K from depth 1's rates and then the depth at that
+        # K drafted K=1-2 for one client over 0 ms, where K=4 ran faster)
+        model = None if predictor is None else functools.partial(predictor.rates,
+                                                                 depths=cost_model.depths_allowed(spec.in_flight))
+        self.k_policy = k_policy(spec.k, spec.adaptive, spec.k_from_costs, spec.overlap, model)
         self.maker = BlockMaker(stage, drafter, self.k_policy, spec.overlap)
         self.slots = slots  # how many streams may be live at once (serve.max_concurrent)
         # the slots, the live streams by slot, the batches (batches_on_the_way None: from measured costs); a

@@ -184,7 +184,7 @@ def test_the_choices_are_the_best_of_a_brute_force_search_over_the_model():
         assert s.depth == 1 or every[s.k, s.depth - 1] < 0.95 * max(every[s.k, d] for d in range(1, 5))
         together = [aggregate_tokens_per_s(p, s.k, 4, g) for g in range(1, 5)]
         assert together[s.batches - 1] == pytest.approx(max(together))
-        assert best_k(p, 8, 1) == max(range(9), key=lambda k: every[k, 1])
+        assert best_k(p, 8, (1,)) == max(range(9), key=lambda k: every[k, 1])
 
 
 def test_the_predictor_takes_in_the_measured_acceptance():

@@ -445,27 +445,30 @@ def test_k_from_costs_under_overlap_counts_the_guess_a_block_on_a_bet_drafts():
     assert model.choose() >= 6, model.rates()
 
 
-def test_k_from_costs_with_several_streams_live_takes_the_models_best_k_for_them_together():
+def test_k_from_costs_takes_the_models_best_k_alone_at_its_best_depth_and_for_streams_together():
     """Two ranks of 1 ms, 0.5 ms each way, every draft kept; a drafter step 1 ms, and 1 ms more per row. Alone K=4
     pays (5 tokens in 5 + 1 + 2 = 8 ms against 1 in 3); four streams in a batch take 5 x 4 + 1 + 2 = 23 ms for 20
-    tokens at K=4, 3 ms for 4 at K=0: there K=0. A round with four streams live gets the model's K for them, whatever
-    the one-stream rates measured say (K=4 here: every draft kept over a 100 ms wire)."""
+    tokens at K=4, 3 ms for 4 at K=0: there K=0. With a model, a round takes the model's K for the streams live,
+    whatever the rounds' own costs say (here K=0 for one stream: drafting measured at 50 ms a step over no wire)."""
     from speculative.cost_model import Acceptance, DraftCost, LinkCost, Pipeline, Predictor, RankCost
     from speculative.k_choice import KFromCosts
     p = Pipeline((RankCost(1.0), RankCost(1.0)), (LinkCost(0.5), LinkCost(0.5)), DraftCost(1.0, row_ms=1.0),
                  Acceptance(prior=1.0), overlap=False)
     predictor = Predictor(p)
-    alone, together = predictor.rates_together(4, 1), predictor.rates_together(4, 4)
+    alone, together = predictor.rates(4, 1), predictor.rates(4, 4)
     assert max(range(5), key=alone.__getitem__) == 4 and max(range(5), key=together.__getitem__) == 0
-    model = KFromCosts(4, together=predictor.rates_together)
-    costed_rounds(model, 8, 1, accept=lambda k: k, draft_ms=1.0, block=lambda n: 1.0, wire_ms=100.0)  # its warm-up
-    costed_rounds(model, 8, 0, accept=lambda k: k, draft_ms=1.0, block=lambda n: 1.0, wire_ms=100.0)  # and more
-    one = RoundRecord(1, 1, 2, 1.0, 1.0, 101.0, 0.5, live=1)
-    assert model.after(1, one, decode=True) == 4  # one stream: its own rates (every draft kept, a long trip)
+    model, own = KFromCosts(4, model=predictor.rates), KFromCosts(4)
+    assert model.first() == 1  # no draft measured yet: one (the model at the prior could keep K=0 unmeasured)
+    for policy in (model, own):
+        costed_rounds(policy, 8, 1, accept=lambda k: k, draft_ms=100.0, block=lambda n: 1.0)  # its warm-up
+        costed_rounds(policy, 8, 0, accept=lambda k: k, draft_ms=100.0, block=lambda n: 1.0)  # and more
+    one = RoundRecord(1, 1, 2, 100.0, 1.0, 2.0, 0.5, live=1)
+    assert own.after(1, one, decode=True) == 0  # the rounds' own costs: drafting does not pay
+    assert model.after(1, one, decode=True) == 4 == model.first()  # the model's
     four = RoundRecord(4, 4, 5, 5.0, 1.0, 3.0, 1.0, live=4)
     assert model.after(4, four, decode=True, context=100) == 0
     asked = []  # worked out again only when the streams or the context's thousand change, or every 8 rounds
-    model.together = lambda *args: asked.append(args) or predictor.rates_together(*args)
+    model.model = lambda *args: asked.append(args) or predictor.rates(*args)
     for context in range(101, 108):
         assert model.after(0, four, decode=True, context=context) == 0
     assert asked == []
@@ -473,6 +476,30 @@ def test_k_from_costs_with_several_streams_live_takes_the_models_best_k_for_them
     model.after(0, RoundRecord(0, 0, 1, 0.0, 1.0, 3.0, 1.0, live=3), decode=True, context=109)
     model.after(0, four, decode=True, context=1100)
     assert [(streams, context) for _, streams, context in asked] == [(4, 108), (3, 109), (4, 1100)]
+
+
+def test_a_lone_streams_k_is_the_best_at_its_best_depth_not_at_one():
+    """K and the depth chosen together (spec.in_flight=auto): a drafter step of 1 ms against a later rank of 2 and
+    1 ms each way, bets held nine times in ten. At one round on the way K=3 has the most tokens/s; with up to
+    four rounds on the way, K=1 at depth 2 has more than any K at depth 1 (a short block keeps the chain's
+    step short, the wire hidden by the rounds on the way); a fixed depth's K is that depth's best."""
+    from speculative.cost_model import Acceptance, DraftCost, LinkCost, Pipeline, Predictor, RankCost, best_k
+    p = Pipeline((RankCost(1.0), RankCost(2.0)), (LinkCost(1.0), LinkCost(1.0)), DraftCost(1.0),
+                 Acceptance(prior=0.9), overlap=True)
+    assert best_k(p, 4, (1,)) == 3
+    assert best_k(p, 4, range(1, 5)) == 1
+    rates = Predictor(p).rates(4, 1, depths=range(1, 5))
+    assert max(range(5), key=rates.__getitem__) == 1
+    assert max(rates) > max(Predictor(p).rates(4, 1, depths=(1,)))
+    from types import SimpleNamespace
+    from launch.prediction import planned_settings
+    from speculative.session import Session, SpecSettings
+    for in_flight, k in (("auto", 1), (1, 3)):  # the session's K policy and the start-up line's K alike
+        spec = SpecSettings(k=4, k_from_costs=True, overlap=True, in_flight=in_flight)
+        rates = Session(None, None, None, spec, predictor=Predictor(p)).k_policy.model(4, 1, None)
+        assert max(range(5), key=rates.__getitem__) == k, in_flight
+        plan = SimpleNamespace(settings=SimpleNamespace(spec=spec), slots=1)
+        assert planned_settings(plan, p).k == k, in_flight
 
 
 def test_k_from_costs_ignores_the_draft_cost_of_a_round_that_caught_up():
@@ -493,8 +520,9 @@ def test_k_from_costs_ignores_the_draft_cost_of_a_round_that_caught_up():
 def test_k_from_costs_is_exact(drafter, overlap, tiny_qwen, tiny_qwen_draft, monkeypatch):
     from speculative.k_choice import KFromCosts
     picks = []
-    choose = KFromCosts.choose
-    monkeypatch.setattr(KFromCosts, "choose", lambda self, slot=0: picks.append(choose(self, slot)) or picks[-1])
+    explored = KFromCosts.explored
+    monkeypatch.setattr(KFromCosts, "explored", lambda self, best, slot: picks.append(explored(self, best, slot))
+                        or picks[-1])
     draft = tiny_qwen if drafter == "self" else tiny_qwen_draft
     # every bet holding: a trip of 2 x 10 ms makes K=8 clearly best (over none, K=1 to 8 read within 2% of each
     # other, and a noisy block time chose K=1 or 2 for 11 rounds in half the runs, 2026-12-05)
