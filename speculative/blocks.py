@@ -57,13 +57,14 @@ class BlockMaker:
     def use_the_wait(self, s: Stream, depth: int, send) -> tuple[float, int]:
         """While rounds are in flight: prepare blocks on the bet, each sent at once while the depth allows,
         one more held back under spec.overlap; returns the ms spent preparing them and how many. When the next round will
-        draft nothing, the drafter takes in the committed tokens now, not all at once when K rises again."""
+        draft nothing, the drafter takes in the committed tokens now, not all at once when K rises again (where it
+        is in step: a prompt it skipped at K=0 waits for a K that pays for taking it in, KFromCosts.pays_intake)."""
         prepared_ms, prepared = 0.0, 0
         while s.chain and s.chain[-1].sent_at is not None:  # else one is held back already
             tip = s.chain[-1]
             k_next = min(self.k_policy.bet(tip.k, len(tip.drafts), s.k_now), s.remaining - s.promised - 1)
-            if k_next == 0:
-                self.drafter.catch_up(s.committed, slot=s.slot)
+            if k_next == 0 and self.drafter.lacks(len(s.committed), s.slot) <= self.k_policy.k_max + 1:
+                self.drafter.catch_up(s.committed, slot=s.slot)  # (in step: not a prompt skipped at K=0)
             if k_next <= 0 or not (s.sent < depth or self.overlap):
                 break
             block = self.bet(s, tip, k_next)

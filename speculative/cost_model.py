@@ -641,6 +641,10 @@ class Predictor:
     def ttft_s(self, prompt_tokens: int, ahead: tuple[int, ...] = (), k: int = 0, depth: int = 0) -> float:
         return ttft_s(self.pipeline(), prompt_tokens, self.chunk, ahead, k, depth)
 
+    def intake_ms(self, tokens: int, context: int = 0) -> float:
+        """The drafter taking in `tokens` it lacks after the `context` it holds (a prompt skipped at K=0)."""
+        return self.start.draft.prefill_ms(tokens, context)
+
     def for_rounds(self, rounds, streams: int = 1, start: int | None = None, before=None) -> float:
         """One request's tokens/s as the model gives it at the acceptance its own decode rounds measured (and its
         bets): its tokens over the time the model gives each round at that round's K, rounds on the way and

@@ -62,6 +62,10 @@ class StatelessDrafter:
     def commit(self, n_committed: int, slot: int = 0) -> None:
         pass
 
+    def lacks(self, tokens: int, slot: int = 0) -> int:
+        """How many of a context's first `tokens` the slot has not taken in (its next drafting round feeds them)."""
+        return 0
+
     def copy_prefix(self, source: int, slot: int, tokens: int) -> None:
         pass
 
@@ -145,6 +149,9 @@ class ModelDrafter:
                              num_logits=len(missing) if guesses else None, slot=slot)
         self.cached[slot] = len(context)
         return {start + 1 + i: token for i, token in enumerate(out[0].argmax(-1).tolist())} if guesses else {}
+
+    def lacks(self, tokens: int, slot: int = 0) -> int:
+        return max(tokens - self.cached[slot], 0)
 
     def propose(self, context: list[int], k: int, slot: int = 0, room: int | None = None) -> Drafts:
         return self.propose_rows([context], [k], [slot], None if room is None else [room])[0]

@@ -25,7 +25,9 @@ every explore_every-th round, and one draft before any is measured. While severa
 drafting behind, each row of a draft step costs what the drafter's timing over rows says, and the measured block
 costs above (each at whatever rows it ran) cannot tell a K=0 block of four rows from one of one: one stream's best
 K=4 over 0 ms ran four 2,000-token streams at 0.61x the fixed K=0 (the K=0 so chosen still runs on the split placed
-for spec.k: bench/README.md).
+for spec.k: bench/README.md). A stream admitted at K=0 (first(streams, context)) leaves its prompt out of the
+drafter; K > 0 for it again first takes in what its drafter lacks, so it is chosen only where the answer's tokens
+left pay for that (pays_intake, the model's `intake`).
 Any K is lossless: this decides speed only.
 
 Three policies share one small interface (`k_policy` picks one from the settings): `first()` is a
@@ -56,13 +58,17 @@ class FixedK:
     def __init__(self, k_max: int):
         self.k_max = k_max
 
-    def first(self) -> int:
+    def first(self, streams: int = 1, context: int | None = None) -> int:
+        """A generation's K, `streams` live with it (its own included), its prompt `context` tokens."""
         return self.k_max
 
     def bet(self, k_tip: int, drafted: int, k_now: int) -> int:
         return k_tip
 
-    def after(self, k_now: int, record, decode: bool, context: int | None = None) -> int:
+    def after(self, k_now: int, record, decode: bool, context: int | None = None, lag: int = 0,
+              remaining: int | None = None) -> int:
+        """The K of the stream's next round; `context` the tokens its caches hold, `lag` how many of them the
+        drafter has not taken in, `remaining` the tokens its answer may still take."""
         return k_now
 
 
@@ -80,29 +86,31 @@ class AdaptiveK(FixedK):
     def bet(self, k_tip: int, drafted: int, k_now: int) -> int:
         return next_k(k_tip, drafted, drafted, self.k_max)
 
-    def after(self, k_now: int, record, decode: bool, context: int | None = None) -> int:
+    def after(self, k_now: int, record, decode: bool, context: int | None = None, lag: int = 0,
+              remaining: int | None = None) -> int:
         drafted, accepted = record.drafted, record.accepted
         if not record.looked_up:  # by the K it asked for: a batch drafts past it for free (blocks.widths), and a
             drafted, accepted = min(drafted, k_now), min(accepted, k_now)  # miss among those says nothing of its K
         return next_k(k_now, drafted, accepted, self.k_max)
 
 
-def k_policy(k_max: int, adaptive: bool, from_costs: bool, overlap: bool, model=None):
+def k_policy(k_max: int, adaptive: bool, from_costs: bool, overlap: bool, model=None, intake=None):
     """The K policy the settings name (from_costs wins over adaptive); KFromCosts's estimates carry over
-    generations, so a session keeps one policy for its life. `model`: KFromCosts's rates from the start-up cost
-    model (cost_model.Predictor.rates), where the run has one."""
+    generations, so a session keeps one policy for its life. `model`, `intake`: KFromCosts's rates and the
+    drafter's intake from the start-up cost model (cost_model.Predictor.rates, .intake_ms), where the run has one."""
     if from_costs and k_max > 0:
-        return KFromCosts(k_max, overlap, model=model)
+        return KFromCosts(k_max, overlap, model=model, intake=intake)
     return AdaptiveK(k_max) if adaptive else FixedK(k_max)
 
 
 class KFromCosts:
     def __init__(self, k_max: int, overlap: bool = False, smoothing: float = 0.2, explore_every: int = 8,
-                 model=None):
+                 model=None, intake=None):
         self.k_max, self.overlap, self.smoothing, self.explore_every = k_max, overlap, smoothing, explore_every
         # (k_max, streams, context) -> the start-up cost model's tokens/s at each K in 0..k_max: one stream's at its
         # best depth, or `streams` together (None: the rates of the rounds' own costs below, any number of streams)
         self.model = model
+        self.intake = intake  # (tokens, context) -> the model's ms for the drafter to take in tokens it lacks
         self.warmup = [1, 0]  # the block sizes to measure first
         self.tried = [0] * (k_max + 2)  # [i]: decode rounds in which draft i was verified
         self.kept = [0] * (k_max + 2)  # [i]: ... and accepted
@@ -116,6 +124,7 @@ class KFromCosts:
         # the model's K (k_modelled): the last one worked out, for which (streams, context // 1024), how many
         # rounds ago
         self.modelled_k, self.modelled_key, self.modelled_age = 0, None, 0
+        self.modelled_rates: list[float] = []
 
     def observe(self, r) -> None:
         """A decode round's RoundRecord (not the prefill round: it says nothing about K)."""
@@ -172,8 +181,8 @@ class KFromCosts:
         return best
 
     # --- the K policy interface (FixedK) ---------------------------------------------------------
-    def first(self) -> int:
-        return self.choose(None) if self.model is None else self.k_modelled(1, None)
+    def first(self, streams: int = 1, context: int | None = None) -> int:
+        return self.choose(None) if self.model is None else self.k_modelled(streams, context)
 
     def bet(self, k_tip: int, drafted: int, k_now: int) -> int:
         """The K chosen after the stream's last reply: a chain goes on while its bets hold, and the tip's K held
@@ -181,15 +190,31 @@ class KFromCosts:
         whose rates said K=3 or 4: 5.4 tokens/s where the fixed K=4 measured 12.1)."""
         return k_now
 
-    def after(self, k_now: int, record, decode: bool, context: int | None = None) -> int:
-        """The K of the stream's next round; `context` the tokens its caches hold (several streams' rates)."""
+    def after(self, k_now: int, record, decode: bool, context: int | None = None, lag: int = 0,
+              remaining: int | None = None) -> int:
+        """The K of the stream's next round (FixedK.after)."""
         if not decode:
             return k_now
         self.observe(record)
         if self.model is None:
             return self.choose(record.slot)
-        best = self.k_modelled(record.live, context)  # (a lone stream still explores: a drafter never right at
-        return self.explored(best, record.slot) if record.live == 1 else best  # first may come right later)
+        best = self.k_modelled(record.live, context)
+        if best and lag and not self.pays_intake(best, record.live, lag, remaining, context):
+            return 0
+        # (a lone stream still explores: a drafter never right at first may come right later)
+        return self.explored(best, record.slot) if record.live == 1 else best
+
+    def pays_intake(self, k: int, streams: int, lag: int, remaining: int | None, context: int | None) -> bool:
+        """Whether drafting K pays for first taking in the `lag` tokens the stream's drafter lacks (a prompt it
+        skipped while its K was 0): the answer's `remaining` tokens at K, after the intake stalls rank 0, against
+        all of them at K=0. A stream left alone at the end of a batch's answers would take in its whole prompt for
+        its last few rounds."""
+        if remaining is None or self.intake is None or not self.modelled_rates[0]:
+            return True
+        rates = self.modelled_rates
+        cached = None if context is None else max(context - lag, 0)
+        drafting_s = remaining * streams / rates[k] + self.intake(lag, cached or 0) / 1000
+        return drafting_s < remaining * streams / rates[0]
 
     def k_modelled(self, streams: int, context: int | None) -> int:
         """The model's best K for `streams` live (one: at its best depth), worked out again when their count or
@@ -200,7 +225,7 @@ class KFromCosts:
         key = (streams, None if context is None else context // 1024)
         self.modelled_age += 1
         if key != self.modelled_key or self.modelled_age > self.explore_every:
-            rates = self.model(self.k_max, streams, context)
+            rates = self.modelled_rates = self.model(self.k_max, streams, context)
             self.modelled_k = max(range(self.k_max + 1), key=rates.__getitem__)
             self.modelled_key, self.modelled_age = key, 1
         return self.modelled_k

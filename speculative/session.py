@@ -72,7 +72,8 @@ class Session:
         # K drafted K=1-2 for one client over 0 ms, where K=4 ran faster)
         model = None if predictor is None else functools.partial(predictor.rates,
                                                                  depths=cost_model.depths_allowed(spec.in_flight))
-        self.k_policy = k_policy(spec.k, spec.adaptive, spec.k_from_costs, spec.overlap, model)
+        self.k_policy = k_policy(spec.k, spec.adaptive, spec.k_from_costs, spec.overlap, model,
+                                 None if predictor is None else predictor.intake_ms)
         self.maker = BlockMaker(stage, drafter, self.k_policy, spec.overlap)
         self.slots = slots  # how many streams may be live at once (serve.max_concurrent)
         # the slots, the live streams by slot, the batches (batches_on_the_way None: from measured costs); a
@@ -130,7 +131,8 @@ class Session:
             self.stage.cache.copy_prefix(source, slot, shared)
             self.drafter.copy_prefix(source, slot, shared)
             held = s.gen.reused = shared
-        s.pending, s.k_now = self.prefill_chunks(prompt_ids, held, slot), self.k_policy.first()
+        s.k_now = self.k_policy.first(len(self.scheduler.live) + 1, len(prompt_ids))
+        s.pending = self.prefill_chunks(prompt_ids, held, slot, drafts=s.k_now > 0)
         self.t_replied = None  # an admission is not a batch's work (BatchCount: rank 0's work per batch)
         if self.predictor is not None:
             self.predict_ttft(s, len(prompt_ids) - held)
@@ -182,18 +184,20 @@ class Session:
         gen.reused, gen.reused_disk = restore.tokens, restore.tokens - reuse
         return restore.tokens
 
-    def prefill_chunks(self, prompt_ids: list[int], reuse: int, slot: int = 0) -> list[int]:
+    def prefill_chunks(self, prompt_ids: list[int], reuse: int, slot: int = 0, drafts: bool = True) -> list[int]:
         """Send all but the last `prefill_chunk` tokens of the prompt's new part as Prefill messages; returns
         the rest, which the first round carries. Each message's compute stays bounded (the later ranks'
         receives have a timeout), each later rank runs its layers over one chunk while rank 0 runs its own over the
-        next, and the drafter takes in each chunk meanwhile."""
+        next, and the drafter takes in each chunk meanwhile where the stream's rounds will draft (`drafts`; else
+        it takes the prompt in when they first do, if ever: a drafting step feeds whatever its slot lacks)."""
         start, pending, chunk = reuse, prompt_ids[reuse:], self.spec.prefill_chunk
         while len(pending) > chunk:
             piece, pending = pending[:chunk], pending[chunk:]
             hidden = self.stage.run(start, torch.tensor([piece], device=self.stage.device), slot=slot)
             protocol.send(self.channel, Prefill(start, hidden, slot))
             start += len(piece)
-            self.drafter.catch_up(prompt_ids[:start], slot=slot)
+            if drafts:
+                self.drafter.catch_up(prompt_ids[:start], slot=slot)
         return pending
 
     # --- one tick: what is ready sent, one batch's replies ------------------------------------
@@ -224,7 +228,7 @@ class Session:
         waits for a reply then), so its second round drafts at once instead of prefilling the drafter first while
         the later ranks idle. (A lone stream's first wait drafts a bet, which takes the prompt in: use_the_wait.)"""
         for s in self.live:
-            if s.prefilling and s.chain:
+            if s.prefilling and s.chain and s.k_now:  # (K=0: when its rounds first draft, if ever)
                 self.drafter.catch_up(s.committed, slot=s.slot)
                 self.t_replied = None  # not a batch's work: the next reply starts rank 0's count anew
 
@@ -310,7 +314,8 @@ class Session:
         s.gen.rounds.append(record)
         self.predict(s, record, decode=len(s.gen.rounds) > 1)
         s.k_now = self.k_policy.after(s.k_now, record, decode=len(s.gen.rounds) > 1,
-                                      context=len(s.gen.prompt_ids) + len(s.output.tokens))
+                                      context=len(s.gen.prompt_ids) + len(s.output.tokens),
+                                      lag=self.drafter.lacks(len(s.committed), s.slot), remaining=s.remaining)
         return record
 
     def predict(self, s: Stream, record: RoundRecord, decode: bool) -> None:

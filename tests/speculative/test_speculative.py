@@ -476,6 +476,69 @@ def test_k_from_costs_takes_the_models_best_k_alone_at_its_best_depth_and_for_st
     model.after(0, RoundRecord(0, 0, 1, 0.0, 1.0, 3.0, 1.0, live=3), decode=True, context=109)
     model.after(0, four, decode=True, context=1100)
     assert [(streams, context) for _, streams, context in asked] == [(4, 108), (3, 109), (4, 1100)]
+    assert model.first(4, 100) == 0 and model.first(1, 100) == 4  # a newcomer's K: the streams live with it
+
+
+def test_k_from_costs_drafts_again_only_where_it_pays_for_the_prompt_its_drafter_skipped():
+    """A stream admitted at K=0 (several streams live, drafting did not pay) leaves its prompt out of the drafter.
+    Drafting again first takes in what the drafter lacks: 2,000 tokens at 0.1 ms each, 200 ms. Alone, with every
+    draft kept, K=4 gives 5 tokens in 8 ms against 1 in 3: over 5 tokens left it saves ~7 ms, so K stays 0; over
+    10,000 it saves ~22 s, so K=4; a drafter in step (no lag) drafts at once."""
+    from speculative.cost_model import Acceptance, DraftCost, LinkCost, Pipeline, Predictor, RankCost
+    from speculative.k_choice import KFromCosts
+    p = Pipeline((RankCost(1.0), RankCost(1.0)), (LinkCost(0.5), LinkCost(0.5)), DraftCost(1.0, token_ms=0.1),
+                 Acceptance(prior=1.0), overlap=False)
+    predictor = Predictor(p)
+    assert predictor.intake_ms(2000) == pytest.approx(200.0)
+    model = KFromCosts(4, model=predictor.rates, intake=predictor.intake_ms)
+    costed_rounds(model, 2, 1, accept=lambda k: k, draft_ms=1.0, block=lambda n: 1.0)  # a draft measured
+    one = RoundRecord(0, 0, 1, 0.0, 1.0, 2.0, 0.5, live=1)
+    assert model.after(0, one, decode=True, context=2010, lag=2000, remaining=5) == 0
+    assert model.after(0, one, decode=True, context=2010, lag=2000, remaining=10_000) == 4
+    assert model.after(0, one, decode=True, context=2010, lag=0, remaining=5) == 4
+
+
+def test_a_stream_admitted_at_k0_leaves_its_prompt_out_of_the_drafter():
+    """Session.admit: a stream whose first K is 0 sends its prompt's chunks without the drafter taking them in
+    (it takes them in when its rounds first draft, if ever: four 2,000-token streams at K=0 spent rank 0's time
+    on four prompts through the drafter); at K > 0 the drafter takes in each chunk as before."""
+    from types import SimpleNamespace
+    from speculative.session import Session, SpecSettings
+    taken, asked = [], []
+    drafter = SimpleNamespace(reset=lambda *a, **k: None, catch_up=lambda context, slot=0: taken.append(len(context)))
+    stage = SimpleNamespace(device="cpu", run=lambda start, ids, slot=0: torch.zeros(1, ids.shape[1], 4))
+    channel = SimpleNamespace(send=lambda *a, **k: None)
+    for k, intake in ((0, []), (2, [64, 128])):
+        taken.clear()
+        session = Session(stage, drafter, channel, SpecSettings(k=2, prefill_chunk=64), slots=2)
+        session.k_policy = SimpleNamespace(first=lambda streams, context, k=k: asked.append((streams, context)) or k)
+        s = session.admit(list(range(150)), SimpleNamespace(max_new_tokens=4, tokens=[]))
+        assert s.k_now == k and taken == intake and len(s.pending) == 22
+        assert asked[-1] == (1, 150)  # the K policy asked for this stream alone, its prompt's 150 tokens
+        # its first round on the way, several streams live: the drafter takes in the rest in the wait, at K > 0
+        taken.clear()
+        session.scheduler.live = {0: SimpleNamespace(prefilling=True, chain=[object()], k_now=k, committed=[0] * 150,
+                                                     slot=0)}
+        session.take_in_prompts()
+        assert taken == ([150] if k else [])
+
+
+def test_a_lone_stream_at_k0_keeps_its_drafter_in_step_in_the_wait_but_takes_no_skipped_prompt_in():
+    """BlockMaker.use_the_wait with the next round at K=0: a drafter in step takes in the last round's tokens now
+    (not all at once when K rises); one that skipped the prompt (lacking 2,000 tokens) waits for a K that pays for
+    it (KFromCosts.pays_intake), not 2,000 tokens in every wait."""
+    from types import SimpleNamespace
+    from speculative.blocks import BlockMaker
+    from speculative.drafters import one_hot_drafts
+    from speculative.k_choice import FixedK
+    for lacks, intake in ((1, [2001]), (2000, [])):
+        taken = []
+        drafter = SimpleNamespace(lacks=lambda tokens, slot=0, lacks=lacks: lacks,
+                                  catch_up=lambda context, slot=0: taken.append(len(context)))
+        tip = SimpleNamespace(sent_at=1.0, k=0, drafts=one_hot_drafts([]), fed=[7])
+        s = SimpleNamespace(chain=[tip], k_now=0, remaining=10, promised=1, committed=[0] * 2001, slot=0, sent=1)
+        BlockMaker(None, drafter, FixedK(4)).use_the_wait(s, depth=1, send=None)
+        assert taken == intake, lacks
 
 
 def test_a_lone_streams_k_is_the_best_at_its_best_depth_not_at_one():
