@@ -380,11 +380,11 @@ def chunks(prompt_tokens: int, chunk: int) -> list[tuple[int, int]]:
     return [(min(chunk, prompt_tokens - j * chunk), j * chunk) for j in range(count)]
 
 
-def rank0_prefill_ms(p: Pipeline, prompt_tokens: int, chunk: int) -> float:
-    """Rank 0's work at a prompt's admission (every chunk but the last: its slice and the drafter's catch-up),
-    which holds back every first round not yet sent (the engine sends them at the next tick)."""
-    return sum(p.ranks[0].chunk_ms(size, context) + p.draft.prefill_ms(size, context) + p.links[0].message_ms
-               for size, context in chunks(prompt_tokens, chunk)[:-1])
+def rank0_prefill_ms(p: Pipeline, prompt_tokens: int, chunk: int, intake: bool = True) -> float:
+    """Rank 0's work at a prompt's admission (every chunk but the last: its slice and, with `intake`, the
+    drafter's catch-up), which holds back every first round not yet sent (the engine sends them at the next tick)."""
+    return sum(p.ranks[0].chunk_ms(size, context) + (p.draft.prefill_ms(size, context) if intake else 0.0)
+               + p.links[0].message_ms for size, context in chunks(prompt_tokens, chunk)[:-1])
 
 
 def first_round_batches(lengths: list[int], chunk: int) -> list[list[int]]:
@@ -402,7 +402,7 @@ def first_round_batches(lengths: list[int], chunk: int) -> list[list[int]]:
 
 
 def ttft_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] = (), k: int = 0,
-           depth: int = 0) -> float:
+           depth: int = 0, intake: bool = True) -> float:
     """Time to first token of a `prompt_tokens` prompt (nothing cached) crossing in chunks of `chunk`, pipelined
     across the ranks, counted from its admission; the last chunk goes with the first round, whose reply carries
     the token (it drafts nothing at any K). A chunk's cost grows with the context it attends over.
@@ -414,7 +414,8 @@ def ttft_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] =
     reply together). Rank 0 takes the reply only after its work in the wait: the drafter taking in each first
     round's chunk and, for a lone stream (`depth` its rounds on the way, 0: not alone) drafting K under
     spec.overlap, its first `depth` blocks on the bet (use_the_wait): over a short trip, what the first token
-    waits for."""
+    waits for. `intake` False: the drafter takes in none of the prompts (streams admitted at K=0 under
+    spec.k_from_costs leave them out)."""
     CHUNK, FIRST, MINE = 0, 1, 2  # a Prefill chunk (no reply), a batch of first rounds, the one holding this prompt's
     items = [(1, size, context, CHUNK, r0_done)
              for n, r0_done in [*((n, True) for n in ahead), (prompt_tokens, False)]
@@ -434,7 +435,7 @@ def ttft_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] =
             else:
                 # rank 0 sends a Prefill chunk before the drafter takes it in; a first round drafts nothing (its
                 # token is not known yet) and goes at once: the drafter takes its chunk in later, in the wait
-                drafting = p.draft.prefill_ms(size, context) if r == 0 and kind == CHUNK else 0.0
+                drafting = p.draft.prefill_ms(size, context) if r == 0 and kind == CHUNK and intake else 0.0
                 start = max(ready, free[2 * r])
                 sent = start + rank.chunk_ms(size, context, rows)
                 messages = (p.links[r - 1].message_ms if r else 0.0) + (p.links[r].message_ms if sends else 0.0)
@@ -447,7 +448,7 @@ def ttft_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] =
             ready = free[2 * r + 1] + link.one_way_ms
         if kind == MINE:
             done = ready
-    in_the_wait = sum(p.draft.prefill_ms(size, context) for size, context in firsts)
+    in_the_wait = sum(p.draft.prefill_ms(size, context) for size, context in firsts) if intake else 0.0
     if depth and k and p.overlap:
         in_the_wait += depth * (round_parts(p, k, 1).prep_ms + p.links[0].message_ms)
     return max(done, free[0] + in_the_wait) / 1000.0
@@ -638,8 +639,9 @@ class Predictor:
         return [aggregate_tokens_per_s(p, k, streams, best_batches(p, k, streams, self.batches_max))
                 for k in range(k_max + 1)]
 
-    def ttft_s(self, prompt_tokens: int, ahead: tuple[int, ...] = (), k: int = 0, depth: int = 0) -> float:
-        return ttft_s(self.pipeline(), prompt_tokens, self.chunk, ahead, k, depth)
+    def ttft_s(self, prompt_tokens: int, ahead: tuple[int, ...] = (), k: int = 0, depth: int = 0,
+               intake: bool = True) -> float:
+        return ttft_s(self.pipeline(), prompt_tokens, self.chunk, ahead, k, depth, intake)
 
     def intake_ms(self, tokens: int, context: int = 0) -> float:
         """The drafter taking in `tokens` it lacks after the `context` it holds (a prompt skipped at K=0)."""
@@ -675,9 +677,9 @@ class Predictor:
                 seconds += drain_ms(last, max(r.drafted for r in rounds[body:]), len(rounds) - body) / 1000
         return sum(r.committed for r in rounds) / seconds if seconds > 0 else 0.0
 
-    def admission_ms(self, prompt_tokens: int) -> float:
+    def admission_ms(self, prompt_tokens: int, intake: bool = True) -> float:
         """What admitting a prompt adds to the TTFT of every stream whose first round is not yet sent."""
-        return rank0_prefill_ms(self.pipeline(), prompt_tokens, self.chunk)
+        return rank0_prefill_ms(self.pipeline(), prompt_tokens, self.chunk, intake)
 
 
 def drained(rounds) -> int:

@@ -159,8 +159,9 @@ class Session:
         unsent = [o for o in self.live if not o.gen.rounds and not o.chain]
         ahead = tuple(len(o.gen.prompt_ids) - o.gen.reused for o in unsent)
         depth = 0 if self.live else self.scheduler.in_flight.now()  # alone: its first wait drafts its chain
-        s.gen.predicted_ttft_s = self.predictor.ttft_s(new_tokens, ahead, s.k_now, depth)
-        held_back = self.predictor.admission_ms(new_tokens) / 1000
+        intake = s.k_now > 0  # (admitted at K=0, the drafter leaves the prompt out: prefill_chunks)
+        s.gen.predicted_ttft_s = self.predictor.ttft_s(new_tokens, ahead, s.k_now, depth, intake)
+        held_back = self.predictor.admission_ms(new_tokens, intake) / 1000
         batches = first_round_batches([len(o.pending) for o in [*unsent, s]], self.spec.prefill_chunk)
         beside = next(batch for batch in batches if len(unsent) in batch)
         for i, o in enumerate(unsent):

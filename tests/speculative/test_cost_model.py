@@ -78,6 +78,10 @@ def test_a_long_prompt_attends_over_its_context_and_the_drafter_takes_it_in():
                  DraftCost(step_ms=7.0, token_ms=0.05, attend_ms=0.0005))
     assert ttft_s(p, 1000, 500) == pytest.approx(0.9)
     assert rank0_prefill_ms(p, 1000, 500) == pytest.approx(175 + 87.5)  # what its admission holds rank 0 for
+    # admitted at K=0 under spec.k_from_costs the drafter takes none of it in: chunk 2 sent at 175 + 425 = 600 ms,
+    # its token then
+    assert ttft_s(p, 1000, 500, intake=False) == pytest.approx(0.6)
+    assert rank0_prefill_ms(p, 1000, 500, intake=False) == pytest.approx(175)
 
 
 def test_a_lone_streams_first_token_waits_for_the_chain_drafted_in_its_wait():

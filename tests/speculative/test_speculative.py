@@ -508,13 +508,19 @@ def test_a_stream_admitted_at_k0_leaves_its_prompt_out_of_the_drafter():
     drafter = SimpleNamespace(reset=lambda *a, **k: None, catch_up=lambda context, slot=0: taken.append(len(context)))
     stage = SimpleNamespace(device="cpu", run=lambda start, ids, slot=0: torch.zeros(1, ids.shape[1], 4))
     channel = SimpleNamespace(send=lambda *a, **k: None)
+    predicted = []  # the cost model's TTFT counts the drafter's intake where there is one
+    unused = lambda *args, **kwargs: None  # noqa: E731 - (the K policy is replaced below)
+    predictor = SimpleNamespace(rates=unused, intake_ms=unused, best_depth=unused, start=None,
+                                admission_ms=lambda *a: 0.0,
+                                ttft_s=lambda n, ahead, k, depth, intake: predicted.append(intake) or 0.0)
     for k, intake in ((0, []), (2, [64, 128])):
         taken.clear()
-        session = Session(stage, drafter, channel, SpecSettings(k=2, prefill_chunk=64), slots=2)
+        session = Session(stage, drafter, channel, SpecSettings(k=2, prefill_chunk=64), slots=2, predictor=predictor)
         session.k_policy = SimpleNamespace(first=lambda streams, context, k=k: asked.append((streams, context)) or k)
         s = session.admit(list(range(150)), SimpleNamespace(max_new_tokens=4, tokens=[]))
         assert s.k_now == k and taken == intake and len(s.pending) == 22
         assert asked[-1] == (1, 150)  # the K policy asked for this stream alone, its prompt's 150 tokens
+        assert predicted[-1] is bool(k)
         # its first round on the way, several streams live: the drafter takes in the rest in the wait, at K > 0
         taken.clear()
         session.scheduler.live = {0: SimpleNamespace(prefilling=True, chain=[object()], k_now=k, committed=[0] * 150,
