@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from speculative.k_choice import in_step
 from speculative.rounds import padded
 from speculative.streams import Block, Stream
 
@@ -63,8 +64,8 @@ class BlockMaker:
         while s.chain and s.chain[-1].sent_at is not None:  # else one is held back already
             tip = s.chain[-1]
             k_next = min(self.k_policy.bet(tip.k, len(tip.drafts), s.k_now), s.remaining - s.promised - 1)
-            if k_next == 0 and self.drafter.lacks(len(s.committed), s.slot) <= self.k_policy.k_max + 1:
-                self.drafter.catch_up(s.committed, slot=s.slot)  # (in step: not a prompt skipped at K=0)
+            if k_next == 0 and in_step(self.drafter.lacks(len(s.committed), s.slot), self.k_policy.k_max):
+                self.drafter.catch_up(s.committed, slot=s.slot)  # (not a prompt skipped at K=0)
             if k_next <= 0 or not (s.sent < depth or self.overlap):
                 break
             block = self.bet(s, tip, k_next)

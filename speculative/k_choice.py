@@ -30,11 +30,12 @@ drafter; K > 0 for it again first takes in what its drafter lacks, so it is chos
 left pay for that (pays_intake, the model's `intake`).
 Any K is lossless: this decides speed only.
 
-Three policies share one small interface (`k_policy` picks one from the settings): `first()` is a
-generation's K, `bet(k_tip, drafted, k_now)` the K of the round prepared ahead on the bet that the chain's tip
-(a block of K = k_tip that drafted `drafted`) is fully accepted, k_now the stream's K as its last reply left it,
-`after(k_now, record, decode)` the K after a round (`decode`: not a generation's first round, which
-carries the prompt and says nothing about K).
+Three policies share one small interface (`k_policy` picks one from the settings): `first(streams, context)` is a
+generation's K (`streams` live with it, its prompt `context` tokens), `bet(k_tip, drafted, k_now)` the K of the
+round prepared ahead on the bet that the chain's tip (a block of K = k_tip that drafted `drafted`) is fully
+accepted, k_now the stream's K as its last reply left it, `after(k_now, record, decode, context, lag, remaining)`
+the K after a round (`decode`: not a generation's first round, which carries the prompt and says nothing about K;
+`lag`: the tokens the stream's drafter lacks; `remaining`: the answer's tokens left).
 
 One K for every drafter kind: K bounds the model's steps; draft.kind=hybrid lets a lookup propose past it (up to
 draft.lookup_k, a copy costing no drafting), and every policy sees looked-up and model-drafted rounds alike (by
@@ -70,6 +71,12 @@ class FixedK:
         """The K of the stream's next round; `context` the tokens its caches hold, `lag` how many of them the
         drafter has not taken in, `remaining` the tokens its answer may still take."""
         return k_now
+
+
+def in_step(lag: int, k_max: int) -> bool:
+    """Whether a drafter lacking `lag` tokens of its stream is in step (at most a round's tokens behind), not
+    behind by a prompt it skipped at K=0."""
+    return lag <= k_max + 1
 
 
 def next_k(k: int, drafted: int, accepted: int, k_max: int) -> int:
@@ -199,7 +206,7 @@ class KFromCosts:
         if self.model is None:
             return self.choose(record.slot)
         best = self.k_modelled(record.live, context)
-        if best and lag and not self.pays_intake(best, record.live, lag, remaining, context):
+        if best and not in_step(lag, self.k_max) and not self.pays_intake(best, record.live, lag, remaining, context):
             return 0
         # (a lone stream still explores: a drafter never right at first may come right later)
         return self.explored(best, record.slot) if record.live == 1 else best
@@ -209,11 +216,10 @@ class KFromCosts:
         skipped while its K was 0): the answer's `remaining` tokens at K, after the intake stalls rank 0, against
         all of them at K=0. A stream left alone at the end of a batch's answers would take in its whole prompt for
         its last few rounds."""
-        if remaining is None or self.intake is None or not self.modelled_rates[0]:
-            return True
         rates = self.modelled_rates
-        cached = None if context is None else max(context - lag, 0)
-        drafting_s = remaining * streams / rates[k] + self.intake(lag, cached or 0) / 1000
+        if remaining is None or self.intake is None or not rates or not rates[0] or not rates[k]:
+            return True
+        drafting_s = remaining * streams / rates[k] + self.intake(lag, max((context or lag) - lag, 0)) / 1000
         return drafting_s < remaining * streams / rates[0]
 
     def k_modelled(self, streams: int, context: int | None) -> int:

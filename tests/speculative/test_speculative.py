@@ -491,8 +491,9 @@ def test_k_from_costs_drafts_again_only_where_it_pays_for_the_prompt_its_drafter
     predictor = Predictor(p)
     assert predictor.intake_ms(2000) == pytest.approx(200.0)
     model = KFromCosts(4, model=predictor.rates, intake=predictor.intake_ms)
-    costed_rounds(model, 2, 1, accept=lambda k: k, draft_ms=1.0, block=lambda n: 1.0)  # a draft measured
     one = RoundRecord(0, 0, 1, 0.0, 1.0, 2.0, 0.5, live=1)
+    assert model.after(0, one, decode=True, context=2010, lag=2000, remaining=5) == 1  # nothing measured: one draft
+    costed_rounds(model, 2, 1, accept=lambda k: k, draft_ms=1.0, block=lambda n: 1.0)  # a draft measured
     assert model.after(0, one, decode=True, context=2010, lag=2000, remaining=5) == 0
     assert model.after(0, one, decode=True, context=2010, lag=2000, remaining=10_000) == 4
     assert model.after(0, one, decode=True, context=2010, lag=0, remaining=5) == 4
