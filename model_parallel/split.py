@@ -178,6 +178,7 @@ DECODE_CONTEXT = 2048  # ... and a round's block after this many: its slope is a
 ROW_PROBE = 4  # ... and over this many rows of the block (several streams' in one forward): its slope is a row's cost
 WINDOW_S = 1.5  # each run is repeated, in turn with the others, for about this long after its warm-up
 MIN_SAMPLES, MAX_SAMPLES, WARMUP = 5, 25, 2
+STEP_REPS = 10  # steps_ms: tries of a round's drafter steps back to back
 QUICK_S = 0.1  # MIN_SAMPLES cycles this quick are enough: a GPU's times hold still (and tests' tiny models)
 
 
@@ -347,6 +348,31 @@ def long_runs(runs: dict, name, model: Timed) -> None:
                                     context=DECODE_CONTEXT, sizes=(1,))[1]
 
 
+def step_context_runs(model: Timed) -> dict:
+    """A one-layer stage of the drafter over its step's token after CONTEXT and after DECODE_CONTEXT cached ones,
+    keyed by the context: timed back to back (steps_ms), their slope is what a step costs per cached token."""
+    return {context: stage_runs(model.model, model.tokens, model.device, model.dtype, model.quant, context=context,
+                                sizes=(1,))[1] for context in (CONTEXT, DECODE_CONTEXT)}
+
+
+def steps_ms(runs: dict, calls: int, reps: int = STEP_REPS) -> dict:
+    """{name: the fastest of `reps` means of `calls` back-to-back calls} for each of `runs`, one run after the other
+    (not in turn with every other part): a round's drafter steps run back to back over the same cache. Timed in turn
+    with the rest, a small drafter's step read 0.068 ms more per 1,000 cached tokens a layer where its real steps
+    cost 0.026 (back to back 0.026); the embedded 0.5B drafter's: 0.058 real, 0.062 back to back, 0.055 in turn
+    (bench/README.md, seventeenth session)."""
+    out = {}
+    for name, run in runs.items():
+        run()  # its first call after the others' is no step of a round
+        out[name] = math.inf
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                run()
+            out[name] = min(out[name], (time.perf_counter() - t0) * 1000 / calls)
+    return out
+
+
 def rows_runs(runs: dict, name, model: Timed) -> None:
     """A one-layer stage of `model` over ROW_PROBE rows of its block (several streams' blocks as one forward, each
     in its own slot), and its head over them too where it has one: beside the same over one row, the slope is what
@@ -377,6 +403,12 @@ def context_slope(ms: dict, name, tokens: int) -> float:
     return max(ms[name, "long"] - ms[name, 1], 0.0) / (tokens * (DECODE_CONTEXT - CONTEXT))
 
 
+def step_context_slope(drafter: Timed) -> float:
+    """One drafter layer's ms per cached token of a step, its `calls` steps back to back as a round runs them."""
+    ms = steps_ms(step_context_runs(drafter), max(drafter.calls, 1))
+    return max(ms[DECODE_CONTEXT] - ms[CONTEXT], 0.0) / (drafter.tokens * (DECODE_CONTEXT - CONTEXT))
+
+
 def slopes(ms: dict, name, block_ms: float, block: int, probe: int) -> tuple[float, float]:
     """(a layer's ms per token more than a block of `block`, its ms per token per earlier token) from probe_runs'."""
     token_ms = max(ms[name, CONTEXT] - block_ms, 0.0) / (probe - block)
@@ -388,7 +420,8 @@ def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WIN
     norm and the head over one token); a one-layer stage of each also over PROBE_TOKENS tokens, after a short and a
     long context: their slopes are the per-token and attention costs a prefill chunk adds (speculative.cost_model);
     and a one-layer stage of each over its block after DECODE_CONTEXT: a decode round's cost per cached token.
-    Every part is timed here, in turn with the others, in one window (median_ms)."""
+    Every part is timed here, in turn with the others, in one window (median_ms), but the drafter's steps after the
+    two contexts: back to back, as a round runs them (steps_ms)."""
     runs, scale = {}, {}
     for name, model in (("target", target), ("drafter", drafter)):
         if model is not None:
@@ -399,7 +432,6 @@ def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WIN
     rows_runs(runs, "target", target)
     if drafter is not None:
         probe_runs(runs, "drafter probe", drafter, probe)
-        long_runs(runs, "drafter", drafter)
         rows_runs(runs, "drafter", drafter)
     samples = sample_ms(runs, window_s)
     ms = {name: statistics.median(v) for name, v in samples.items()}
@@ -418,7 +450,7 @@ def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WIN
         draft_layer_row, draft_head_row = row_slopes(fastest, "drafter", drafter, scale["drafter"])
         speed = replace(speed, fixed_ms=other_ms + drafter.calls * step_ms, draft_step_ms=step_ms,
                         draft_token_ms=layers * draft_token, draft_attend_ms=layers * draft_attend,
-                        draft_context_ms=layers * context_slope(fastest, "drafter", drafter.tokens),
+                        draft_context_ms=layers * step_context_slope(drafter),
                         draft_row_ms=layers * draft_layer_row + draft_head_row)
     _release(target, drafter)
     return speed

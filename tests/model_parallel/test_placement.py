@@ -277,6 +277,20 @@ def test_ranks_time_at_once_with_overlap_and_in_turns_without(tiny_qwen, tiny_qw
         assert start1 >= end0, spans
 
 
+def test_a_drafters_steps_are_timed_back_to_back_as_a_round_runs_them(monkeypatch):
+    """steps_ms: each run's calls back to back (a round's steps over one cache), one run after the other, never in
+    turn: the fastest mean of `calls` calls over the tries."""
+    import model_parallel.split as split
+    order, clock = [], [0.0]
+
+    def step(name: str, ms: float):
+        return lambda: order.append(name) or clock.__setitem__(0, clock[0] + ms / 1000)
+    monkeypatch.setattr(split.time, "perf_counter", lambda: clock[0])
+    ms = split.steps_ms({"short": step("short", 2.0), "long": step("long", 5.0)}, calls=3, reps=2)
+    assert order == ["short"] * 7 + ["long"] * 7  # one warm-up call each, then 2 tries of 3
+    assert ms == pytest.approx({"short": 2.0, "long": 5.0})
+
+
 def test_timing_measures_what_a_long_prompt_and_more_rows_cost(tiny_qwen, monkeypatch):
     """A rank's timing besides its round (medians given, so the arithmetic is checked): a target layer 1 ms over
     the block of 5 and 0.01 ms a token more, attention 0.001 ms per token per earlier token (128 tokens after 128
@@ -295,12 +309,14 @@ def test_timing_measures_what_a_long_prompt_and_more_rows_cost(tiny_qwen, monkey
     given["probe", split.LONG_CONTEXT] = given["probe", split.CONTEXT] + 0.001 * extra
     given["drafter probe", split.LONG_CONTEXT] = given["drafter probe", split.CONTEXT] + 0.0005 * extra
     cached = split.DECODE_CONTEXT - split.CONTEXT
-    given["target", "long"], given["drafter", "long"] = 1.5 + 5 * 0.0002 * cached, 0.7 + 0.0001 * cached
+    given["target", "long"] = 1.5 + 5 * 0.0002 * cached
     given["target", "rows"] = 1.5 + (split.ROW_PROBE - 1) * 0.4
     given["target", "head"], given["target", "rows head"] = 0.2, 0.2 + (split.ROW_PROBE - 1) * 0.1
     given["drafter", "rows"] = 0.7 + (split.ROW_PROBE - 1) * 0.3
     given["drafter", "rows head"] = 0.3 + (split.ROW_PROBE - 1) * 0.05
     monkeypatch.setattr(split, "sample_ms", lambda runs, window_s: {name: [given[name]] for name in runs})
+    steps = {split.CONTEXT: 0.7, split.DECODE_CONTEXT: 0.7 + 0.0001 * cached}  # a drafter step's layer, back to back
+    monkeypatch.setattr(split, "steps_ms", lambda runs, calls: {context: steps[context] for context in runs})
     model = ModelSource.open(tiny_qwen, "float32")
     speed = split.time_rank(split.Timed(model, 5, "cpu", torch.float32),
                             split.Timed(model, 1, "cpu", torch.float32, head=True, calls=5))
