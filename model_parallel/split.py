@@ -359,8 +359,8 @@ def steps_ms(runs: dict, calls: int, reps: int = STEP_REPS) -> dict:
     """{name: the fastest of `reps` means of `calls` back-to-back calls} for each of `runs`, one run after the other
     (not in turn with every other part): a round's drafter steps run back to back over the same cache. Timed in turn
     with the rest, a small drafter's step read 0.068 ms more per 1,000 cached tokens a layer where its real steps
-    cost 0.026 (back to back 0.026); the embedded 0.5B drafter's: 0.058 real, 0.062 back to back, 0.055 in turn
-    (bench/README.md, seventeenth session)."""
+    cost 0.029 (back to back 0.026: bench/draft_context.py; the embedded 0.5B drafter's figures move 2-6x between
+    runs every way)."""
     out = {}
     for name, run in runs.items():
         run()  # its first call after the others' is no step of a round
