@@ -94,7 +94,7 @@ def hello(cfg: TandemConfig, models: Models, costs: RankCosts, given: list[int] 
 
 # RankCosts' fields a Hello carries in prefill_ms
 PREFILL_MS = ("attend_ms", "draft_token_ms", "draft_attend_ms", "alone_layer_ms", "context_ms", "draft_context_ms",
-              "layer_row_ms", "head_row_ms", "draft_row_ms")
+              "layer_row_ms", "head_row_ms", "draft_row_ms", "core_share", "host_rank")
 
 
 def ring_links(hellos: list[Hello]) -> tuple[LinkProbe, ...]:

@@ -210,7 +210,18 @@ def rank_costs(cfg: TandemConfig, models: Models, rank: int, ranks: int) -> tupl
         drafter = model_bytes(models.drafter, models.draft_quant, cfg.draft.max_len)
         fixed += drafter.stage(0, len(drafter.layers), embed=True, head=True)
         slot += drafter.slot(0, len(drafter.layers))  # every request drafts in its own slot of the drafter's cache
-    return RankCosts(budget, fixed, target.layer(), slot_fixed_bytes=slot, slot_layer_bytes=target.cache_per_layer), source
+    return RankCosts(budget, fixed, target.layer(), slot_fixed_bytes=slot, slot_layer_bytes=target.cache_per_layer,
+                     core_share=core_share(device), host_rank=int(os.environ.get("LOCAL_RANK", 0))), source
+
+
+def core_share(device: str) -> float:
+    """The share of this host's cores a rank computing on `device` takes: its threads over the cores it may run on
+    (torchrun gives each of several ranks one thread); 0 on a GPU (its work is not the host's cores')."""
+    if device.startswith("cuda"):
+        return 0.0
+    import torch
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(torch.get_num_threads(), cores) / cores
 
 
 def use_graph(d, device: str) -> bool:
@@ -390,8 +401,9 @@ def describe(plan: Plan) -> str:
                    f"{CONTEXT}" if mine.context_ms > 0 else "")
         rows = (f", {n * mine.layer_row_ms + mine.head_row_ms:.2f} ms more per stream batched beside"
                 if mine.layer_row_ms > 0 or mine.head_row_ms > 0 else "")
+        cores = f"; its work takes {mine.core_share:.0%} of this host's cores" if mine.core_share > 0 else ""
         line += (f"estimated {mine.ms_for(n):.0f} ms per round ({n} x {mine.layer_ms:.1f} ms per layer over blocks of "
-                 f"{cfg.spec.k + 1}{context}{rows}, {mine.fixed_ms:.0f} ms besides{drafting}; timed here{alone})")
+                 f"{cfg.spec.k + 1}{context}{rows}, {mine.fixed_ms:.0f} ms besides{drafting}; timed here{alone}{cores})")
     if rank == 0 and drafts_with_model(cfg):
         line += "; " + drafter_place(cfg.draft.device, plan.draft_device, plan.device,
                                      int(os.environ.get("LOCAL_WORLD_SIZE", plan.ranks)))

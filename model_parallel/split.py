@@ -53,6 +53,8 @@ class RankCosts:
     layer_row_ms: float = 0.0  # one layer's ms per row more in a batch of streams' blocks, its tokens included
     head_row_ms: float = 0.0  # the last rank: the head's ms per row more (each row's K + 1 logits; 0: no head)
     draft_row_ms: float = 0.0  # rank 0: a drafter step's ms per row more (every layer and the head; 0: not timed)
+    core_share: float = 0.0  # the share of its host's cores its work takes: its threads over them (0: on a GPU)
+    host_rank: int = 0  # its place among its host's ranks (torchrun's LOCAL_RANK): ranks of one host share its cores
 
     def at(self, slots: int) -> RankCosts:
         """These costs with `slots` KV slots (serve.max_concurrent): each slot its own cache on every layer."""

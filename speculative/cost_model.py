@@ -58,6 +58,11 @@ slowdown s (Pipeline.together; about 1 on a host of its own). One stream's ranks
 full pipe has every rank at work at once, each slowed while the others work (shared_ms: w + (s - 1) x min(w, the
 others' work), the others' counted whatever host they are on): G >= 2 batches cycle in G x the busiest so slowed,
 and a chain of bets leaves rank 0 every max(prep, later rank) so slowed (trip / D unchanged: a wire shares nothing).
+Ranks on one host whose CPU work asks for more cores than it has (three one-thread ranks on two cores) cannot all
+compute at once, however briefly each timed itself: a full pipe's cycle, and a chain's step, is at least what the
+host's cores spend on a round, each rank's work weighted by its share of them (Pipeline.cores; host_ms). A small
+model's timings end before another rank's begin, so the ratio above reads 1 there (the tiny model's three ranks
+over two cores: four streams at K=0 over 0 ms measured 1.3-1.6x slower than predicted without this).
 
 Besides the forwards timed, each round costs the engine's own work (ENGINE_*: committing, sampling, verifying,
 replying), more for each row of a batch (ENGINE_*_ROW_MS: each stream committed and answered, its messages read and
@@ -232,6 +237,10 @@ class Pipeline:
     # own); () or a missing rank: 1. Only a full pipe pays it (several batches, rounds sent on a bet).
     together: tuple[float, ...] = ()
     context: int | None = None  # the cached tokens a decode round attends over (None: as timed; at_context)
+    # per rank: its host (ranks of one host share its cores) and the share of that host's cores its work takes (its
+    # threads over the cores; 0: it computes on a GPU); () or a missing rank: a host of its own, 0
+    hosts: tuple[int, ...] = ()
+    cores: tuple[float, ...] = ()
 
     def slowdown(self, r: int) -> float:
         return self.together[r] if r < len(self.together) else 1.0
@@ -254,6 +263,7 @@ class RoundParts:
     # (Pipeline.together)
     full_busiest_ms: float  # busiest_ms, every rank computing at once
     full_later_busiest_ms: float  # later_busiest_ms, every rank computing at once
+    host_ms: float = 0.0  # the most one host's cores are busy with the round, every rank computing at once (host_ms)
 
 
 @dataclass(frozen=True)
@@ -287,8 +297,9 @@ def round_parts(p: Pipeline, k: int, rows: int = 1) -> RoundParts:
     later_busiest = max([*busy[1:], *wires, 0.0])
     full = shared_ms(p, busy)
     full_prep, full_later = full[0], max([*full[1:], *wires, 0.0])
-    return RoundParts(prep, trip, max(busy[0], later_busiest), later_busiest, full_prep, max(full_prep, full_later),
-                      full_later)
+    host = host_ms(p, busy)
+    return RoundParts(prep, trip, max(busy[0], later_busiest), later_busiest, full_prep,
+                      max(full_prep, full_later, host), full_later, host)
 
 
 def messages_ms(p: Pipeline, r: int) -> float:
@@ -301,6 +312,17 @@ def shared_ms(p: Pipeline, works: list[float]) -> list[float]:
     """Each rank's work per round (alone) in a full pipe: slowed by its Pipeline.together while the others work
     too, which is at most as long as they do: work + (slowdown - 1) x min(work, the others' work)."""
     return [w + (p.slowdown(r) - 1) * min(w, sum(works) - w) for r, w in enumerate(works)]
+
+
+def host_ms(p: Pipeline, works: list[float]) -> float:
+    """The most one host's cores spend on the ranks' `works` (a round's, alone) when the ranks compute at once:
+    the sum over its ranks of each one's work times its share of the host's cores (Pipeline.cores). Where the
+    shares add to at most 1 (a core a rank, or GPUs) it is at most the busiest rank's work, and bounds nothing."""
+    spent: dict[int, float] = {}
+    for r, work in enumerate(works):
+        host = p.hosts[r] if r < len(p.hosts) else -1 - r
+        spent[host] = spent.get(host, 0.0) + work * (p.cores[r] if r < len(p.cores) else 0.0)
+    return max(spent.values(), default=0.0)
 
 
 def round_ms(p: Pipeline, k: int, rows: int = 1) -> float:
@@ -325,7 +347,7 @@ def kept_rounds_per_ms(p: Pipeline, k: int, depth: int) -> float:
     if k == 0 or (not p.overlap and depth == 1):
         return 1.0 / max(prep + trip, 1e-9)
     h = p.acceptance.bet_holds(k)
-    delta = max(parts.full_prep_ms, parts.full_later_busiest_ms, trip / depth)  # a chain: the ranks work at once
+    delta = max(parts.full_prep_ms, parts.full_later_busiest_ms, parts.host_ms, trip / depth)  # they work at once
     wire = 1.0 / max(h * delta + (1 - h) * (trip + prep), 1e-9)
     thrown = depth if p.overlap else depth - 1
     rank0 = 1.0 / max(parts.full_prep_ms * (1 + (1 - h) * thrown), 1e-9)
@@ -334,9 +356,9 @@ def kept_rounds_per_ms(p: Pipeline, k: int, depth: int) -> float:
 
 def chain_step_ms(p: Pipeline, k: int, depth: int) -> float:
     """How often a full chain of `depth` rounds replies while its bets hold: rank 0's prep, the busiest later rank
-    (every rank at once) or the trip / depth, whichever is slowest."""
+    (every rank at once), a host's cores or the trip / depth, whichever is slowest."""
     parts = round_parts(p, k, 1)
-    return max(parts.full_prep_ms, parts.full_later_busiest_ms, parts.trip_ms / depth)
+    return max(parts.full_prep_ms, parts.full_later_busiest_ms, parts.host_ms, parts.trip_ms / depth)
 
 
 def deepening_ms(p: Pipeline, k: int, before: int, after: int) -> float:
@@ -548,7 +570,9 @@ def from_rank_costs(costs, layer_counts: list[int], links: list[LinkCost], block
     spec.overlap), its round's costs are the ones alone (one stream's ranks take turns) and the ratio of the two
     its slowdown in a full pipe (Pipeline.together); a prefill's slopes stay as timed at once (its chunks are). A
     decode block's cost per cached token (context_ms, draft_context_ms: beyond `timed_context`, the context the
-    blocks were timed after) is a block's cost like the rest: alone, the ratio applied in a full pipe."""
+    blocks were timed after) is a block's cost like the rest: alone, the ratio applied in a full pipe. Each rank's
+    host (`host_rank`, its place among its host's ranks) and its share of the host's cores (`core_share`) bound a
+    full pipe by what the host's cores can do at once (host_ms)."""
     slow = [together_over_alone(c) for c in costs]
     step = getattr(costs[0], "draft_step_ms", 0.0)
     ranks = []
@@ -570,7 +594,19 @@ def from_rank_costs(costs, layer_counts: list[int], links: list[LinkCost], block
         row = getattr(costs[0], "draft_row_ms", 0.0) / slow[0] or token
         draft = DraftCost(step / slow[0] + ENGINE_STEP_MS, row, token, 1 if overlap else 0, attend,
                           getattr(costs[0], "draft_context_ms", 0.0) / slow[0], timed_context)
-    return Pipeline(tuple(ranks), tuple(links), draft, acceptance, hidden_bytes, overlap, tuple(slow))
+    return Pipeline(tuple(ranks), tuple(links), draft, acceptance, hidden_bytes, overlap, tuple(slow),
+                    hosts=hosts_of([getattr(c, "host_rank", 0) for c in costs]),
+                    cores=tuple(getattr(c, "core_share", 0.0) for c in costs))
+
+
+def hosts_of(host_ranks: list[int]) -> tuple[int, ...]:
+    """Each rank's host from its place among its host's ranks (torchrun's LOCAL_RANK): torchrun numbers the ranks
+    host by host, so a host begins at every rank whose place is 0."""
+    hosts, host = [], -1
+    for place in host_ranks:
+        host += place == 0 or host < 0
+        hosts.append(host)
+    return tuple(hosts)
 
 
 def together_over_alone(costs) -> float:

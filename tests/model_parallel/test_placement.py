@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import random
 
@@ -19,7 +20,7 @@ import torch
 
 from launch.build import build_draft_stage
 from launch.config import ConfigError, load_config as load_tandem_config
-from launch.plan import open_models, plan_here, rank_costs
+from launch.plan import core_share, open_models, plan_here, rank_costs
 from model_parallel.lines import human
 from model_parallel.loader import ModelSource, load_stage
 from model_parallel.memory import model_bytes, nf4_bytes, parse_size
@@ -331,3 +332,15 @@ def test_timing_measures_what_a_long_prompt_and_more_rows_cost(tiny_qwen, monkey
     last = split.time_rank(split.Timed(model, 5, "cpu", torch.float32, head=True))
     assert last.draft_row_ms == 0.0
     assert (last.layer_row_ms, last.head_row_ms) == pytest.approx((0.4, 0.1 * scale))
+
+
+def test_rank_costs_say_the_ranks_host_and_its_share_of_the_cores(tiny_qwen, monkeypatch):
+    """One thread of a host's four cores, second of its host's ranks (torchrun's LOCAL_RANK=1): a quarter of them,
+    place 1; on a GPU it takes none of them."""
+    cfg = load_tandem_config([f"model.target={tiny_qwen}", "prompt=hi", "draft.kind=none"])
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    costs, _ = costs_of(cfg, 1)
+    assert (costs.host_rank, costs.core_share) == (1, 0.25)
+    assert core_share("cuda:0") == 0.0

@@ -546,3 +546,38 @@ def test_the_handshakes_probe_gives_each_links_message_cost():
     links = (LinkProbe("gloo", 2.0, 100.0, 90.0, 0.7), LinkProbe("gloo", 1.0, 80.0, 70.0, 1.5))
     plan = SimpleNamespace(ranks=2, links=links)
     assert link_costs(plan) == (LinkCost(1.0, 100.0, 0.7), LinkCost(0.5, 80.0, 1.5))
+
+
+def test_ranks_that_ask_a_host_for_more_cores_than_it_has_share_them_in_a_full_pipe():
+    """Three ranks of 10 ms a round over free links, each one thread of one host's two cores (half of them each):
+    four streams at K=0 in four batches keep all three at work at once, which the two cores do in 4 x 30 / 2 = 60 ms
+    a cycle, not 4 x 10; in one batch they take turns (30 ms either way). On three hosts, on GPUs (no share of the
+    cores) or a quarter of the cores each, 40 ms. A chain of bets, four on the way (K=4 at 2 ms a step: rank 0 18
+    ms, the others 10), steps at a quarter of its trip over links of 340 ms (1,040 ms), and over free links at the
+    host's (18 + 10 + 10) / 2 = 19 ms, not rank 0's 18."""
+    alone = ring((10.0, 10.0, 10.0), (0.0,) * 3, (float("inf"),) * 3, rate=1.0)
+    shared = replace(alone, hosts=(0, 0, 0), cores=(0.5, 0.5, 0.5))
+    four_tokens = 1000 * 4 * tokens_per_round(alone.acceptance, 0)
+    assert aggregate_tokens_per_s(alone, 0, 4, 4) == pytest.approx(four_tokens / 40)
+    assert aggregate_tokens_per_s(shared, 0, 4, 4) == pytest.approx(four_tokens / 60)
+    assert aggregate_tokens_per_s(shared, 0, 4, 1) == pytest.approx(four_tokens / 30)  # in turns: 10 + 10 + 10
+    assert aggregate_tokens_per_s(replace(shared, hosts=(0, 1, 2)), 0, 4, 4) == pytest.approx(four_tokens / 40)
+    assert aggregate_tokens_per_s(replace(shared, cores=(0.0,) * 3), 0, 4, 4) == pytest.approx(four_tokens / 40)
+    assert aggregate_tokens_per_s(replace(shared, cores=(0.25,) * 3), 0, 4, 4) == pytest.approx(four_tokens / 40)
+    chain = replace(ring((10.0, 10.0, 10.0), (340.0,) * 3, (float("inf"),) * 3, step=2.0, rate=1.0, overlap=True),
+                    hosts=(0, 0, 0))
+    assert chain_step_ms(chain, 4, 4) == pytest.approx(1040 / 4)  # the trip's pace first
+    fast = replace(chain, links=(LinkCost(),) * 3)
+    assert chain_step_ms(fast, 4, 4) == pytest.approx(18.0)
+    assert chain_step_ms(replace(fast, cores=(0.5,) * 3), 4, 4) == pytest.approx(19.0)
+    assert stream_tokens_per_s(replace(fast, cores=(0.5,) * 3), 4, 4) == pytest.approx(5 * 1000 / 19.0)
+
+
+def test_a_placements_hosts_and_core_shares_become_the_pipeline():
+    """Four ranks, two a host (torchrun's LOCAL_RANK 0, 1, 0, 1), one thread of each host's two cores: two hosts.
+    Ranks that say neither (older costs): each on a host of its own, no share of its cores."""
+    costs = [SimpleNamespace(layer_ms=1.0, fixed_ms=0.0, host_rank=place, core_share=0.5) for place in (0, 1, 0, 1)]
+    p = from_rank_costs(costs, [1, 1, 1, 1], [LinkCost()] * 4, block_tokens=1)
+    assert p.hosts == (0, 0, 1, 1) and p.cores == (0.5,) * 4
+    untimed = from_rank_costs([SimpleNamespace(layer_ms=1.0, fixed_ms=0.0)] * 2, [1, 1], [LinkCost()] * 2, 1)
+    assert untimed.hosts == (0, 1) and untimed.cores == (0.0, 0.0)  # not said: each a host of its own
