@@ -17,7 +17,7 @@ import sys
 from dataclasses import asdict, replace
 
 from launch.config import ConfigError, TandemConfig
-from launch.plan import (Models, Plan, asked_slots, describe, given_cuts, rank_costs, rank_layer_ms, rank_speed,
+from launch.plan import (Models, Plan, asked_slots, describe, given_cuts, rank_alone_ms, rank_costs, rank_speed,
                          ring_text, settle, split_text, timed, with_draft_format)
 from model_parallel.split import RankCosts
 from netbridge import protocol
@@ -52,7 +52,7 @@ def handshake(cfg: TandemConfig, models: Models, prev, next, rank: int, ranks: i
         if auto and not together:  # in turns: the ranks before this one are done timing
             costs = timed(costs, rank_speed(cfg, models, rank, ranks))
         elif auto:  # and alone (the others wait for the Hellos meanwhile): what sharing a host's cores costs
-            costs = replace(costs, alone_layer_ms=rank_layer_ms(cfg, models, rank, ranks))
+            costs = replace(costs, **rank_alone_ms(cfg, models, rank, ranks))
         return hello(cfg, models, costs, given, link)
     hellos = gather(prev, next, rank, ranks, mine)
     every = [RankCosts(h.budget, h.fixed_bytes, h.layer_bytes, h.layer_ms, h.fixed_ms, *h.slot_bytes,
@@ -93,8 +93,8 @@ def hello(cfg: TandemConfig, models: Models, costs: RankCosts, given: list[int] 
 
 
 # RankCosts' fields a Hello carries in prefill_ms
-PREFILL_MS = ("attend_ms", "draft_token_ms", "draft_attend_ms", "alone_layer_ms", "context_ms", "draft_context_ms",
-              "layer_row_ms", "head_row_ms", "draft_row_ms", "core_share", "host_rank")
+PREFILL_MS = ("attend_ms", "draft_token_ms", "draft_attend_ms", "alone_layer_ms", "alone_draft_step_ms", "context_ms",
+              "draft_context_ms", "layer_row_ms", "head_row_ms", "draft_row_ms", "core_share", "host_rank")
 
 
 def ring_links(hellos: list[Hello]) -> tuple[LinkProbe, ...]:

@@ -250,11 +250,20 @@ def rank_speed(cfg: TandemConfig, models: Models, rank: int, ranks: int):
     return speed
 
 
-def rank_layer_ms(cfg: TandemConfig, models: Models, rank: int, ranks: int) -> float:
-    """One of this rank's target layers over a block of K+1, timed by itself (model_parallel.split.time_layer)."""
-    from model_parallel.split import Timed, time_layer
-    return time_layer(Timed(models.target, cfg.spec.k + 1, this_device(), DTYPES[cfg.model.dtype],
-                            quantizer(cfg, "model")))
+def rank_alone_ms(cfg: TandemConfig, models: Models, rank: int, ranks: int) -> dict:
+    """RankCosts' figures timed again while the other ranks idle: one of this rank's target layers over a block of
+    K+1 (model_parallel.split.time_layer) and, on rank 0, one drafter step (split.draft_step_ms): beside the same
+    timed with every rank at once, what the ranks sharing a host cost each other. A small drafter's step timed at
+    once read 1.7-2.2 ms where the same alone read 1.6-1.8 and its real steps 1.6 (the tiny model, two processes
+    timing at once on this host's two cores); at 0 ms one stream's round is mostly rank 0 drafting alone."""
+    from model_parallel.split import Timed, draft_step_ms, time_layer
+    alone = {"alone_layer_ms": time_layer(Timed(models.target, cfg.spec.k + 1, this_device(), DTYPES[cfg.model.dtype],
+                                                quantizer(cfg, "model")))}
+    if models.drafter is not None:
+        drafter = Timed(models.drafter, 1, draft_device(cfg), DTYPES[cfg.draft.dtype], models.draft_quant, head=True)
+        steps, _ = draft_step_ms({"alone": (drafter, 1)})
+        alone["alone_draft_step_ms"] = steps.get("alone", 0.0)
+    return alone
 
 
 def timed(costs: RankCosts, speed) -> RankCosts:
@@ -397,6 +406,8 @@ def describe(plan: Plan) -> str:
             drafting += f" ({mine.draft_row_ms:.2f} ms more a step per stream batched beside)"
         alone = (f" with every rank at once; {mine.alone_layer_ms:.1f} ms a layer alone"
                  if mine.alone_layer_ms > 0 else "")
+        if mine.alone_draft_step_ms > 0:
+            alone += f", a drafter step {mine.alone_draft_step_ms:.2f} ms alone, {mine.draft_step_ms:.2f} at once"
         context = (f", {1000 * (cfg.spec.k + 1) * mine.context_ms:.2f} ms a layer more per 1k tokens cached beyond "
                    f"{CONTEXT}" if mine.context_ms > 0 else "")
         rows = (f", {n * mine.layer_row_ms + mine.head_row_ms:.2f} ms more per stream batched beside"

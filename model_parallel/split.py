@@ -48,6 +48,7 @@ class RankCosts:
     draft_token_ms: float = 0.0  # rank 0: the drafter's ms per token more than a step (catch-up; a row more)
     draft_attend_ms: float = 0.0  # rank 0: the drafter's attention ms per token per earlier token
     alone_layer_ms: float = 0.0  # spec.overlap: layer_ms timed again while the other ranks idle (0: not timed)
+    alone_draft_step_ms: float = 0.0  # ... and rank 0's draft_step_ms (0: not timed)
     context_ms: float = 0.0  # a decode block: one layer's ms per token per cached token beyond CONTEXT (0: not timed)
     draft_context_ms: float = 0.0  # rank 0: a drafter step's ms per cached token beyond CONTEXT (the whole drafter)
     layer_row_ms: float = 0.0  # one layer's ms per row more in a batch of streams' blocks, its tokens included

@@ -611,7 +611,12 @@ def hosts_of(host_ranks: list[int]) -> tuple[int, ...]:
 
 def together_over_alone(costs) -> float:
     """A rank's layer timed with every rank computing at once over the same timed alone (at least 1; 1 when not
-    timed alone): what sharing a host (cores, memory bandwidth) costs it in a full pipe."""
+    timed alone): what sharing a host (cores, memory bandwidth) costs it in a full pipe. Rank 0's drafter step where
+    it was timed alone too (alone_draft_step_ms): drafting is most of rank 0's round, and a small model's layer
+    (0.2 ms) times too coarsely to tell."""
+    step, alone_step = getattr(costs, "draft_step_ms", 0.0), getattr(costs, "alone_draft_step_ms", 0.0)
+    if step > 0 and alone_step > 0:
+        return max(1.0, step / alone_step)
     alone = getattr(costs, "alone_layer_ms", 0.0)
     return max(1.0, costs.layer_ms / alone) if alone > 0 else 1.0
 

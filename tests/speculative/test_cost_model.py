@@ -452,6 +452,21 @@ def test_a_rank_timed_alone_and_at_once_gives_its_costs_alone_and_its_slowdown()
     assert p.ranks[1].ms(1, 1) == pytest.approx(2 * 3.0 + ENGINE_LAST_MS)
 
 
+def test_rank_0s_drafter_step_timed_alone_gives_its_step_and_its_slowdown():
+    """Rank 0's five drafter steps of 2 ms (at once) in its 12 ms besides its layers, the step 1.6 ms alone, its layer
+    the same both ways (too coarse to tell): its slowdown is the step's 1.25, a step costs 1.6 alone (and the
+    engine's sampling), its layers and the rest 1/1.25 of their timing."""
+    costs = [SimpleNamespace(layer_ms=0.5, fixed_ms=12.0, alone_layer_ms=0.5, draft_step_ms=2.0,
+                             alone_draft_step_ms=1.6), SimpleNamespace(layer_ms=0.5, fixed_ms=0.0)]
+    p = from_rank_costs(costs, [2, 2], [LinkCost(), LinkCost()], block_tokens=5, draft_steps=5)
+    assert p.together == (1.25, 1.0)
+    assert p.draft.step_ms == pytest.approx(1.6 + ENGINE_STEP_MS)
+    assert p.ranks[0].ms(1, 5) == pytest.approx((2 * 0.5 + 2.0) / 1.25 + ENGINE_RANK0_MS)
+    unset = from_rank_costs([SimpleNamespace(**{**vars(costs[0]), "alone_draft_step_ms": 0.0}), costs[1]], [2, 2],
+                            [LinkCost(), LinkCost()], block_tokens=5, draft_steps=5)
+    assert unset.together == (1.0, 1.0) and unset.draft.step_ms == pytest.approx(2.0 + ENGINE_STEP_MS)
+
+
 def test_a_row_more_in_a_batch_costs_what_the_timing_over_rows_said():
     """Rank 1: 3 layers of 1 ms over a block of 5, a layer 0.4 ms a row more, the head 0.6 ms a row more, 0.02 ms a
     token more per layer (which RankCost adds per row on its own): four rows cost 3 x (3 x 0.4 + 0.6) = 5.4 ms more
