@@ -59,10 +59,11 @@ full pipe has every rank at work at once, each slowed while the others work (sha
 others' work), the others' counted whatever host they are on): G >= 2 batches cycle in G x the busiest so slowed,
 and a chain of bets leaves rank 0 every max(prep, later rank) so slowed (trip / D unchanged: a wire shares nothing).
 Ranks on one host whose CPU work asks for more cores than it has (three one-thread ranks on two cores) cannot all
-compute at once, however briefly each timed itself: a full pipe's cycle, and a chain's step, is at least what the
-host's cores spend on a round, each rank's work weighted by its share of them (Pipeline.cores; host_ms). A small
-model's timings end before another rank's begin, so the ratio above reads 1 there (the tiny model's three ranks
-over two cores: four streams at K=0 over 0 ms measured 1.3-1.6x slower than predicted without this).
+compute at once, however briefly each timed itself: a full pipe's cycle, a chain's step and a prefill pipelined
+across the ranks (TTFT) take at least what the host's cores spend on them, each rank's work weighted by its share of
+them (Pipeline.cores; host_ms). A small model's timings end before another rank's begin, so the ratio above reads 1
+there (the tiny model's three ranks over two cores: four streams at K=0 over 0 ms measured 1.3-1.6x slower than
+predicted without this).
 
 Besides the forwards timed, each round costs the engine's own work (ENGINE_*: committing, sampling, verifying,
 replying), more for each row of a batch (ENGINE_*_ROW_MS: each stream committed and answered, its messages read and
@@ -447,7 +448,8 @@ def ttft_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] =
         kind = MINE if len(firsts) - 1 in batch else FIRST
         items.append((len(batch), max(firsts[i][0] for i in batch), max(firsts[i][1] for i in batch), kind, False))
     free = [0.0] * (2 * len(p.ranks))  # when each resource is next free: rank 0, link 0, rank 1, link 1, ...
-    done = 0.0
+    work = [0.0] * len(p.ranks)  # each rank's work on them so far: ranks sharing a host's cores (host_ms)
+    done, mine = 0.0, work
     for rows, size, context, kind, r0_done in items:
         ready = 0.0
         for r, rank in enumerate(p.ranks):
@@ -462,6 +464,7 @@ def ttft_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] =
                 sent = start + rank.chunk_ms(size, context, rows)
                 messages = (p.links[r - 1].message_ms if r else 0.0) + (p.links[r].message_ms if sends else 0.0)
                 free[2 * r] = sent + drafting + messages  # the next waits for them, this one not (latency)
+                work[r] += sent - start + drafting + messages
             if not sends:
                 break
             link = p.links[r]
@@ -469,11 +472,12 @@ def ttft_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] =
             free[2 * r + 1] = wire + link.transfer_ms(p.link_bytes(r, rows, size))
             ready = free[2 * r + 1] + link.one_way_ms
         if kind == MINE:
-            done = ready
+            done, mine = ready, list(work)
     in_the_wait = sum(p.draft.prefill_ms(size, context) for size, context in firsts) if intake else 0.0
     if depth and k and p.overlap:
         in_the_wait += depth * (round_parts(p, k, 1).prep_ms + p.links[0].message_ms)
-    return max(done, free[0] + in_the_wait) / 1000.0
+    mine[0] += in_the_wait
+    return max(done, free[0] + in_the_wait, host_ms(p, mine)) / 1000.0
 
 
 def depths_allowed(in_flight) -> tuple[int, ...]:

@@ -596,3 +596,15 @@ def test_a_placements_hosts_and_core_shares_become_the_pipeline():
     assert p.hosts == (0, 0, 1, 1) and p.cores == (0.5,) * 4
     untimed = from_rank_costs([SimpleNamespace(layer_ms=1.0, fixed_ms=0.0)] * 2, [1, 1], [LinkCost()] * 2, 1)
     assert untimed.hosts == (0, 1) and untimed.cores == (0.0, 0.0)  # not said: each a host of its own
+
+
+def test_a_prefill_pipelined_over_ranks_that_share_a_hosts_cores_waits_for_them():
+    """A 4,000-token prompt in chunks of 500 over three ranks of 0.1 ms a token (50 ms a chunk) and free links: the
+    chunks pipelined reply after 8 x 50 + 2 x 50 = 500 ms; the three ranks' 3 x 8 x 50 ms on one host's two cores,
+    each rank one thread (half of them), take 600. On three hosts: 500."""
+    inf = float("inf")
+    free = ring((0.0, 0.0, 0.0), (0.0,) * 3, (inf,) * 3, token_ms=0.1)
+    assert ttft_s(free, 4000, 500) == pytest.approx(0.5)
+    shared = replace(free, hosts=(0, 0, 0), cores=(0.5,) * 3)
+    assert ttft_s(shared, 4000, 500) == pytest.approx(0.6)
+    assert ttft_s(replace(shared, hosts=(0, 1, 2)), 4000, 500) == pytest.approx(0.5)
