@@ -89,6 +89,11 @@ REPLY_BYTES_PER_ROW = 128  # a reply per stream: the verdict and its token ids
 # 8-layer model, where nothing else hides it): rank 0 commits, detokenizes and schedules, the last rank verifies
 # and replies; each draft step samples its token besides the drafter's forward.
 ENGINE_RANK0_MS, ENGINE_LAST_MS, ENGINE_STEP_MS = 0.8, 0.5, 0.3
+# ... and a middle rank's (three ranks or more): reading the Round, running its slice, writing it on. Its process's
+# CPU per round measured 1.21 ms where its timed layers say 0.70 (the tiny model over three ranks at K=0, one
+# stream, 256 rounds; 0.55 ms more per batch of two rows with four streams; Intel Xeon, 2026-12-05), where rank 0's
+# 1.52 and 1.80 matched its 1.45 and 1.77 and the last rank's 1.13 and 1.56 were 0.2-0.3 above.
+ENGINE_MIDDLE_MS = 0.5
 # ... and per row of a batch beyond the first (a traced run of the tiny model over two ranks at K=0, batches of 1
 # and of 4 rows, 2026-12-05: rank 0 busy 1.61 -> 2.54 ms a batch, its forward 1.19 -> 1.64, so 0.16 ms a row
 # besides it: committing, detokenizing and answering each stream; the last rank's verification 0.013 ms a row, and
@@ -555,6 +560,8 @@ def rank_cost(layers: int, layer_ms: float, fixed_ms: float, block_tokens: int, 
 
 def engine_ms(rank: int, ranks: int) -> float:
     """The engine's work per round on `rank` besides its forward (ENGINE_*)."""
+    if 0 < rank < ranks - 1:
+        return ENGINE_MIDDLE_MS
     return (ENGINE_RANK0_MS if rank == 0 else 0.0) + (ENGINE_LAST_MS if rank == ranks - 1 else 0.0)
 
 

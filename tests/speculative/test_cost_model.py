@@ -11,8 +11,8 @@ import pytest
 
 from types import SimpleNamespace
 
-from speculative.cost_model import (ENGINE_LAST_MS, ENGINE_LATER_ROW_MS, ENGINE_RANK0_MS, ENGINE_RANK0_ROW_MS,
-                                    ENGINE_STEP_MS, Acceptance, DraftCost, LinkCost,
+from speculative.cost_model import (ENGINE_LAST_MS, ENGINE_LATER_ROW_MS, ENGINE_MIDDLE_MS, ENGINE_RANK0_MS,
+                                    ENGINE_RANK0_ROW_MS, ENGINE_STEP_MS, Acceptance, DraftCost, LinkCost,
                                     Pipeline, Predictor, RankCost, aggregate_tokens_per_s, best_batches, best_depth,
                                     at_context, best_k, best_settings, chain_step_ms, deepening_ms, depths_sent,
                                     drain_ms, drained, from_rank_costs, rank0_prefill_ms, round_parts, round_ms,
@@ -133,7 +133,8 @@ def test_the_measured_acceptance_counts_a_draft_only_when_it_was_verified():
 def test_a_placements_timing_becomes_the_pipeline():
     """Rank 0: 2 layers of 1 ms over a block of 5, 20 ms besides of which 4 drafter steps of 4 ms; the drafter 0.5 ms
     a token more (a row more in a step, or a prompt token), rank 1: 3 layers, 0.1 ms a token more, attention 0.01.
-    The engine's own work per round goes to rank 0, the last rank and every step, and per row more to every rank."""
+    The engine's own work per round goes to rank 0, the last rank and every step, and per row more to every rank;
+    with a third rank between them, to it too."""
     costs = [SimpleNamespace(layer_ms=1.0, fixed_ms=20.0, layer_token_ms=0.0, draft_step_ms=4.0, draft_token_ms=0.5),
              SimpleNamespace(layer_ms=1.0, fixed_ms=0.0, layer_token_ms=0.1, attend_ms=0.01)]
     p = from_rank_costs(costs, [2, 3], [LinkCost(), LinkCost()], block_tokens=5, draft_steps=4, overlap=False)
@@ -146,6 +147,10 @@ def test_a_placements_timing_becomes_the_pipeline():
     assert p.ranks[1].chunk_ms(100, 200) == pytest.approx(p.ranks[1].ms(1, 100) + 3 * 0.01 * 100 * 250)
     step_over_four = 4.0 + ENGINE_STEP_MS + 3 * 0.5
     assert round_parts(p, 3, rows=4).prep_ms == pytest.approx(3 * step_over_four + p.ranks[0].ms(4, 4))
+    middle = SimpleNamespace(layer_ms=1.0, fixed_ms=0.0)
+    three = from_rank_costs([costs[0], middle, costs[1]], [2, 2, 3], [LinkCost()] * 3, block_tokens=5, draft_steps=4)
+    assert three.ranks[1].ms(1, 5) == pytest.approx(2.0 + ENGINE_MIDDLE_MS)
+    assert three.ranks[2].ms(1, 5) == pytest.approx(3.0 + ENGINE_LAST_MS)
 
 
 def test_depth_is_bounded_by_rank_0s_drafting():
