@@ -131,7 +131,8 @@ class Session:
             self.stage.cache.copy_prefix(source, slot, shared)
             self.drafter.copy_prefix(source, slot, shared)
             held = s.gen.reused = shared
-        s.k_now = self.k_policy.first(len(self.scheduler.live) + 1, len(prompt_ids))
+        s.k_now = self.k_policy.first(len(self.scheduler.live) + 1, len(prompt_ids), len(prompt_ids) - held,
+                                      s.remaining)
         s.pending = self.prefill_chunks(prompt_ids, held, slot, drafts=s.k_now > 0)
         self.t_replied = None  # an admission is not a batch's work (BatchCount: rank 0's work per batch)
         if self.predictor is not None:

@@ -497,6 +497,9 @@ def test_k_from_costs_drafts_again_only_where_it_pays_for_the_prompt_its_drafter
     assert model.after(0, one, decode=True, context=2010, lag=2000, remaining=5) == 0
     assert model.after(0, one, decode=True, context=2010, lag=2000, remaining=10_000) == 4
     assert model.after(0, one, decode=True, context=2010, lag=0, remaining=5) == 4
+    # a newcomer whose drafter lacks its prompt: the same (Session.admit)
+    assert model.first(1, 2010, lag=2000, remaining=5) == 0
+    assert model.first(1, 2010, lag=2000, remaining=10_000) == model.first(1, 2010, lag=0, remaining=5) == 4
 
 
 def test_a_stream_admitted_at_k0_leaves_its_prompt_out_of_the_drafter():
@@ -517,10 +520,11 @@ def test_a_stream_admitted_at_k0_leaves_its_prompt_out_of_the_drafter():
     for k, intake in ((0, []), (2, [64, 128])):
         taken.clear()
         session = Session(stage, drafter, channel, SpecSettings(k=2, prefill_chunk=64), slots=2, predictor=predictor)
-        session.k_policy = SimpleNamespace(first=lambda streams, context, k=k: asked.append((streams, context)) or k)
+        session.k_policy = SimpleNamespace(first=lambda *args, k=k: asked.append(args) or k)
         s = session.admit(list(range(150)), SimpleNamespace(max_new_tokens=4, tokens=[]))
         assert s.k_now == k and taken == intake and len(s.pending) == 22
-        assert asked[-1] == (1, 150)  # the K policy asked for this stream alone, its prompt's 150 tokens
+        # the K policy asked for this stream alone, its prompt's 150 tokens, none in the drafter, 4 to answer
+        assert asked[-1] == (1, 150, 150, 4)
         assert predicted[-1] is bool(k)
         # its first round on the way, several streams live: the drafter takes in the rest in the wait, at K > 0
         taken.clear()
