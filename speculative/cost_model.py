@@ -699,6 +699,11 @@ class Predictor:
         """The drafter taking in `tokens` it lacks after the `context` it holds (a prompt skipped at K=0)."""
         return self.start.draft.prefill_ms(tokens, context)
 
+    def admission_intake_ms(self, tokens: int) -> float:
+        """What the drafter taking in a newcomer's `tokens`-token prompt adds to its TTFT: at its admission each
+        chunk goes in while the later ranks work on it (ttft_s with the intake less without)."""
+        return 1000 * (self.ttft_s(tokens) - self.ttft_s(tokens, intake=False))
+
     def for_rounds(self, rounds, streams: int = 1, start: int | None = None, before=None) -> float:
         """One request's tokens/s as the model gives it at the acceptance its own decode rounds measured (and its
         bets): its tokens over the time the model gives each round at that round's K, rounds on the way and

@@ -104,23 +104,26 @@ class AdaptiveK(FixedK):
         return next_k(k_now, drafted, accepted, self.k_max)
 
 
-def k_policy(k_max: int, adaptive: bool, from_costs: bool, overlap: bool, model=None, intake=None):
+def k_policy(k_max: int, adaptive: bool, from_costs: bool, overlap: bool, model=None, intake=None,
+             admission_intake=None):
     """The K policy the settings name (from_costs wins over adaptive); KFromCosts's estimates carry over
-    generations, so a session keeps one policy for its life. `model`, `intake`: KFromCosts's rates and the
-    drafter's intake from the start-up cost model (cost_model.Predictor.rates, .intake_ms), where the run has one."""
+    generations, so a session keeps one policy for its life. `model`, `intake`, `admission_intake`: KFromCosts's
+    rates and the drafter's intake from the start-up cost model (cost_model.Predictor.rates, .intake_ms,
+    .admission_intake_ms), where the run has one."""
     if from_costs and k_max > 0:
-        return KFromCosts(k_max, overlap, model=model, intake=intake)
+        return KFromCosts(k_max, overlap, model=model, intake=intake, admission_intake=admission_intake)
     return AdaptiveK(k_max) if adaptive else FixedK(k_max)
 
 
 class KFromCosts:
     def __init__(self, k_max: int, overlap: bool = False, smoothing: float = 0.2, explore_every: int = 8,
-                 model=None, intake=None):
+                 model=None, intake=None, admission_intake=None):
         self.k_max, self.overlap, self.smoothing, self.explore_every = k_max, overlap, smoothing, explore_every
         # (k_max, streams, context) -> the start-up cost model's tokens/s at each K in 0..k_max: one stream's at its
         # best depth, or `streams` together (None: the rates of the rounds' own costs below, any number of streams)
         self.model = model
         self.intake = intake  # (tokens, context) -> the model's ms for the drafter to take in tokens it lacks
+        self.admission_intake = admission_intake  # tokens -> what it adds to a newcomer's TTFT to take them in then
         self.warmup = [1, 0]  # the block sizes to measure first
         self.tried = [0] * (k_max + 2)  # [i]: decode rounds in which draft i was verified
         self.kept = [0] * (k_max + 2)  # [i]: ... and accepted
@@ -192,13 +195,14 @@ class KFromCosts:
 
     # --- the K policy interface (FixedK) ---------------------------------------------------------
     def first(self, streams: int = 1, context: int | None = None, lag: int = 0, remaining: int | None = None) -> int:
-        """The model's K for the newcomer, or 0 where its answer is too short to pay for the drafter first taking in
-        the prompt (a 2,000-token prompt's 64-token answer over 0 ms: the intake cost the TTFT ~70 ms, the drafts
-        saved ~50 ms of decoding)."""
+        """The model's K for the newcomer, or 0 where its answer is too short to pay for the drafter taking in the
+        prompt: what that adds to its TTFT (admission_intake: the model's TTFT with the intake less without, as the
+        drafter takes each chunk in while the later ranks work on it) against the decoding its drafts save."""
         if self.model is None:
             return self.choose(None)
         best = self.k_modelled(streams, context)
-        if best and not in_step(lag, self.k_max) and not self.pays_intake(best, streams, lag, remaining, context):
+        if best and not in_step(lag, self.k_max) and self.admission_intake is not None and not self.pays_intake(
+                best, streams, remaining, self.admission_intake(lag)):
             return 0
         return best
 
@@ -217,21 +221,21 @@ class KFromCosts:
         if self.model is None:
             return self.choose(record.slot)
         best = self.k_modelled(record.live, context)
-        if best and not in_step(lag, self.k_max) and not self.pays_intake(best, record.live, lag, remaining, context):
+        if best and not in_step(lag, self.k_max) and self.intake is not None and not self.pays_intake(
+                best, record.live, remaining, self.intake(lag, max((context or lag) - lag, 0))):
             return 0
         # (a lone stream still explores: a drafter never right at first may come right later)
         return self.explored(best, record.slot) if record.live == 1 else best
 
-    def pays_intake(self, k: int, streams: int, lag: int, remaining: int | None, context: int | None) -> bool:
-        """Whether drafting K pays for first taking in the `lag` tokens the stream's drafter lacks (a prompt it
-        skipped while its K was 0): the answer's `remaining` tokens at K, after the intake stalls rank 0, against
-        all of them at K=0. A stream left alone at the end of a batch's answers would take in its whole prompt for
-        its last few rounds."""
+    def pays_intake(self, k: int, streams: int, remaining: int | None, intake_ms: float) -> bool:
+        """Whether drafting K pays for first taking in the tokens the stream's drafter lacks (a prompt it skipped
+        while its K was 0, or a newcomer's), which costs `intake_ms`: the answer's `remaining` tokens at K after
+        the intake, against all of them at K=0. A stream left alone at the end of a batch's answers would take in
+        its whole prompt for its last few rounds."""
         rates = self.modelled_rates
-        if remaining is None or self.intake is None or not rates or not rates[0] or not rates[k]:
+        if remaining is None or not rates or not rates[0] or not rates[k]:
             return True
-        drafting_s = remaining * streams / rates[k] + self.intake(lag, max((context or lag) - lag, 0)) / 1000
-        return drafting_s < remaining * streams / rates[0]
+        return remaining * streams / rates[k] + intake_ms / 1000 < remaining * streams / rates[0]
 
     def k_modelled(self, streams: int, context: int | None) -> int:
         """The model's best K for `streams` live (one: at its best depth), worked out again when their count or

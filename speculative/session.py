@@ -73,7 +73,8 @@ class Session:
         model = None if predictor is None else functools.partial(predictor.rates,
                                                                  depths=cost_model.depths_allowed(spec.in_flight))
         self.k_policy = k_policy(spec.k, spec.adaptive, spec.k_from_costs, spec.overlap, model,
-                                 None if predictor is None else predictor.intake_ms)
+                                 *((None, None) if predictor is None else (predictor.intake_ms,
+                                                                            predictor.admission_intake_ms)))
         self.maker = BlockMaker(stage, drafter, self.k_policy, spec.overlap)
         self.slots = slots  # how many streams may be live at once (serve.max_concurrent)
         # the slots, the live streams by slot, the batches (batches_on_the_way None: from measured costs); a

@@ -613,3 +613,17 @@ def test_a_prefill_pipelined_over_ranks_that_share_a_hosts_cores_waits_for_them(
     shared = replace(free, hosts=(0, 0, 0), cores=(0.5,) * 3)
     assert ttft_s(shared, 4000, 500) == pytest.approx(0.6)
     assert ttft_s(replace(shared, hosts=(0, 1, 2)), 4000, 500) == pytest.approx(0.5)
+
+
+def test_a_newcomers_intake_rides_its_prefills_pipeline():
+    """2,000 tokens in chunks of 500; rank 0 5 ms a chunk, the drafter 25 ms to take one in (100 ms in all). Behind a
+    later rank of 100 ms a chunk, rank 0 takes each chunk in while rank 1 works on it: the TTFT (405 ms) is the same
+    with the intake; behind one of 5 ms a chunk, rank 0 sends every chunk after the last one's intake and takes the
+    first round's in the wait: 95 + 25 ms where 25 without."""
+    p = Pipeline((RankCost(0.0, 0.01), RankCost(0.0, 0.2)), (LinkCost(), LinkCost()), DraftCost(1.0, token_ms=0.05))
+    slow_later = Predictor(p, chunk=500)
+    assert slow_later.intake_ms(2000) == pytest.approx(100.0)
+    assert slow_later.ttft_s(2000) == pytest.approx(0.405)
+    assert slow_later.admission_intake_ms(2000) == pytest.approx(0.0, abs=1e-9)
+    fast_later = Predictor(replace(p, ranks=(RankCost(0.0, 0.01), RankCost(0.0, 0.01))), chunk=500)
+    assert fast_later.admission_intake_ms(2000) == pytest.approx(120.0 - 25.0)

@@ -490,14 +490,16 @@ def test_k_from_costs_drafts_again_only_where_it_pays_for_the_prompt_its_drafter
                  Acceptance(prior=1.0), overlap=False)
     predictor = Predictor(p)
     assert predictor.intake_ms(2000) == pytest.approx(200.0)
-    model = KFromCosts(4, model=predictor.rates, intake=predictor.intake_ms)
+    model = KFromCosts(4, model=predictor.rates, intake=predictor.intake_ms,
+                       admission_intake=predictor.admission_intake_ms)
     one = RoundRecord(0, 0, 1, 0.0, 1.0, 2.0, 0.5, live=1)
     assert model.after(0, one, decode=True, context=2010, lag=2000, remaining=5) == 1  # nothing measured: one draft
     costed_rounds(model, 2, 1, accept=lambda k: k, draft_ms=1.0, block=lambda n: 1.0)  # a draft measured
     assert model.after(0, one, decode=True, context=2010, lag=2000, remaining=5) == 0
     assert model.after(0, one, decode=True, context=2010, lag=2000, remaining=10_000) == 4
     assert model.after(0, one, decode=True, context=2010, lag=0, remaining=5) == 4
-    # a newcomer whose drafter lacks its prompt: the same (Session.admit)
+    # a newcomer whose drafter lacks its prompt: the same, at what the intake adds to its TTFT (Session.admit)
+    assert predictor.admission_intake_ms(2000) > 150
     assert model.first(1, 2010, lag=2000, remaining=5) == 0
     assert model.first(1, 2010, lag=2000, remaining=10_000) == model.first(1, 2010, lag=0, remaining=5) == 4
 
@@ -514,8 +516,8 @@ def test_a_stream_admitted_at_k0_leaves_its_prompt_out_of_the_drafter():
     channel = SimpleNamespace(send=lambda *a, **k: None)
     predicted = []  # the cost model's TTFT counts the drafter's intake where there is one
     unused = lambda *args, **kwargs: None  # noqa: E731 - (the K policy is replaced below)
-    predictor = SimpleNamespace(rates=unused, intake_ms=unused, best_depth=unused, start=None,
-                                admission_ms=lambda *a: 0.0,
+    predictor = SimpleNamespace(rates=unused, intake_ms=unused, admission_intake_ms=unused, best_depth=unused,
+                                start=None, admission_ms=lambda *a: 0.0,
                                 ttft_s=lambda n, ahead, k, depth, intake: predicted.append(intake) or 0.0)
     for k, intake in ((0, []), (2, [64, 128])):
         taken.clear()
