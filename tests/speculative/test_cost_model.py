@@ -70,14 +70,15 @@ def test_prefill_bound_by_compute_is_the_slowest_rank_per_chunk():
 
 def test_a_long_prompt_attends_over_its_context_and_the_drafter_takes_it_in():
     """1000 tokens in chunks of 500 on rank 0 (0.1 ms a token, 0.001 ms per token per earlier token), its drafter
-    catching up (0.05 and 0.0005), a free rank 1 and free links. Chunk 1: the slice 50 + 0.001 x 500 x 250 = 175 ms,
-    sent, then the drafter 25 + 62.5. Chunk 2 (the first round): the slice 50 + 0.001 x 500 x 750 = 425, sent at
-    262.5 + 425 = 687.5 ms; it drafts nothing at any K, and rank 0 takes its reply once the drafter has taken
-    chunk 2 in, in the wait: 25 + 0.0005 x 500 x 750 = 212.5 ms, the first token at 900."""
+    catching up (a forward's 7 ms step, then 0.05 and 0.0005), a free rank 1 and free links. Chunk 1: the slice
+    50 + 0.001 x 500 x 250 = 175 ms, sent, then the drafter 7 + 25 + 62.5. Chunk 2 (the first round): the slice
+    50 + 0.001 x 500 x 750 = 425, sent at 269.5 + 425 = 694.5 ms; it drafts nothing at any K, and rank 0 takes its
+    reply once the drafter has taken chunk 2 in, in the wait: 7 + 25 + 0.0005 x 500 x 750 = 219.5 ms, the first
+    token at 914."""
     p = Pipeline((RankCost(0.0, 0.1, attend_ms=0.001), RankCost(0.0)), (LinkCost(), LinkCost()),
                  DraftCost(step_ms=7.0, token_ms=0.05, attend_ms=0.0005))
-    assert ttft_s(p, 1000, 500) == pytest.approx(0.9)
-    assert rank0_prefill_ms(p, 1000, 500) == pytest.approx(175 + 87.5)  # what its admission holds rank 0 for
+    assert ttft_s(p, 1000, 500) == pytest.approx(0.914)
+    assert rank0_prefill_ms(p, 1000, 500) == pytest.approx(175 + 94.5)  # what its admission holds rank 0 for
     # admitted at K=0 under spec.k_from_costs the drafter takes none of it in: chunk 2 sent at 175 + 425 = 600 ms,
     # its token then
     assert ttft_s(p, 1000, 500, intake=False) == pytest.approx(0.6)
@@ -86,13 +87,14 @@ def test_a_long_prompt_attends_over_its_context_and_the_drafter_takes_it_in():
 
 def test_a_lone_streams_first_token_waits_for_the_chain_drafted_in_its_wait():
     """Both ranks 10 ms a block, a drafter step 2 ms (K=4: a block prepared in 4 x 2 + 10 = 18 ms), spec.overlap:
-    rank 0 sends the first round at 10 ms, then drafts its first `depth` blocks on the bet before it takes the
-    reply. Over free links the reply is back at 20 but taken at 10 + 3 x 18 = 64 ms at depth 3 (28 at depth 1);
-    over 40 ms each way it comes at 100, after the drafting."""
+    rank 0 sends the first round at 10 ms, then takes its prompt into the drafter (one forward: a step's 2 ms) and
+    drafts its first `depth` blocks on the bet before it takes the reply. Over free links the reply is back at 20
+    but taken at 10 + 2 + 3 x 18 = 66 ms at depth 3 (30 at depth 1); over 40 ms each way it comes at 100, after
+    the drafting."""
     near = ring((10.0, 10.0), (0.0, 0.0), step=2.0, overlap=True)
     assert ttft_s(near, 40, 512) == pytest.approx(0.020)  # K=0: nothing drafted in the wait
-    assert ttft_s(near, 40, 512, k=4, depth=3) == pytest.approx(0.064)
-    assert ttft_s(near, 40, 512, k=4, depth=1) == pytest.approx(0.028)
+    assert ttft_s(near, 40, 512, k=4, depth=3) == pytest.approx(0.066)
+    assert ttft_s(near, 40, 512, k=4, depth=1) == pytest.approx(0.030)
     # not alone: no chain; the two first rounds go as one batch, 10 ms a rank for both
     assert ttft_s(near, 40, 512, (40,), k=4, depth=0) == pytest.approx(0.020)
     assert ttft_s(ring((10.0, 10.0), (40.0, 40.0), step=2.0, overlap=True), 40, 512, k=4, depth=3) == pytest.approx(0.1)
@@ -492,12 +494,13 @@ def test_a_row_more_in_a_batch_costs_what_the_timing_over_rows_said():
 def test_a_row_more_in_a_draft_step_costs_what_the_drafters_timing_over_rows_said():
     """Rank 0 drafts 4 (5 steps with spec.overlap) with a step of 1 ms at one row and 0.4 ms a row more as timed
     over rows: four rows cost 5 x 3 x 0.4 = 6 ms more a round than one. A prompt token costs the drafter 0.02 ms
-    (its catch-up), which is what a row cost before rows were timed, and still is where they were not."""
+    more than the step of its catch-up, which is what a row cost before rows were timed, and still is where they
+    were not."""
     timed = SimpleNamespace(layer_ms=1.0, fixed_ms=5 * 1.0, draft_step_ms=1.0, draft_token_ms=0.02, draft_row_ms=0.4)
     last = SimpleNamespace(layer_ms=1.0, fixed_ms=0.0)
     p = from_rank_costs([timed, last], [1, 1], [LinkCost(), LinkCost()], 5, draft_steps=5)
     assert p.draft.round_ms(4, 4) - p.draft.round_ms(4, 1) == pytest.approx(5 * 3 * 0.4)
-    assert p.draft.prefill_ms(100) == pytest.approx(100 * 0.02)
+    assert p.draft.prefill_ms(100) == pytest.approx(p.draft.step_ms + 100 * 0.02)
     untimed = SimpleNamespace(**{**vars(timed), "draft_row_ms": 0.0})
     p = from_rank_costs([untimed, last], [1, 1], [LinkCost(), LinkCost()], 5, draft_steps=5)
     assert p.draft.round_ms(4, 4) - p.draft.round_ms(4, 1) == pytest.approx(5 * 3 * 0.02)
@@ -616,14 +619,14 @@ def test_a_prefill_pipelined_over_ranks_that_share_a_hosts_cores_waits_for_them(
 
 
 def test_a_newcomers_intake_rides_its_prefills_pipeline():
-    """2,000 tokens in chunks of 500; rank 0 5 ms a chunk, the drafter 25 ms to take one in (100 ms in all). Behind a
-    later rank of 100 ms a chunk, rank 0 takes each chunk in while rank 1 works on it: the TTFT (405 ms) is the same
-    with the intake; behind one of 5 ms a chunk, rank 0 sends every chunk after the last one's intake and takes the
-    first round's in the wait: 95 + 25 ms where 25 without."""
+    """2,000 tokens in chunks of 500; rank 0 5 ms a chunk, the drafter 1 + 25 ms to take one in (101 ms in all in one
+    call). Behind a later rank of 100 ms a chunk, rank 0 takes each chunk in while rank 1 works on it: the TTFT (405
+    ms) is the same with the intake; behind one of 5 ms a chunk, rank 0 sends every chunk after the last one's
+    intake and takes the first round's in the wait: 98 + 26 ms where 25 without."""
     p = Pipeline((RankCost(0.0, 0.01), RankCost(0.0, 0.2)), (LinkCost(), LinkCost()), DraftCost(1.0, token_ms=0.05))
     slow_later = Predictor(p, chunk=500)
-    assert slow_later.intake_ms(2000) == pytest.approx(100.0)
+    assert slow_later.intake_ms(2000) == pytest.approx(101.0)
     assert slow_later.ttft_s(2000) == pytest.approx(0.405)
     assert slow_later.admission_intake_ms(2000) == pytest.approx(0.0, abs=1e-9)
     fast_later = Predictor(replace(p, ranks=(RankCost(0.0, 0.01), RankCost(0.0, 0.01))), chunk=500)
-    assert fast_later.admission_intake_ms(2000) == pytest.approx(120.0 - 25.0)
+    assert fast_later.admission_intake_ms(2000) == pytest.approx(124.0 - 25.0)
