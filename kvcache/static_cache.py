@@ -46,9 +46,13 @@ class StaticKVCache:
         self.length = torch.zeros(slots, dtype=torch.long, device=device)  # each slot's committed + in-flight tokens
         self.cells = torch.arange(capacity, device=device)  # the positions a slot holds
         self.first_row = torch.zeros(1, dtype=torch.long, device=device)  # rows=None: slot 0
+        self.row_ids = torch.arange(slots, device=device)[:, None]  # [slots, 1]: a span's rows, for its writes
         # set by `begin` for the current forward:
         self.rows = self.first_row  # [B] the slot each row of the batch writes and reads
-        self.one: int | None = 0  # that slot as a host int when the batch is one known slot (views, no gather)
+        # (first, stop): those slots as host ints when they are consecutive and in order (one known slot, or a batch
+        # of several): its keys and values are read as a view; else gathered, a copy of every row's live part in
+        # every layer (four rows after 2,048 tokens: a tiny drafter's step 10x one row's cost per cached token)
+        self.span: tuple[int, int] | None = (0, 1)
         self.positions = None  # [B, T] the positions being written
         self.live = None  # positions the current forward attends over (None: all)
 
@@ -60,14 +64,15 @@ class StaticKVCache:
         `live` (a host-side int: the longest slot's length after this write) lets an eager step attend over
         the live positions only; on CPU attending over all 4096 of a default cache costs a third of a small
         model's step. A captured step passes None: shapes stay static, the mask does the work."""
-        self.one = None
+        self.span = None
         if rows is None:
-            rows, self.one = self.first_row, 0
+            rows, self.span = self.first_row, (0, 1)
         elif isinstance(rows, list):
-            self.one = rows[0] if len(rows) == 1 else None
+            if rows == list(range(rows[0], rows[0] + len(rows))):
+                self.span = (rows[0], rows[0] + len(rows))
             rows = self.first_row if rows == [0] else torch.tensor(rows, device=self.length.device)
         elif self.num_slots == 1:
-            self.one = 0
+            self.span = (0, 1)
         self.rows = rows
         positions = self.length.index_select(0, rows)[:, None] + self.cells[:num_tokens]
         self.positions = positions
@@ -83,16 +88,19 @@ class StaticKVCache:
 
     def _write(self, store: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Write `new` [B, heads, T, dim] at each row's slot and positions; the rows' slots back, live part only."""
-        if self.one is not None:
-            view = store[self.one:self.one + 1]
-            view.index_copy_(2, self.positions[0], new)
+        if self.span is not None:
+            view = store[self.span[0]:self.span[1]]
+            if view.shape[0] == 1:
+                view.index_copy_(2, self.positions[0], new)
+            else:
+                view[self.row_ids[:view.shape[0]], :, self.positions] = new.transpose(1, 2)
             return view if self.live is None else view[:, :, :self.live]
         store[self.rows[:, None], :, self.positions] = new.transpose(1, 2)
         return (store if self.live is None else store[:, :, :self.live]).index_select(0, self.rows)
 
     def advance(self, num_tokens: int) -> None:
-        if self.one is not None:
-            self.length[self.one:self.one + 1].add_(num_tokens)
+        if self.span is not None:
+            self.length[self.span[0]:self.span[1]].add_(num_tokens)
         else:
             self.length.index_add_(0, self.rows, torch.full_like(self.rows, num_tokens))
 

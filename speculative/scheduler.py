@@ -165,7 +165,8 @@ class Scheduler:
         on_the_way = self.batch_count.now(len(self.live))
         most = max(1, math.ceil(len(self.live) / on_the_way))
         firsts, batches = self.first_rounds([s for s in ready if s.prefilling]), []
-        rest = [s for s in ready if not s.prefilling]
+        # by slot: a batch of consecutive slots reads every cache as a view (kvcache.static_cache: StaticKVCache.span)
+        rest = sorted((s for s in ready if not s.prefilling), key=lambda s: s.slot)
         while rest and (len(rest) >= most or waiting + len(batches) < on_the_way):
             batches.append(rest[:most])
             rest = rest[most:]

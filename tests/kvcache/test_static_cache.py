@@ -154,3 +154,28 @@ def test_step_has_no_python_position_state(temperature, tiny_qwen):
             if temperature > 0:
                 assert torch.equal(got[1], eager[1]) and torch.allclose(got[2], eager[2], rtol=1e-4, atol=1e-7)
     assert step_buffers(step) == before
+
+
+def test_a_batch_of_consecutive_slots_reads_them_as_a_view_and_agrees_with_each_alone(tiny_qwen):
+    """Four slots after prompts of different lengths; a step of one token in each as one batch: its logits equal
+    each slot's step alone, whether the batch's slots are consecutive and in order (read as a view of the cache:
+    no copy of every row's live part in every layer) or not (gathered)."""
+    rng = random.Random(1)
+    stage = load_stage(tiny_qwen, 0, 4, embed=True, head=True)
+    stage.allocate_cache(64, torch.float32, slots=4)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (9, 14, 5, 11)]
+    nxt = [[rng.randrange(VOCAB)] for _ in prompts]
+    alone = []
+    for slot, (prompt, token) in enumerate(zip(prompts, nxt)):
+        stage.run(0, torch.tensor([prompt]), slot=slot)
+        alone.append(stage.run(len(prompt), torch.tensor([token]), slot=slot)[0, -1])
+    reads = []
+    update = stage.cache.update
+    stage.cache.update = lambda *a, **k: reads.append(update(*a, **k)) or reads[-1]
+    for order in ([0, 1, 2, 3], [2, 0, 3, 1]):
+        starts = [len(prompts[s]) for s in order]
+        logits = stage.run_rows(starts, torch.tensor([nxt[s] for s in order]), order, [1] * 4, num_logits=1)
+        for row, slot in enumerate(order):
+            assert rel_diff(logits[row, -1], alone[slot]) < RTOL, (order, slot)
+        keys, store = reads[-1][0], stage.cache.keys[max(stage.cache.keys)]
+        assert (keys.data_ptr() == store.data_ptr()) == (order == [0, 1, 2, 3])  # a view only where consecutive

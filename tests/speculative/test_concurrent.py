@@ -333,6 +333,16 @@ def test_first_rounds_batch_within_the_prefill_chunk_padding_included():
                                                               [512]]
 
 
+def test_decode_batches_take_their_streams_by_slot():
+    """Four streams ready in the order they came (slots 2, 0, 3, 1), two batches on the way: slots 0-1 and 2-3, so
+    each batch's slots are consecutive and every cache reads them as a view (StaticKVCache.span)."""
+    from types import SimpleNamespace
+    scheduler = Scheduler(4, batches_on_the_way=2)
+    ready = [SimpleNamespace(slot=slot, prefilling=False) for slot in (2, 0, 3, 1)]
+    scheduler.live = {s.slot: s for s in ready}
+    assert [[s.slot for s in batch] for batch in scheduler.batches(ready, 0)] == [[0, 1], [2, 3]]
+
+
 def test_a_batch_s_greedy_rows_draft_as_many_as_its_widest_k_for_free(tiny_qwen, tiny_qwen_draft):
     """The drafting steps run max(K) times over every row and the later ranks pad every block to the longest, so a
     greedy row whose K shrank after a miss drafts the batch's widest K anyway (never past its answer's end); a
