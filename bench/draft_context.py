@@ -5,8 +5,11 @@ as time_rank now times it), and real drafting steps (ModelDrafter.propose of 4 d
 
     python -m bench.draft_context --model tiny     # the 8-layer fp32 model bench.cost_grid runs
     python -m bench.draft_context --model pair     # the embedded 0.5B drafter, bf16 (fetched by the quick start)
+    python -m bench.draft_context --model tiny --rows 4    # ... and a step over 4 rows, their slots in order or not
 
-Prints ms more per 1,000 cached tokens for one layer, each way. One thread; run it alone."""
+Prints ms more per 1,000 cached tokens for one layer, each way. With --rows N, also one layer's step over N rows
+after the two contexts, back to back, the rows' slots consecutive and in order (StaticKVCache.span: the cache read
+as a view) and in reverse (gathered: a copy of every row's live part). One thread; run it alone."""
 from __future__ import annotations
 
 import argparse
@@ -47,6 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=["tiny", "pair"], default="tiny")
     ap.add_argument("--tries", type=int, default=20)
+    ap.add_argument("--rows", type=int, default=1)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     if a.model == "tiny":
@@ -77,6 +81,28 @@ def main(argv: list[str] | None = None) -> None:
         steps.append(real_step_ms(drafter, context, slot, a.tries))
     print(f"real steps ({steps[0]:.2f} ms a step after {split.CONTEXT}, {steps[1]:.2f} after {split.DECODE_CONTEXT}): "
           f"{per_layer_1k(*steps, layers):.4f}")
+    if a.rows > 1:
+        rows_step(folder, dtype_name, dtype, a.rows, a.tries)
+
+
+def rows_step(folder, dtype_name: str, dtype, rows: int, tries: int) -> None:
+    """One layer's step over `rows` rows after each context, its slots in order and reversed, back to back."""
+    layer = load_stage(folder, 0, 1, embed=False, head=False, dtype=dtype_name)
+    layer.allocate_cache(split.DECODE_CONTEXT + 1, dtype, slots=rows)
+    hidden = torch.randn(rows, 1, layer.config.hidden_size, dtype=dtype) * 0.1
+    runs = {}
+    for name, order in (("in order", list(range(rows))), ("reversed", list(range(rows))[::-1])):
+        for context in (split.CONTEXT, split.DECODE_CONTEXT):
+            def step(order=order, context=context):
+                for slot in order:
+                    layer.cache.rewind(context, slot)
+                layer(hidden, live=context + 1, rows=order)
+            runs[name, context] = step
+    ms = split.steps_ms(runs, 5, reps=tries)
+    for name in ("in order", "reversed"):
+        short, long = ms[name, split.CONTEXT], ms[name, split.DECODE_CONTEXT]
+        print(f"{rows} rows, slots {name}: {short:.3f} ms after {split.CONTEXT}, {long:.3f} after "
+              f"{split.DECODE_CONTEXT}: {per_layer_1k(short, long) / rows:.4f} a row")
 
 
 if __name__ == "__main__":
