@@ -61,8 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     log = root / "log"
     with Served(0, overrides, 600, log, nproc=a.ranks) as served:
         complete(served.url, "Say hello.", 32, 600)
-        ranks = sorted(w for agent in children(served.proc.pid) for w in children(agent)
-                       if "train_free_infer" in open(f"/proc/{w}/cmdline").read())
+        below = children(served.proc.pid)  # torchrun's agent is the launched process: the ranks are its children
+        ranks = sorted(w for w in below + [g for c in below for g in children(c)]
+                       if "train_free_infer" in open(f"/proc/{w}/cmdline").read())  # (in rank order: spawned so)
         prompts = prompt_texts(str(folder), 40, a.clients, f"rank_cpu {a.clients}")
         before, busy0, t0 = [cpu_s(w) for w in ranks], host_busy(), time.perf_counter()
         results = together(served.url, prompts, a.tokens, 600)

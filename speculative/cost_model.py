@@ -90,9 +90,9 @@ REPLY_BYTES_PER_ROW = 128  # a reply per stream: the verdict and its token ids
 # and replies; each draft step samples its token besides the drafter's forward.
 ENGINE_RANK0_MS, ENGINE_LAST_MS, ENGINE_STEP_MS = 0.8, 0.5, 0.3
 # ... and a middle rank's (three ranks or more): reading the Round, running its slice, writing it on. Its process's
-# CPU per round measured 1.21 ms where its timed layers say 0.70 (the tiny model over three ranks at K=0, one
-# stream, 256 rounds; 0.55 ms more per batch of two rows with four streams; Intel Xeon, 2026-12-05), where rank 0's
-# 1.52 and 1.80 matched its 1.45 and 1.77 and the last rank's 1.13 and 1.56 were 0.2-0.3 above.
+# CPU per round measured 1.21 ms where its three layers timed 0.6 (the tiny model over three ranks at K=0, one
+# stream, 256 rounds: bench/rank_cpu.py; Intel Xeon, 2026-12-06), rank 0's 1.29 and the last rank's 1.33 within
+# 0.1-0.2 ms of what the constants above give them.
 ENGINE_MIDDLE_MS = 0.5
 # ... and per row of a batch beyond the first (a traced run of the tiny model over two ranks at K=0, batches of 1
 # and of 4 rows, 2026-12-05: rank 0 busy 1.61 -> 2.54 ms a batch, its forward 1.19 -> 1.64, so 0.16 ms a row
