@@ -113,13 +113,10 @@ class Session:
         return stream.gen
 
     def admit(self, prompt_ids: list[int], output: Output, params: SamplingParams = SamplingParams(), on_round=None,
-              cancelled=lambda: False, behind: int = 0) -> Stream:
+              cancelled=lambda: False) -> Stream:
         """A new stream in a free slot (speculative.scheduler: the one holding the longest prefix of the prompt): the
         Request to the later ranks, the drafter's slot reset past what every cache holds of the prompt, the
-        prompt's new part prefilled but for the tail the first round carries. `behind`: requests waiting to be
-        admitted right after it, whose streams its K is chosen beside (four 2,000-token prompts sent together to
-        the embedded pair: the first, admitted alone, drafted at K=4 and took its prompt into the drafter, and so
-        did the rest, 76 s to a first token where K=0 took 19)."""
+        prompt's new part prefilled but for the tail the first round carries."""
         slot, reuse = self.scheduler.take(prompt_ids)
         self.replies.drain()  # a generation that stopped on an error may have left replies on the way
         s = Stream(output, params, Generation(prompt_ids, output, reused=reuse), list(prompt_ids), [], 0, slot,
@@ -135,8 +132,8 @@ class Session:
             self.stage.cache.copy_prefix(source, slot, shared)
             self.drafter.copy_prefix(source, slot, shared)
             held = s.gen.reused = shared
-        streams = min(len(self.scheduler.live) + 1 + behind, self.slots)
-        s.k_now = self.k_policy.first(streams, len(prompt_ids), len(prompt_ids) - held, s.remaining)
+        s.k_now = self.k_policy.first(len(self.scheduler.live) + 1, len(prompt_ids), len(prompt_ids) - held,
+                                      s.remaining)
         s.pending = self.prefill_chunks(prompt_ids, held, slot, drafts=s.k_now > 0)
         self.t_replied = None  # an admission is not a batch's work (BatchCount: rank 0's work per batch)
         if self.predictor is not None:

@@ -202,7 +202,7 @@ class Engine:
             running.relay()
         # an exception (the link broke) fails every live job, this one included: it is in self.live
         running.stream = self.session.admit(p.ids, running.output, p.params, on_round=on_round,
-                                            cancelled=job.cancelled.is_set, behind=self.jobs.qsize())
+                                            cancelled=job.cancelled.is_set)
 
     def _finish(self, ended) -> None:
         """The streams that ended in a tick: each job's last event, with its figures."""

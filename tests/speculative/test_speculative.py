@@ -534,12 +534,6 @@ def test_a_stream_admitted_at_k0_leaves_its_prompt_out_of_the_drafter():
                                                      slot=0)}
         session.take_in_prompts()
         assert taken == ([150] if k else [])
-    # requests waiting right behind it: its K is chosen beside their streams too (at most the slots)
-    session = Session(stage, drafter, channel, SpecSettings(k=2, prefill_chunk=64), slots=4, predictor=predictor)
-    session.k_policy = SimpleNamespace(first=lambda *args: asked.append(args) or 0)
-    session.admit(list(range(150)), SimpleNamespace(max_new_tokens=4, tokens=[]), behind=2)
-    session.admit(list(range(200, 350)), SimpleNamespace(max_new_tokens=4, tokens=[]), behind=9)
-    assert [args[0] for args in asked[-2:]] == [3, 4]
 
 
 def test_a_lone_stream_at_k0_keeps_its_drafter_in_step_in_the_wait_but_takes_no_skipped_prompt_in():

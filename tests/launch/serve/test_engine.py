@@ -28,12 +28,11 @@ class ScriptedSession:
     def free(self) -> int:
         return self.slots - len(self.live)
 
-    def admit(self, ids, output, request, on_round=None, cancelled=lambda: False, behind=0):
+    def admit(self, ids, output, request, on_round=None, cancelled=lambda: False):
         if not self.free():
             raise RuntimeError("admitted with no slot free")
         slot = min(set(range(self.slots)) - {s.slot for s in self.live})
-        stream = SimpleNamespace(gen=Generation(ids, output), slot=slot, on_round=on_round, cancelled=cancelled,
-                                 behind=behind)
+        stream = SimpleNamespace(gen=Generation(ids, output), slot=slot, on_round=on_round, cancelled=cancelled)
         self.live.append(stream)
         self.most_live = max(self.most_live, len(self.live))
         return stream
@@ -171,24 +170,6 @@ def test_beyond_the_free_slots_and_max_queue_is_a_429():
     with pytest.raises(Exception) as refused:
         e.submit(job(5, 1))
     assert refused.value.status == 429 and "serve.max_queue" in str(refused.value)
-
-
-def test_a_request_is_admitted_knowing_how_many_wait_right_behind_it():
-    """Three requests queued before the engine starts: the first is admitted with two behind it, the second with
-    one, the third with none (Session.admit chooses a newcomer's K beside the streams about to join it)."""
-    session = ScriptedSession(slots=4)
-    e = engine(session)
-    jobs = [job(1, 2), job(2, 2), job(3, 2)]
-    for j in jobs:
-        e.submit(j)
-    behind = []
-    admit = session.admit
-    session.admit = lambda *args, **kwargs: behind.append(kwargs.get("behind")) or admit(*args, **kwargs)
-    e.thread.start()
-    for j in jobs:
-        j.loop.last()
-    e.stop()
-    assert behind == [2, 1, 0]
 
 
 def test_the_predicted_ttft_counts_the_wait_for_a_slot_as_the_measured_one_does():
