@@ -5,11 +5,13 @@ as time_rank now times it), and real drafting steps (ModelDrafter.propose of 4 d
 
     python -m bench.draft_context --model tiny     # the 8-layer fp32 model bench.cost_grid runs
     python -m bench.draft_context --model pair     # the embedded 0.5B drafter, bf16 (fetched by the quick start)
-    python -m bench.draft_context --model tiny --rows 4    # ... and a step over 4 rows, their slots in order or not
+    python -m bench.draft_context --model tiny --rows 4    # ... and a step over 4 rows, their slots in order or not,
+                                                           # and real rounds over 4 rows (ModelDrafter.propose_rows)
 
 Prints ms more per 1,000 cached tokens for one layer, each way. With --rows N, also one layer's step over N rows
 after the two contexts, back to back, the rows' slots consecutive and in order (StaticKVCache.span: the cache read
-as a view) and in reverse (gathered: a copy of every row's live part). One thread; run it alone."""
+as a view) and in reverse (gathered: a copy of every row's live part); and the whole drafter's rounds of 4 drafts over
+N rows after each context (propose_rows, as rank 0 drafts a batch), the same two orders. One thread; run it alone."""
 from __future__ import annotations
 
 import argparse
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{per_layer_1k(*steps, layers):.4f}")
     if a.rows > 1:
         rows_step(folder, dtype_name, dtype, a.rows, a.tries)
+        rows_rounds(folder, dtype_name, dtype, layers, a.rows, a.tries)
 
 
 def rows_step(folder, dtype_name: str, dtype, rows: int, tries: int) -> None:
@@ -103,6 +106,30 @@ def rows_step(folder, dtype_name: str, dtype, rows: int, tries: int) -> None:
         short, long = ms[name, split.CONTEXT], ms[name, split.DECODE_CONTEXT]
         print(f"{rows} rows, slots {name}: {short:.3f} ms after {split.CONTEXT}, {long:.3f} after "
               f"{split.DECODE_CONTEXT}: {per_layer_1k(short, long) / rows:.4f} a row")
+
+
+def rows_rounds(folder, dtype_name: str, dtype, layers: int, rows: int, tries: int) -> None:
+    """The fastest round of 4 drafts over `rows` rows (ModelDrafter.propose_rows, the drafts thrown away each time)
+    after each context, its slots in order and reversed."""
+    stage = load_stage(folder, 0, layers, embed=True, head=True, dtype=dtype_name)
+    stage.allocate_cache(split.DECODE_CONTEXT + 16, dtype, setting="draft.max_len", slots=rows)
+    drafter = ModelDrafter(stage, max_k=8, top_k=16)
+    rng = random.Random(1)
+    vocab = stage.config.vocab_size
+    for context_len in (split.CONTEXT, split.DECODE_CONTEXT):
+        contexts = [[rng.randrange(vocab // 4, vocab // 2) for _ in range(context_len)] for _ in range(rows)]
+        for slot, context in enumerate(contexts):
+            drafter.reset(0, 0.0, 1, slot=slot)
+            drafter.catch_up(context[:-1], slot=slot)
+        for name, order in (("in order", list(range(rows))), ("reversed", list(range(rows))[::-1])):
+            best = float("inf")
+            for _ in range(tries):
+                for slot in order:
+                    drafter.commit(context_len, slot=slot)
+                t0 = time.perf_counter()
+                drafter.propose_rows([contexts[s] for s in order], [4] * rows, order)
+                best = min(best, (time.perf_counter() - t0) * 1000)
+            print(f"a round of 4 drafts over {rows} rows after {context_len}, slots {name}: {best:.2f} ms")
 
 
 if __name__ == "__main__":
