@@ -55,8 +55,7 @@ def handshake(cfg: TandemConfig, models: Models, prev, next, rank: int, ranks: i
             costs = replace(costs, **rank_alone_ms(cfg, models, rank, ranks))
         return hello(cfg, models, costs, given, link)
     hellos = gather(prev, next, rank, ranks, mine)
-    every = [RankCosts(h.budget, h.fixed_bytes, h.layer_bytes, h.layer_ms, h.fixed_ms, *h.slot_bytes,
-                       layer_token_ms=h.layer_token_ms, draft_step_ms=h.draft_step_ms, **h.prefill_ms) for h in hellos]
+    every = [costs_of(h) for h in hellos]
     cuts = next_given(hellos)
     plan = settle(cfg, models, rank, every, source, cuts, [h.slots for h in hellos], ring_links(hellos))
     ring = f"[{ring_text(plan.links, int(os.environ.get('GROUP_WORLD_SIZE', 1)))}]\n" if rank == 0 else ""
@@ -92,9 +91,16 @@ def hello(cfg: TandemConfig, models: Models, costs: RankCosts, given: list[int] 
                  prefill_ms={name: getattr(costs, name) for name in PREFILL_MS})
 
 
+def costs_of(h: Hello) -> RankCosts:
+    """The RankCosts a rank's Hello carries (hello's inverse)."""
+    return RankCosts(h.budget, h.fixed_bytes, h.layer_bytes, h.layer_ms, h.fixed_ms, *h.slot_bytes,
+                     layer_token_ms=h.layer_token_ms, draft_step_ms=h.draft_step_ms, **h.prefill_ms)
+
+
 # RankCosts' fields a Hello carries in prefill_ms
 PREFILL_MS = ("attend_ms", "draft_token_ms", "draft_attend_ms", "alone_layer_ms", "alone_draft_step_ms", "context_ms",
-              "draft_context_ms", "layer_row_ms", "head_row_ms", "draft_row_ms", "core_share", "host_rank")
+              "draft_context_ms", "context_row_ms", "draft_context_row_ms", "layer_row_ms", "head_row_ms",
+              "draft_row_ms", "core_share", "host_rank")
 
 
 def ring_links(hellos: list[Hello]) -> tuple[LinkProbe, ...]:

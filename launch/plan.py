@@ -246,7 +246,8 @@ def rank_speed(cfg: TandemConfig, models: Models, rank: int, ranks: int):
                         head=True, calls=draft_steps(cfg))
     speed = time_rank(target, drafter)
     if drafter is not None and use_graph(cfg.draft, drafter.device):  # a captured step attends over the whole cache
-        speed = replace(speed, draft_context_ms=0.0)  # (static shapes): no dearer after a long prompt
+        # (static shapes): no dearer after a long prompt
+        speed = replace(speed, draft_context_ms=0.0, draft_context_row_ms=0.0)
     return speed
 
 

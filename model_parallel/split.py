@@ -51,6 +51,8 @@ class RankCosts:
     alone_draft_step_ms: float = 0.0  # ... and rank 0's draft_step_ms (0: not timed)
     context_ms: float = 0.0  # a decode block: one layer's ms per token per cached token beyond CONTEXT (0: not timed)
     draft_context_ms: float = 0.0  # rank 0: a drafter step's ms per cached token beyond CONTEXT (the whole drafter)
+    context_row_ms: float = 0.0  # context_ms for each row more in a batch (0: not timed)
+    draft_context_row_ms: float = 0.0  # rank 0: draft_context_ms for each row more in a batched step (0: not timed)
     layer_row_ms: float = 0.0  # one layer's ms per row more in a batch of streams' blocks, its tokens included
     head_row_ms: float = 0.0  # the last rank: the head's ms per row more (each row's K + 1 logits; 0: no head)
     draft_row_ms: float = 0.0  # rank 0: a drafter step's ms per row more (every layer and the head; 0: not timed)
@@ -328,6 +330,8 @@ class Speed:
     draft_attend_ms: float = 0.0  # the whole drafter's attention ms per token per earlier token
     context_ms: float = 0.0  # one target layer's ms per token of the round's block per cached token beyond CONTEXT
     draft_context_ms: float = 0.0  # the whole drafter's step, ms per cached token beyond CONTEXT
+    context_row_ms: float = 0.0  # context_ms for each row more (a batch of ROW_PROBE rows' blocks)
+    draft_context_row_ms: float = 0.0  # draft_context_ms for each row more (a step over ROW_PROBE rows)
     layer_row_ms: float = 0.0  # one target layer's ms per row more than one (a batch of streams' blocks)
     head_row_ms: float = 0.0  # the head's ms per row more (0: no head)
     draft_row_ms: float = 0.0  # a drafter step's ms per row more (its every layer and its head)
@@ -346,16 +350,22 @@ def long_runs(runs: dict, name, model: Timed) -> None:
     slope does not give it: over a few tokens the attention's work per cached token is a few times a 128-token
     chunk's per token, its fixed parts (reading the cache, the grouped heads' copy) shared by fewer tokens (three
     1.5B layers over 5 tokens, 40 -> 2,000 cached, timed directly: +10 to +14 ms; the prefill slope said +3 to +9,
-    this one +12 to +15; the tiny model's four over one token: +0.17 to +0.22, +0.05 and +0.27 to +0.34)."""
+    this one +12 to +15; the tiny model's four over one token: +0.17 to +0.22, +0.05 and +0.27 to +0.34). And the
+    same over ROW_PROBE rows (rows_runs' after CONTEXT beside it): a row more's cost per cached token, which is not
+    the first row's (the rows share each read of the weights; a step's rows each read their own slot)."""
     runs[name, "long"] = stage_runs(model.model, model.tokens, model.device, model.dtype, model.quant,
                                     context=DECODE_CONTEXT, sizes=(1,))[1]
+    runs[name, "rows long"] = stage_runs(model.model, model.tokens, model.device, model.dtype, model.quant,
+                                         context=DECODE_CONTEXT, rows=ROW_PROBE, sizes=(1,))[1]
 
 
 def step_context_runs(model: Timed) -> dict:
     """A one-layer stage of the drafter over its step's token after CONTEXT and after DECODE_CONTEXT cached ones,
-    keyed by the context: timed back to back (steps_ms), their slope is what a step costs per cached token."""
-    return {context: stage_runs(model.model, model.tokens, model.device, model.dtype, model.quant, context=context,
-                                sizes=(1,))[1] for context in (CONTEXT, DECODE_CONTEXT)}
+    over one row and over ROW_PROBE rows (a batch's step, its slots in order as the scheduler gives them), keyed by
+    (rows, context): timed back to back (steps_ms), their slopes are what a step costs per cached token."""
+    return {(rows, context): stage_runs(model.model, model.tokens, model.device, model.dtype, model.quant,
+                                        context=context, rows=rows, sizes=(1,))[1]
+            for rows in (1, ROW_PROBE) for context in (CONTEXT, DECODE_CONTEXT)}
 
 
 def steps_ms(runs: dict, calls: int, reps: int = STEP_REPS) -> dict:
@@ -398,6 +408,13 @@ def row_slopes(ms: dict, name, model: Timed, scale: float) -> tuple[float, float
     return layer, head
 
 
+def context_row_slope(ms: dict, name, tokens: int) -> float:
+    """context_slope for each row more: the ROW_PROBE rows' slope (rows_runs', long_runs') less one row's, over
+    the rows more."""
+    rows = ms[name, "rows long"] - ms[name, "rows"]
+    return max(rows - (ms[name, "long"] - ms[name, 1]), 0.0) / ((ROW_PROBE - 1) * tokens * (DECODE_CONTEXT - CONTEXT))
+
+
 def context_slope(ms: dict, name, tokens: int) -> float:
     """One layer's ms per token of a decode block per cached token, from long_runs' and the same stage after
     CONTEXT (their fastest runs: a difference of a tenth of a millisecond on a small model, where a run the
@@ -406,10 +423,14 @@ def context_slope(ms: dict, name, tokens: int) -> float:
     return max(ms[name, "long"] - ms[name, 1], 0.0) / (tokens * (DECODE_CONTEXT - CONTEXT))
 
 
-def step_context_slope(drafter: Timed) -> float:
-    """One drafter layer's ms per cached token of a step, its `calls` steps back to back as a round runs them."""
+def step_context_slope(drafter: Timed) -> tuple[float, float]:
+    """(One drafter layer's ms per cached token of a step, the same for each row more in a batched step), its
+    `calls` steps back to back as a round runs them."""
     ms = steps_ms(step_context_runs(drafter), max(drafter.calls, 1))
-    return max(ms[DECODE_CONTEXT] - ms[CONTEXT], 0.0) / (drafter.tokens * (DECODE_CONTEXT - CONTEXT))
+    span = drafter.tokens * (DECODE_CONTEXT - CONTEXT)
+    one = max(ms[1, DECODE_CONTEXT] - ms[1, CONTEXT], 0.0)
+    rows = max(ms[ROW_PROBE, DECODE_CONTEXT] - ms[ROW_PROBE, CONTEXT], 0.0)
+    return one / span, max(rows - one, 0.0) / ((ROW_PROBE - 1) * span)
 
 
 def slopes(ms: dict, name, block_ms: float, block: int, probe: int) -> tuple[float, float]:
@@ -444,16 +465,18 @@ def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WIN
     token_ms, attend_ms = slopes(ms, "probe", ms["target", 1], target.tokens, probe)
     layer_row_ms, head_row_ms = row_slopes(fastest, "target", target, scale["target"])
     speed = Speed(layer_ms, other_ms, token_ms, attend_ms=attend_ms,
-                  context_ms=context_slope(fastest, "target", target.tokens), layer_row_ms=layer_row_ms,
+                  context_ms=context_slope(fastest, "target", target.tokens),
+                  context_row_ms=context_row_slope(fastest, "target", target.tokens), layer_row_ms=layer_row_ms,
                   head_row_ms=head_row_ms)
     if drafter is not None:
         step_ms = model_ms(ms, "drafter", drafter, scale["drafter"])
         layers = drafter.model.config.num_hidden_layers
         draft_token, draft_attend = slopes(ms, "drafter probe", ms["drafter", 1], drafter.tokens, probe)
+        draft_context, draft_context_row = step_context_slope(drafter)
         draft_layer_row, draft_head_row = row_slopes(fastest, "drafter", drafter, scale["drafter"])
         speed = replace(speed, fixed_ms=other_ms + drafter.calls * step_ms, draft_step_ms=step_ms,
                         draft_token_ms=layers * draft_token, draft_attend_ms=layers * draft_attend,
-                        draft_context_ms=layers * step_context_slope(drafter),
+                        draft_context_ms=layers * draft_context, draft_context_row_ms=layers * draft_context_row,
                         draft_row_ms=layers * draft_layer_row + draft_head_row)
     _release(target, drafter)
     return speed

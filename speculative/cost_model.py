@@ -49,7 +49,8 @@ scheduler batches first rounds of like length, which this does not model: docs/d
 
 A decode round after c cached tokens (Pipeline.context; None: as timed) costs each stage's block and each drafter
 step more per row-token per cached token beyond those its cost was timed after (RankCost / DraftCost.context_ms;
-eager steps attend over the live length, the batch's longest row): a request's rounds are priced at its own
+eager steps attend over the live length, the batch's longest row; each row beyond the first its own context_row_ms,
+timed over several rows: a step over four rows is no four steps of one): a request's rounds are priced at its own
 context (Predictor.tokens_per_s, for_rounds).
 
 Ranks that compute at once slow each other where they share a host (its cores, its memory bandwidth): each rank
@@ -122,6 +123,14 @@ def _beyond(context: int | None, timed: int) -> int:
     return 0 if context is None else context - timed
 
 
+def _rows_context(first_ms: float, row_ms: float | None, rows: int) -> float:
+    """`rows` rows' ms per cached token: the first row's, and each other's (None: the first's again). Timed, a
+    row more costs another amount: the tiny model's layer over four rows of a 5-token block read 0.023-0.024 ms a
+    row per 1,000 cached tokens a token, one row 0.027-0.033 (its rows share each read of the weights); its
+    drafter's step over four rows 0.033, one row 0.027 (bench/draft_context.py --rows 4)."""
+    return first_ms + (rows - 1) * (first_ms if row_ms is None else row_ms)
+
+
 @dataclass(frozen=True)
 class RankCost:
     """A stage's ms over a block of rows x tokens: fixed_ms + row_ms x rows + token_ms x rows x tokens.
@@ -136,13 +145,15 @@ class RankCost:
     attend_ms: float = 0.0  # ms per token per earlier token it attends to (a long prompt's chunks: not linear)
     context_ms: float = 0.0  # a decode block: ms per row-token per cached token beyond timed_context
     timed_context: int = 0  # the cached tokens the block above was timed after
+    context_row_ms: float | None = None  # the same for each row beyond the first (None: as the first's)
 
     def ms(self, rows: int, tokens: int, context: int | None = None) -> float:
         """A block of rows x tokens; after `context` cached tokens (the batch's longest: every row attends over
         the live length), or, None, as timed."""
         one = _at(self.by_tokens, tokens) if self.by_tokens else self.fixed_ms + self.row_ms + self.token_ms * tokens
         block = one + (rows - 1) * (self.row_ms + self.token_ms * tokens)
-        return max(block + rows * tokens * self.context_ms * _beyond(context, self.timed_context), 0.0)
+        per_cached = _rows_context(self.context_ms, self.context_row_ms, rows)
+        return max(block + tokens * per_cached * _beyond(context, self.timed_context), 0.0)
 
     def chunk_ms(self, tokens: int, context: int, rows: int = 1) -> float:
         """A prefill chunk of `tokens` after `context` cached ones (`rows` of them: first rounds sent as one
@@ -161,10 +172,12 @@ class DraftCost:
     attend_ms: float = 0.0  # prefill: ms per prompt token per earlier token (attention over its cache)
     context_ms: float = 0.0  # a step: ms per row per cached token beyond timed_context
     timed_context: int = 0
+    context_row_ms: float | None = None  # the same for each row beyond the first (None: as the first's)
 
     def round_ms(self, k: int, rows: int = 1, context: int | None = None) -> float:
         """A round of K drafts for `rows` streams (K = 0: no step), after `context` cached tokens (None: as timed)."""
-        step = self.step_ms + (rows - 1) * self.row_ms + rows * self.context_ms * _beyond(context, self.timed_context)
+        per_cached = _rows_context(self.context_ms, self.context_row_ms, rows)
+        step = self.step_ms + (rows - 1) * self.row_ms + per_cached * _beyond(context, self.timed_context)
         return (k + self.extra_steps if k else 0) * max(step, 0.0)
 
     def prefill_ms(self, tokens: int, context: int = 0) -> float:
@@ -550,16 +563,19 @@ def at_context(p: Pipeline, context: int | None) -> Pipeline:
 
 
 def rank_cost(layers: int, layer_ms: float, fixed_ms: float, block_tokens: int, layer_token_ms: float = 0.0,
-              row_ms: float = 0.0, attend_ms: float = 0.0, context_ms: float = 0.0, timed_context: int = 0) -> RankCost:
+              row_ms: float = 0.0, attend_ms: float = 0.0, context_ms: float = 0.0, timed_context: int = 0,
+              context_row_ms: float | None = None) -> RankCost:
     """A stage of `layers` layers from the placement's timing (model_parallel.split.RankCosts): `layer_ms` one layer
     over a block of `block_tokens` (K+1), `fixed_ms` the rest of its work per round (drafting excluded),
     `layer_token_ms` one layer's ms per token more (0: not timed; a block then costs the same at any size), and
     `attend_ms` one layer's ms per token per earlier token (a long prompt's attention), `context_ms` one layer's
-    ms per token of a decode block per cached token beyond `timed_context` (the context `layer_ms` was timed after)."""
+    ms per token of a decode block per cached token beyond `timed_context` (the context `layer_ms` was timed after),
+    `context_row_ms` the same for each row of a batch beyond the first (None: as the first's)."""
     token_ms = layers * layer_token_ms
     total = fixed_ms + layers * layer_ms
     return RankCost(max(total - row_ms - token_ms * block_tokens, 0.0), token_ms, row_ms, attend_ms=layers * attend_ms,
-                    context_ms=layers * context_ms, timed_context=timed_context)
+                    context_ms=layers * context_ms, timed_context=timed_context,
+                    context_row_ms=None if context_row_ms is None else layers * context_row_ms)
 
 
 def engine_ms(rank: int, ranks: int) -> float:
@@ -585,7 +601,8 @@ def from_rank_costs(costs, layer_counts: list[int], links: list[LinkCost], block
     spec.overlap), its round's costs are the ones alone (one stream's ranks take turns) and the ratio of the two
     its slowdown in a full pipe (Pipeline.together); a prefill's slopes stay as timed at once (its chunks are). A
     decode block's cost per cached token (context_ms, draft_context_ms: beyond `timed_context`, the context the
-    blocks were timed after) is a block's cost like the rest: alone, the ratio applied in a full pipe. Each rank's
+    blocks were timed after; context_row_ms, draft_context_row_ms: each row more, 0 where not timed) is a block's
+    cost like the rest: alone, the ratio applied in a full pipe. Each rank's
     host (`host_rank`, its place among its host's ranks) and its share of the host's cores (`core_share`) bound a
     full pipe by what the host's cores can do at once (host_ms)."""
     slow = [together_over_alone(c) for c in costs]
@@ -599,7 +616,8 @@ def from_rank_costs(costs, layer_counts: list[int], links: list[LinkCost], block
         row = max(row - n * token_ms * block_tokens, 0.0) + engine_row_ms(r)
         ranks.append(rank_cost(n, c.layer_ms / slow[r], max(fixed, 0.0), block_tokens, token_ms,
                                row_ms=row, attend_ms=getattr(c, "attend_ms", 0.0),
-                               context_ms=getattr(c, "context_ms", 0.0) / slow[r], timed_context=timed_context))
+                               context_ms=getattr(c, "context_ms", 0.0) / slow[r], timed_context=timed_context,
+                               context_row_ms=_timed(getattr(c, "context_row_ms", 0.0), slow[r])))
     draft = DraftCost()
     if draft_steps:
         token = getattr(costs[0], "draft_token_ms", 0.0)
@@ -608,10 +626,16 @@ def from_rank_costs(costs, layer_counts: list[int], links: list[LinkCost], block
         # another token of a prompt costs (one more row of each matrix product), which is far below it
         row = getattr(costs[0], "draft_row_ms", 0.0) / slow[0] or token
         draft = DraftCost(step / slow[0] + ENGINE_STEP_MS, row, token, 1 if overlap else 0, attend,
-                          getattr(costs[0], "draft_context_ms", 0.0) / slow[0], timed_context)
+                          getattr(costs[0], "draft_context_ms", 0.0) / slow[0], timed_context,
+                          _timed(getattr(costs[0], "draft_context_row_ms", 0.0), slow[0]))
     return Pipeline(tuple(ranks), tuple(links), draft, acceptance, hidden_bytes, overlap, tuple(slow),
                     hosts=hosts_of([getattr(c, "host_rank", 0) for c in costs]),
                     cores=tuple(getattr(c, "core_share", 0.0) for c in costs))
+
+
+def _timed(ms: float, slow: float) -> float | None:
+    """A timing that is 0 where not timed, as the cost model takes it: None (untimed), or the ms alone."""
+    return ms / slow if ms else None
 
 
 def hosts_of(host_ranks: list[int]) -> tuple[int, ...]:

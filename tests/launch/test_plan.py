@@ -31,6 +31,27 @@ def test_every_rank_gathers_every_hello_in_order(ranks):
     assert seen == {r: [10 + i for i in range(r)] for r in range(ranks)}  # each adds its own after those before it
 
 
+def test_a_hello_carries_every_figure_its_ranks_timing_gives():
+    """Every field of a rank's timing (model_parallel.split.Speed) and of its timing alone reaches the other ranks
+    as it left: RankCosts -> Hello -> its frame's JSON -> Hello -> RankCosts (a field left out of the Hello would
+    reach the cost model as 0: not timed)."""
+    import dataclasses
+    import json
+    from types import SimpleNamespace
+    from launch.handshake import costs_of, hello
+    from model_parallel.split import RankCosts, Speed
+    from netbridge.link_probe import LinkProbe
+    from netbridge.protocol import as_message
+    timed = [f.name for f in dataclasses.fields(Speed)] + ["alone_layer_ms", "alone_draft_step_ms", "core_share"]
+    costs = RankCosts(1 << 30, 1000, 200, slot_fixed_bytes=10, slot_layer_bytes=2, host_rank=1,
+                      **{name: 0.5 + i for i, name in enumerate(timed)})
+    cfg = SimpleNamespace(model=SimpleNamespace(dtype="float32", quant="none"), serve=SimpleNamespace(port=None))
+    sent = hello(cfg, SimpleNamespace(target=SimpleNamespace(num_layers=8)), costs, None, LinkProbe("local", 0.1, 1, 1))
+    got = costs_of(Hello(**json.loads(json.dumps(as_message(sent).meta))))
+    assert {name: getattr(got, name) for name in timed} == {name: getattr(costs, name) for name in timed}
+    assert (got.host_rank, got.slot_fixed_bytes, got.slot_layer_bytes) == (1, 10, 2)
+
+
 def run_ring(cfgs: list, ranks: int) -> dict:
     def body(r, prev, next):
         if r == 0:

@@ -300,7 +300,9 @@ def test_timing_measures_what_a_long_prompt_and_more_rows_cost(tiny_qwen, monkey
     tokens instead of 128 (the 1-layer stages): the target's 0.0002 ms a layer per block token per cached token,
     the drafter's 0.0001 a layer per cached token, times its 4 layers. Four rows of the block in one forward: a
     target layer 0.4 ms a row more; the last rank's head (timed on a slice, 0.2 ms over one row) 0.1 a row more; a
-    drafter step over four rows: its layer 0.3 ms a row more, its head 0.05, so 4 x 0.3 + 0.05 x scale a step."""
+    drafter step over four rows: its layer 0.3 ms a row more, its head 0.05, so 4 x 0.3 + 0.05 x scale a step. The
+    four rows after 2048 cached tokens: each row more 0.00015 ms a target layer per block token per cached token,
+    0.00012 a drafter layer per cached token (its 4 layers: 0.00048)."""
     import model_parallel.split as split
     from model_parallel.loader import ModelSource
     probe, extra = split.PROBE_TOKENS, 128 * (split.LONG_CONTEXT - split.CONTEXT)
@@ -315,8 +317,11 @@ def test_timing_measures_what_a_long_prompt_and_more_rows_cost(tiny_qwen, monkey
     given["target", "head"], given["target", "rows head"] = 0.2, 0.2 + (split.ROW_PROBE - 1) * 0.1
     given["drafter", "rows"] = 0.7 + (split.ROW_PROBE - 1) * 0.3
     given["drafter", "rows head"] = 0.3 + (split.ROW_PROBE - 1) * 0.05
+    given["target", "rows long"] = given["target", "rows"] + 5 * cached * (0.0002 + (split.ROW_PROBE - 1) * 0.00015)
     monkeypatch.setattr(split, "sample_ms", lambda runs, window_s: {name: [given[name]] for name in runs})
-    steps = {split.CONTEXT: 0.7, split.DECODE_CONTEXT: 0.7 + 0.0001 * cached}  # a drafter step's layer, back to back
+    steps = {(1, split.CONTEXT): 0.7, (1, split.DECODE_CONTEXT): 0.7 + 0.0001 * cached,  # a drafter step's layer,
+             (split.ROW_PROBE, split.CONTEXT): 1.6}  # back to back, over one row and over ROW_PROBE rows
+    steps[split.ROW_PROBE, split.DECODE_CONTEXT] = 1.6 + cached * (0.0001 + (split.ROW_PROBE - 1) * 0.00012)
     monkeypatch.setattr(split, "steps_ms", lambda runs, calls: {context: steps[context] for context in runs})
     model = ModelSource.open(tiny_qwen, "float32")
     speed = split.time_rank(split.Timed(model, 5, "cpu", torch.float32),
@@ -326,6 +331,7 @@ def test_timing_measures_what_a_long_prompt_and_more_rows_cost(tiny_qwen, monkey
     assert speed.fixed_ms == pytest.approx(0.5 + 5 * speed.draft_step_ms)
     assert (speed.draft_token_ms, speed.draft_attend_ms) == pytest.approx((4 * 0.002, 4 * 0.0005))
     assert (speed.context_ms, speed.draft_context_ms) == pytest.approx((0.0002, 4 * 0.0001))
+    assert (speed.context_row_ms, speed.draft_context_row_ms) == pytest.approx((0.00015, 4 * 0.00012))
     assert (speed.layer_row_ms, speed.head_row_ms) == pytest.approx((0.4, 0.0))  # rank 0: no head
     scale = model.config.vocab_size / min(model.config.vocab_size, split.MAX_HEAD_ROWS)
     assert speed.draft_row_ms == pytest.approx(4 * 0.3 + 0.05 * scale)

@@ -247,6 +247,21 @@ def test_a_decode_round_attends_over_its_context():
     assert Predictor(p).for_rounds(rounds) == pytest.approx(1000 / 20.0)  # no start: as timed
 
 
+def test_a_row_more_attends_over_its_context_at_its_own_rate():
+    """Timed after 128 cached tokens: a stage 10 ms, 0.001 ms per block token per cached token for its first row
+    and 0.0006 for each row more (its rows share each read of the weights); the drafter's step 2 ms, 0.0005 ms per
+    cached token for its first row and 0.0008 for each more. Four rows of 5 tokens after 2,128: the stage
+    10 + 5 x (0.001 + 3 x 0.0006) x 2,000 = 38 ms (not 10 + 4 x 5 x 0.001 x 2,000 = 50); three steps over the four
+    rows 3 x (2 + (0.0005 + 3 x 0.0008) x 2,000) = 23.4 ms (not 3 x 6 = 18). Untimed, a row more is the first's."""
+    stage = RankCost(10.0, context_ms=0.001, context_row_ms=0.0006, timed_context=128)
+    draft = DraftCost(2.0, context_ms=0.0005, context_row_ms=0.0008, timed_context=128)
+    assert stage.ms(4, 5, 2128) == pytest.approx(38.0)
+    assert stage.ms(1, 5, 2128) == pytest.approx(20.0)
+    assert draft.round_ms(3, 4, 2128) == pytest.approx(23.4)
+    assert RankCost(10.0, context_ms=0.001, timed_context=128).ms(4, 5, 2128) == pytest.approx(50.0)
+    assert DraftCost(2.0, context_ms=0.0005, timed_context=128).round_ms(3, 4, 2128) == pytest.approx(18.0)
+
+
 def test_a_session_prices_each_round_at_its_streams_context():
     """Session.predict: a stream of a 1,990-token prompt and 10 tokens out, each rank 10 ms and 0.001 ms per cached
     token: its round after 2,000 cached costs 12 ms a rank."""
@@ -264,14 +279,17 @@ def test_a_session_prices_each_round_at_its_streams_context():
 def test_a_placements_decode_context_slopes_become_the_pipeline():
     """A layer's 0.001 ms per block token per cached token (3 layers on rank 1), the drafter's 0.01 per step per
     cached token, both timed after 128 cached tokens; rank 0 timed with every rank at once 2x slower than alone:
-    its costs alone (one stream's ranks take turns), its slowdown applied in a full pipe."""
-    costs = [SimpleNamespace(layer_ms=1.0, fixed_ms=20.0, draft_step_ms=4.0, draft_context_ms=0.02, alone_layer_ms=0.5),
-             SimpleNamespace(layer_ms=1.0, fixed_ms=0.0, context_ms=0.001)]
+    its costs alone (one stream's ranks take turns), its slowdown applied in a full pipe. A row more: the layer's
+    0.0004 (rank 1), the drafter's 0.006 a step (rank 0: 0.003 alone); rank 0's layers' not timed (as the first)."""
+    costs = [SimpleNamespace(layer_ms=1.0, fixed_ms=20.0, draft_step_ms=4.0, draft_context_ms=0.02, alone_layer_ms=0.5,
+                             draft_context_row_ms=0.006),
+             SimpleNamespace(layer_ms=1.0, fixed_ms=0.0, context_ms=0.001, context_row_ms=0.0004)]
     p = from_rank_costs(costs, [2, 3], [LinkCost(), LinkCost()], block_tokens=5, draft_steps=4, overlap=False,
                         timed_context=128)
-    assert p.ranks[1].ms(2, 5, 1128) - p.ranks[1].ms(2, 5) == pytest.approx(3 * 0.001 * 2 * 5 * 1000)
+    assert p.ranks[1].ms(2, 5, 1128) - p.ranks[1].ms(2, 5) == pytest.approx(3 * (0.001 + 0.0004) * 5 * 1000)
     assert p.ranks[0].ms(1, 5, 1128) == p.ranks[0].ms(1, 5)  # not timed there
     assert p.draft.round_ms(2, 1, 1128) - p.draft.round_ms(2, 1) == pytest.approx(2 * 0.01 * 1000)
+    assert p.draft.round_ms(2, 3, 1128) - p.draft.round_ms(2, 3) == pytest.approx(2 * (0.01 + 2 * 0.003) * 1000)
 
 
 def test_a_requests_last_rounds_count_at_the_depth_they_were_sent_at():
