@@ -11,7 +11,8 @@ as time_rank now times it), and real drafting steps (ModelDrafter.propose of 4 d
 Prints ms more per 1,000 cached tokens for one layer, each way. With --rows N, also one layer's step over N rows
 after the two contexts, back to back, the rows' slots consecutive and in order (StaticKVCache.span: the cache read
 as a view) and in reverse (gathered: a copy of every row's live part); and the whole drafter's rounds of 4 drafts over
-N rows after each context (propose_rows, as rank 0 drafts a batch), the same two orders. One thread; run it alone."""
+N rows after each context (propose_rows, as rank 0 drafts a batch), the same two orders, and over one row of them.
+One thread; run it alone."""
 from __future__ import annotations
 
 import argparse
@@ -110,7 +111,7 @@ def rows_step(folder, dtype_name: str, dtype, rows: int, tries: int) -> None:
 
 def rows_rounds(folder, dtype_name: str, dtype, layers: int, rows: int, tries: int) -> None:
     """The fastest round of 4 drafts over `rows` rows (ModelDrafter.propose_rows, the drafts thrown away each time)
-    after each context, its slots in order and reversed."""
+    after each context, its slots in order and reversed, and over the first alone."""
     stage = load_stage(folder, 0, layers, embed=True, head=True, dtype=dtype_name)
     stage.allocate_cache(split.DECODE_CONTEXT + 16, dtype, setting="draft.max_len", slots=rows)
     drafter = ModelDrafter(stage, max_k=8, top_k=16)
@@ -121,15 +122,15 @@ def rows_rounds(folder, dtype_name: str, dtype, layers: int, rows: int, tries: i
         for slot, context in enumerate(contexts):
             drafter.reset(0, 0.0, 1, slot=slot)
             drafter.catch_up(context[:-1], slot=slot)
-        for name, order in (("in order", list(range(rows))), ("reversed", list(range(rows))[::-1])):
+        for name, order in (("in order", list(range(rows))), ("reversed", list(range(rows))[::-1]), ("one row", [0])):
             best = float("inf")
             for _ in range(tries):
                 for slot in order:
                     drafter.commit(context_len, slot=slot)
                 t0 = time.perf_counter()
-                drafter.propose_rows([contexts[s] for s in order], [4] * rows, order)
+                drafter.propose_rows([contexts[s] for s in order], [4] * len(order), order)
                 best = min(best, (time.perf_counter() - t0) * 1000)
-            print(f"a round of 4 drafts over {rows} rows after {context_len}, slots {name}: {best:.2f} ms")
+            print(f"a round of 4 drafts over {len(order)} rows after {context_len}, slots {name}: {best:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -359,10 +359,11 @@ def long_runs(runs: dict, name, model: Timed) -> None:
                                          context=DECODE_CONTEXT, rows=ROW_PROBE, sizes=(1,))[1]
 
 
-def step_context_runs(model: Timed) -> dict:
+def step_runs(model: Timed) -> dict:
     """A one-layer stage of the drafter over its step's token after CONTEXT and after DECODE_CONTEXT cached ones,
     over one row and over ROW_PROBE rows (a batch's step, its slots in order as the scheduler gives them), keyed by
-    (rows, context): timed back to back (steps_ms), their slopes are what a step costs per cached token."""
+    (rows, context): timed back to back (steps_ms), their slopes are what a step costs per cached token and per
+    row more."""
     return {(rows, context): stage_runs(model.model, model.tokens, model.device, model.dtype, model.quant,
                                         context=context, rows=rows, sizes=(1,))[1]
             for rows in (1, ROW_PROBE) for context in (CONTEXT, DECODE_CONTEXT)}
@@ -386,26 +387,29 @@ def steps_ms(runs: dict, calls: int, reps: int = STEP_REPS) -> dict:
     return out
 
 
-def rows_runs(runs: dict, name, model: Timed) -> None:
+def rows_runs(runs: dict, name, model: Timed, layer: bool = True) -> None:
     """A one-layer stage of `model` over ROW_PROBE rows of its block (several streams' blocks as one forward, each
-    in its own slot), and its head over them too where it has one: beside the same over one row, the slope is what
-    a batch pays per stream (the tiny model's four layers: 0.8 ms timed over one row of one token, 1.55 ms over four
-    rows in a traced round; a batch of rows is not a longer block: each row attends over its own slot). For a
-    drafter, a step over several streams' rows (its prefill slope said 0.02 ms a row for the tiny model's step,
-    where four rows' steps measured 0.39 ms a row more in a traced round)."""
-    runs[name, "rows"] = stage_runs(model.model, model.tokens, model.device, model.dtype, model.quant,
-                                    rows=ROW_PROBE, sizes=(1,))[1]
+    in its own slot; not with `layer` False), and its head over them too where it has one: beside the same over one
+    row, the slope is what a batch pays per stream (the tiny model's four layers: 0.8 ms timed over one row of one
+    token, 1.55 ms over four rows in a traced round; a batch of rows is not a longer block: each row attends over
+    its own slot). A drafter's layer over several rows is timed with its steps instead (step_runs)."""
+    if layer:
+        runs[name, "rows"] = stage_runs(model.model, model.tokens, model.device, model.dtype, model.quant,
+                                        rows=ROW_PROBE, sizes=(1,))[1]
     if model.head:
         runs[name, "rows head"] = head_run(model.model, model.tokens, model.device, model.dtype, model.quant,
                                            rows=ROW_PROBE)[0]
 
 
-def row_slopes(ms: dict, name, model: Timed, scale: float) -> tuple[float, float]:
-    """(one layer's ms per row more, the head's) from rows_runs' and the same over one row (their fastest runs:
-    a small difference, which load only adds to)."""
-    layer = max(ms[name, "rows"] - ms[name, 1], 0.0) / (ROW_PROBE - 1)
-    head = max(ms[name, "rows head"] - ms[name, "head"], 0.0) * scale / (ROW_PROBE - 1) if model.head else 0.0
-    return layer, head
+def layer_row_slope(ms: dict, name) -> float:
+    """One layer's ms per row more from rows_runs' and the same over one row (their fastest runs: a small
+    difference, which load only adds to)."""
+    return max(ms[name, "rows"] - ms[name, 1], 0.0) / (ROW_PROBE - 1)
+
+
+def head_row_slope(ms: dict, name, model: Timed, scale: float) -> float:
+    """The head's ms per row more (0: no head), as layer_row_slope."""
+    return max(ms[name, "rows head"] - ms[name, "head"], 0.0) * scale / (ROW_PROBE - 1) if model.head else 0.0
 
 
 def context_row_slope(ms: dict, name, tokens: int) -> float:
@@ -423,14 +427,18 @@ def context_slope(ms: dict, name, tokens: int) -> float:
     return max(ms[name, "long"] - ms[name, 1], 0.0) / (tokens * (DECODE_CONTEXT - CONTEXT))
 
 
-def step_context_slope(drafter: Timed) -> tuple[float, float]:
-    """(One drafter layer's ms per cached token of a step, the same for each row more in a batched step), its
-    `calls` steps back to back as a round runs them."""
-    ms = steps_ms(step_context_runs(drafter), max(drafter.calls, 1))
+def step_slopes(drafter: Timed) -> tuple[float, float, float]:
+    """(One drafter layer's ms per row more in a step, its ms per cached token over one row, the same for each row
+    more), its `calls` steps back to back as a round runs them. A row more timed in turn with the rest read three
+    times what it costs a round: the tiny drafter's 0.40 ms a step (every layer and the head; rank 0's start-up
+    line in bench.cost_grid's launches), where its rounds over four rows cost 0.13 ms a row a step more than over
+    one (bench/draft_context.py --rows 4)."""
+    ms = steps_ms(step_runs(drafter), max(drafter.calls, 1))
     span = drafter.tokens * (DECODE_CONTEXT - CONTEXT)
     one = max(ms[1, DECODE_CONTEXT] - ms[1, CONTEXT], 0.0)
     rows = max(ms[ROW_PROBE, DECODE_CONTEXT] - ms[ROW_PROBE, CONTEXT], 0.0)
-    return one / span, max(rows - one, 0.0) / ((ROW_PROBE - 1) * span)
+    row = max(ms[ROW_PROBE, CONTEXT] - ms[1, CONTEXT], 0.0) / (ROW_PROBE - 1)
+    return row, one / span, max(rows - one, 0.0) / ((ROW_PROBE - 1) * span)
 
 
 def slopes(ms: dict, name, block_ms: float, block: int, probe: int) -> tuple[float, float]:
@@ -456,14 +464,15 @@ def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WIN
     rows_runs(runs, "target", target)
     if drafter is not None:
         probe_runs(runs, "drafter probe", drafter, probe)
-        rows_runs(runs, "drafter", drafter)
+        rows_runs(runs, "drafter", drafter, layer=False)
     samples = sample_ms(runs, window_s)
     ms = {name: statistics.median(v) for name, v in samples.items()}
     fastest = {name: min(v) for name, v in samples.items()}  # a slope from a small difference: load only adds
     layer_ms, call_ms = layer_and_call_ms({n: ms["target", n] for n in STAGE_SIZES})
     other_ms = call_ms + (ms["target", "head"] * scale["target"] if target.head else 0.0)
     token_ms, attend_ms = slopes(ms, "probe", ms["target", 1], target.tokens, probe)
-    layer_row_ms, head_row_ms = row_slopes(fastest, "target", target, scale["target"])
+    layer_row_ms = layer_row_slope(fastest, "target")
+    head_row_ms = head_row_slope(fastest, "target", target, scale["target"])
     speed = Speed(layer_ms, other_ms, token_ms, attend_ms=attend_ms,
                   context_ms=context_slope(fastest, "target", target.tokens),
                   context_row_ms=context_row_slope(fastest, "target", target.tokens), layer_row_ms=layer_row_ms,
@@ -472,8 +481,8 @@ def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WIN
         step_ms = model_ms(ms, "drafter", drafter, scale["drafter"])
         layers = drafter.model.config.num_hidden_layers
         draft_token, draft_attend = slopes(ms, "drafter probe", ms["drafter", 1], drafter.tokens, probe)
-        draft_context, draft_context_row = step_context_slope(drafter)
-        draft_layer_row, draft_head_row = row_slopes(fastest, "drafter", drafter, scale["drafter"])
+        draft_layer_row, draft_context, draft_context_row = step_slopes(drafter)
+        draft_head_row = head_row_slope(fastest, "drafter", drafter, scale["drafter"])
         speed = replace(speed, fixed_ms=other_ms + drafter.calls * step_ms, draft_step_ms=step_ms,
                         draft_token_ms=layers * draft_token, draft_attend_ms=layers * draft_attend,
                         draft_context_ms=layers * draft_context, draft_context_row_ms=layers * draft_context_row,
