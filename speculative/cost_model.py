@@ -447,36 +447,43 @@ def first_round_batches(lengths: list[int], chunk: int) -> list[list[int]]:
 
 
 def ttft_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] = (), k: int = 0,
-           depth: int = 0, intake: bool = True) -> float:
+           depth: int = 0, intake: bool = True, ago_ms: tuple[float, ...] = ()) -> float:
     """Time to first token of a `prompt_tokens` prompt (nothing cached) crossing in chunks of `chunk`, pipelined
     across the ranks, counted from its admission; the last chunk goes with the first round, whose reply carries
     the token (it drafts nothing at any K). A chunk's cost grows with the context it attends over.
 
     `ahead`: prompts admitted before it whose first rounds are not yet sent. Rank 0 prefilled each at its
     admission, before this one's (the newcomer waited for that in its queue: measured, not counted here), but
-    their chunks may still hold its link and the later ranks (counted from this admission on: a little more than
-    they have left). The first rounds then go in the scheduler's batches (first_round_batches: a batch's rows
+    their chunks may still hold its link and the later ranks: from their own admissions, `ago_ms` before this one
+    (rank 0 free again at this one's; without them, counted from this admission on: more than they have left; four
+    2,000-token prompts at once over 0 ms had the later rank through the first three's chunks before the fourth
+    was admitted, where the model had them all ahead of it: its predicted TTFT 453 ms from admission, measured 317).
+    The first rounds then go in the scheduler's batches (first_round_batches: a batch's rows
     reply together). Rank 0 takes the reply only after its work in the wait: the drafter taking in each first
     round's chunk and, for a lone stream (`depth` its rounds on the way, 0: not alone) drafting K under
     spec.overlap, its first `depth` blocks on the bet (use_the_wait): over a short trip, what the first token
     waits for. `intake` False: the drafter takes in none of the prompts (streams admitted at K=0 under
     spec.k_from_costs leave them out)."""
     CHUNK, FIRST, MINE = 0, 1, 2  # a Prefill chunk (no reply), a batch of first rounds, the one holding this prompt's
-    items = [(1, size, context, CHUNK, r0_done)
-             for n, r0_done in [*((n, True) for n in ahead), (prompt_tokens, False)]
-             for size, context in chunks(n, chunk)[:-1]]
+    since = [-ms for ms in ago_ms] if ago_ms else [None] * len(ahead)  # when rank 0 took each in (None: before)
+    items = [(1, size, context, CHUNK, at, False)
+             for n, at in zip(ahead, since) for size, context in chunks(n, chunk)[:-1]]
+    items += [(1, size, context, CHUNK, 0.0, True) for size, context in chunks(prompt_tokens, chunk)[:-1]]
     firsts = [chunks(n, chunk)[-1] for n in [*ahead, prompt_tokens]]
     for batch in first_round_batches([size for size, _ in firsts], chunk):
         kind = MINE if len(firsts) - 1 in batch else FIRST
-        items.append((len(batch), max(firsts[i][0] for i in batch), max(firsts[i][1] for i in batch), kind, False))
-    free = [0.0] * (2 * len(p.ranks))  # when each resource is next free: rank 0, link 0, rank 1, link 1, ...
-    work = [0.0] * len(p.ranks)  # each rank's work on them so far: ranks sharing a host's cores (host_ms)
-    done, mine = 0.0, work
-    for rows, size, context, kind, r0_done in items:
-        ready = 0.0
+        items.append((len(batch), max(firsts[i][0] for i in batch), max(firsts[i][1] for i in batch), kind, 0.0, True))
+    start_at = min([0.0, *(at for at in since if at is not None)])
+    free = [start_at] * (2 * len(p.ranks))  # when each resource is next free: rank 0, link 0, rank 1, link 1, ...
+    work = [0.0] * len(p.ranks)  # each rank's work on them from this admission on: ranks sharing a host's cores
+    done, mine, begun = 0.0, work, False
+    for rows, size, context, kind, at, now in items:
+        ready = 0.0 if at is None else at
+        if now and not begun:  # this admission: rank 0 is free again (it took in the ones before)
+            free[0], begun = 0.0, True
         for r, rank in enumerate(p.ranks):
             sends = r < len(p.ranks) - 1 or kind != CHUNK  # a Prefill message has no reply
-            if r == 0 and r0_done:  # rank 0 took it in and sent it before this admission: only its wire is left
+            if r == 0 and at is None:  # rank 0 took it in and sent it before this admission: only its wire is left
                 sent = 0.0
             else:
                 # rank 0 sends a Prefill chunk before the drafter takes it in; a first round drafts nothing (its
@@ -486,7 +493,7 @@ def ttft_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] =
                 sent = start + rank.chunk_ms(size, context, rows)
                 messages = (p.links[r - 1].message_ms if r else 0.0) + (p.links[r].message_ms if sends else 0.0)
                 free[2 * r] = sent + drafting + messages  # the next waits for them, this one not (latency)
-                work[r] += sent - start + drafting + messages
+                work[r] += max(free[2 * r], 0.0) - max(start, 0.0)
             if not sends:
                 break
             link = p.links[r]
@@ -720,8 +727,8 @@ class Predictor:
                 for k in range(k_max + 1)]
 
     def ttft_s(self, prompt_tokens: int, ahead: tuple[int, ...] = (), k: int = 0, depth: int = 0,
-               intake: bool = True) -> float:
-        return ttft_s(self.pipeline(), prompt_tokens, self.chunk, ahead, k, depth, intake)
+               intake: bool = True, ago_ms: tuple[float, ...] = ()) -> float:
+        return ttft_s(self.pipeline(), prompt_tokens, self.chunk, ahead, k, depth, intake, ago_ms)
 
     def intake_ms(self, tokens: int, context: int = 0) -> float:
         """The drafter taking in `tokens` it lacks after the `context` it holds (a prompt skipped at K=0)."""

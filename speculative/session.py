@@ -157,18 +157,22 @@ class Session:
         """The cost model's TTFT of a newcomer, from its admission: the streams admitted before it whose first round
         is not yet sent (their prompts were prefilled just before its own, while it waited) go first; and its
         admission holds back each of their first rounds by its prefill, and those whose first round goes in one
-        batch with its own reply with it. Alone, its first wait drafts its chain."""
+        batch with its own reply with it; where its drafter takes its first round's chunk in (in the wait, after
+        every first round is sent: ttft_s), rank 0 takes none of their replies before that either, so every one of
+        them replies with it (four 2,000-token prompts at once at K=4 over 0 ms: the four first tokens within 15 ms
+        of each other, where the model had them 150 ms apart). Alone, its first wait drafts its chain."""
         unsent = [o for o in self.live if not o.gen.rounds and not o.chain]
         ahead = tuple(len(o.gen.prompt_ids) - o.gen.reused for o in unsent)
+        ago_ms = tuple(1000 * (s.t_start - o.t_start) for o in unsent)
         depth = 0 if self.live else self.scheduler.in_flight.now()  # alone: its first wait drafts its chain
         intake = s.k_now > 0  # (admitted at K=0, the drafter leaves the prompt out: prefill_chunks)
-        s.gen.predicted_ttft_s = self.predictor.ttft_s(new_tokens, ahead, s.k_now, depth, intake)
+        s.gen.predicted_ttft_s = self.predictor.ttft_s(new_tokens, ahead, s.k_now, depth, intake, ago_ms)
         held_back = self.predictor.admission_ms(new_tokens, intake) / 1000
         batches = first_round_batches([len(o.pending) for o in [*unsent, s]], self.spec.prefill_chunk)
         beside = next(batch for batch in batches if len(unsent) in batch)
         for i, o in enumerate(unsent):
             o.gen.predicted_ttft_s += held_back
-            if i in beside:  # (each prediction counts from its own admission)
+            if i in beside or intake:  # (each prediction counts from its own admission)
                 o.gen.predicted_ttft_s = max(o.gen.predicted_ttft_s, s.t_start - o.t_start + s.gen.predicted_ttft_s)
 
     def restore(self, gen: Generation, reuse: int, slot: int) -> int:

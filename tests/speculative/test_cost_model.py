@@ -407,7 +407,7 @@ def test_a_session_predicts_the_ttft_of_prompts_admitted_together():
     session = SimpleNamespace(live=[], predictor=Predictor(ring((0.0, 0.0), (0.0, 0.0), token_ms=0.1), chunk=500),
                               scheduler=SimpleNamespace(in_flight=SimpleNamespace(now=lambda: 1)),
                               spec=SimpleNamespace(prefill_chunk=500))
-    a, b = stream(1000), stream(1000)
+    a, b = stream(1000), stream(1000, t_start=0.05)  # B's admission begins as A's ends
     Session.predict_ttft(session, a, 1000)
     session.live.append(a)
     Session.predict_ttft(session, b, 1000)
@@ -425,6 +425,35 @@ def test_a_session_predicts_the_ttft_of_prompts_admitted_together():
     session.live.append(d)
     Session.predict_ttft(session, e, 40)
     assert (d.gen.predicted_ttft_s, e.gen.predicted_ttft_s) == pytest.approx((0.018, 0.016))
+
+
+def test_prompts_admitted_before_went_through_the_later_ranks_from_their_own_admissions():
+    """Three 1,000-token prompts admitted 50 ms apart (each admission rank 0's 50 ms over its first 500-token chunk;
+    every chunk 50 ms on each of two ranks, nothing on the wire). From their admissions, A's chunk was on rank 1
+    over -50..0 ms and B's over 0..50, so C's over 50..100; the first rounds (500 tokens each, one batch each)
+    on rank 0 over 50..200 and on rank 1 over 100..250: C's first token at 250 ms. Counted from C's admission on,
+    the two chunks before would hold rank 1 until 100 and C's first token come at 300."""
+    from speculative.session import Session
+    predictor = Predictor(ring((0.0, 0.0), (0.0, 0.0), token_ms=0.1), chunk=500)
+    assert predictor.ttft_s(1000, (1000, 1000), ago_ms=(100.0, 50.0)) == pytest.approx(0.25)
+    assert predictor.ttft_s(1000, (1000, 1000)) == pytest.approx(0.30)
+    streams = [SimpleNamespace(gen=SimpleNamespace(rounds=[], prompt_ids=[1] * 1000, reused=0, predicted_ttft_s=0.0),
+                               chain=[], k_now=0, pending=[1] * 500, t_start=0.05 * i) for i in range(3)]
+    session = SimpleNamespace(live=[], predictor=predictor, spec=SimpleNamespace(prefill_chunk=500),
+                              scheduler=SimpleNamespace(in_flight=SimpleNamespace(now=lambda: 1)))
+    for s in streams:
+        Session.predict_ttft(session, s, 1000)
+        session.live.append(s)
+    assert streams[2].gen.predicted_ttft_s == pytest.approx(0.25)
+    assert [s.gen.predicted_ttft_s for s in streams[:2]] == pytest.approx([0.25, 0.25])  # in turn, each 250 ms on
+    # drafting (K=4: the drafter takes each first round's chunk in, in the wait, before rank 0 takes a reply): all
+    # three first tokens come with C's, 250 ms after its admission: 350 ms after A's, 300 after B's
+    session.live = []
+    for s in streams:
+        s.k_now, s.gen.predicted_ttft_s = 4, 0.0
+        Session.predict_ttft(session, s, 1000)
+        session.live.append(s)
+    assert [s.gen.predicted_ttft_s for s in streams] == pytest.approx([0.35, 0.30, 0.25])
 
 
 def test_the_predictor_counts_the_bets_that_held():
