@@ -21,7 +21,8 @@ pair's acceptance depends on the prompt, 0.42 to 0.83 at K=4 on two of them). Pe
                   own rounds measured, its K and depth: Predictor.for_rounds)
     four clients  measured: the tokens after the first ones over the span from the first first token to the last
                   answer (the four decode side by side while the later prompts are still admitted), TTFT p50 (queue
-                  included: the four prompts arrive at once); predicted: the same tokens over the time the start-up
+                  included: the four prompts arrive at once), and in results.json the spread of the first tokens
+                  (the last's time less the first's; predicted: of the predicted TTFTs); predicted: the same tokens over the time the start-up
                   line's aggregate (at the prior acceptance, scaled by the measured tokens per round over the prior's:
                   the model's aggregate is linear in it; at the cell's context, between the line's two: aggregate_at)
                   gives them, plus the spread of the requests' predicted TTFTs (rank 0 admits and prefills a newcomer
@@ -246,8 +247,11 @@ def figures(results: list[dict], cell: Cell, startup: dict) -> dict:
     # for its answers sees; decode tokens/s alone reads faster where a setting moves rank 0's work into the TTFT)
     whole = sum(r["tokens"] for r in results) / max(max(r["done"] for r in results) - min(r["sent"] for r in results),
                                                     1e-9)
+    firsts = [r["sent"] * 1000 + r["ttft_ms"] for r in results]  # when each first token came (the requests sent at once)
     return {"prompt_tokens": prompt_tokens, "measured_tokens_per_s": measured, "predicted_tokens_per_s": predicted,
-            "whole_tokens_per_s": whole,
+            "whole_tokens_per_s": whole, "measured_ttft_spread_ms": max(firsts) - min(firsts),
+            "predicted_ttft_spread_ms": max(r["predicted_ttft_ms"] for r in results) - min(
+                r["predicted_ttft_ms"] for r in results),
             "measured_ttft_ms": ttft_ms, "predicted_ttft_ms": predicted_ttft_ms,
             "acceptance": statistics.mean(r["acceptance_rate"] for r in results), "startup": startup}
 

@@ -7,10 +7,12 @@ as time_rank now times it), and real drafting steps (ModelDrafter.propose of 4 d
     python -m bench.draft_context --model pair     # the embedded 0.5B drafter, bf16 (fetched by the quick start)
     python -m bench.draft_context --model tiny --rows 4    # ... and a step over 4 rows, their slots in order or not,
                                                            # and real rounds over 4 rows (ModelDrafter.propose_rows)
+    python -m bench.draft_context --model tiny --rows 4 --block 5   # ... the layer over 4 rows of a 5-token block
 
-Prints ms more per 1,000 cached tokens for one layer, each way. With --rows N, also one layer's step over N rows
-after the two contexts, back to back, the rows' slots consecutive and in order (StaticKVCache.span: the cache read
-as a view) and in reverse (gathered: a copy of every row's live part); and the whole drafter's rounds of 4 drafts over
+Prints ms more per 1,000 cached tokens for one layer, each way. With --rows N, also one layer's step (with --block
+T: over a block of T tokens, a target's round) over N rows after the two contexts, back to back, the rows' slots
+consecutive and in order (StaticKVCache.span: the cache read as a view), in reverse (gathered: a copy of every row's
+live part) and one row alone; and the whole drafter's rounds of 4 drafts over
 N rows after each context (propose_rows, as rank 0 drafts a batch), the same two orders, and over one row of them.
 One thread; run it alone."""
 from __future__ import annotations
@@ -54,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", choices=["tiny", "pair"], default="tiny")
     ap.add_argument("--tries", type=int, default=20)
     ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--block", type=int, default=1, help="with --rows: the block's tokens (5: a target's at K=4)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     if a.model == "tiny":
@@ -85,28 +88,30 @@ def main(argv: list[str] | None = None) -> None:
     print(f"real steps ({steps[0]:.2f} ms a step after {split.CONTEXT}, {steps[1]:.2f} after {split.DECODE_CONTEXT}): "
           f"{per_layer_1k(*steps, layers):.4f}")
     if a.rows > 1:
-        rows_step(folder, dtype_name, dtype, a.rows, a.tries)
+        rows_step(folder, dtype_name, dtype, a.rows, a.tries, a.block)
         rows_rounds(folder, dtype_name, dtype, layers, a.rows, a.tries)
 
 
-def rows_step(folder, dtype_name: str, dtype, rows: int, tries: int) -> None:
-    """One layer's step over `rows` rows after each context, its slots in order and reversed, back to back."""
+def rows_step(folder, dtype_name: str, dtype, rows: int, tries: int, block: int = 1) -> None:
+    """One layer over `rows` rows of a `block`-token block (1: a drafter's step) after each context, its slots in
+    order and reversed, and over one row, back to back."""
     layer = load_stage(folder, 0, 1, embed=False, head=False, dtype=dtype_name)
-    layer.allocate_cache(split.DECODE_CONTEXT + 1, dtype, slots=rows)
-    hidden = torch.randn(rows, 1, layer.config.hidden_size, dtype=dtype) * 0.1
+    layer.allocate_cache(split.DECODE_CONTEXT + block, dtype, slots=rows)
+    hidden = torch.randn(rows, block, layer.config.hidden_size, dtype=dtype) * 0.1
     runs = {}
-    for name, order in (("in order", list(range(rows))), ("reversed", list(range(rows))[::-1])):
+    orders = (("in order", list(range(rows))), ("reversed", list(range(rows))[::-1]), ("one row", [0]))
+    for name, order in orders:
         for context in (split.CONTEXT, split.DECODE_CONTEXT):
             def step(order=order, context=context):
                 for slot in order:
                     layer.cache.rewind(context, slot)
-                layer(hidden, live=context + 1, rows=order)
+                layer(hidden[:len(order)], live=context + block, rows=order)
             runs[name, context] = step
     ms = split.steps_ms(runs, 5, reps=tries)
-    for name in ("in order", "reversed"):
+    for name, order in orders:
         short, long = ms[name, split.CONTEXT], ms[name, split.DECODE_CONTEXT]
-        print(f"{rows} rows, slots {name}: {short:.3f} ms after {split.CONTEXT}, {long:.3f} after "
-              f"{split.DECODE_CONTEXT}: {per_layer_1k(short, long) / rows:.4f} a row")
+        print(f"{len(order)} rows of {block} token(s), slots {name}: {short:.3f} ms after {split.CONTEXT}, {long:.3f} "
+              f"after {split.DECODE_CONTEXT}: {per_layer_1k(short, long) / len(order) / block:.4f} a row a token")
 
 
 def rows_rounds(folder, dtype_name: str, dtype, layers: int, rows: int, tries: int) -> None:
