@@ -247,7 +247,7 @@ def figures(results: list[dict], cell: Cell, startup: dict) -> dict:
     # for its answers sees; decode tokens/s alone reads faster where a setting moves rank 0's work into the TTFT)
     whole = sum(r["tokens"] for r in results) / max(max(r["done"] for r in results) - min(r["sent"] for r in results),
                                                     1e-9)
-    firsts = [r["sent"] * 1000 + r["ttft_ms"] for r in results]  # when each first token came (the requests sent at once)
+    firsts = [r["sent"] * 1000 + r["ttft_ms"] for r in results]  # when each first token came (sent at once)
     return {"prompt_tokens": prompt_tokens, "measured_tokens_per_s": measured, "predicted_tokens_per_s": predicted,
             "whole_tokens_per_s": whole, "measured_ttft_spread_ms": max(firsts) - min(firsts),
             "predicted_ttft_spread_ms": max(r["predicted_ttft_ms"] for r in results) - min(

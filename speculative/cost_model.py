@@ -425,13 +425,6 @@ def chunks(prompt_tokens: int, chunk: int) -> list[tuple[int, int]]:
     return [(min(chunk, prompt_tokens - j * chunk), j * chunk) for j in range(count)]
 
 
-def rank0_prefill_ms(p: Pipeline, prompt_tokens: int, chunk: int, intake: bool = True) -> float:
-    """Rank 0's work at a prompt's admission (every chunk but the last: its slice and, with `intake`, the
-    drafter's catch-up), which holds back every first round not yet sent (the engine sends them at the next tick)."""
-    return sum(p.ranks[0].chunk_ms(size, context) + (p.draft.prefill_ms(size, context) if intake else 0.0)
-               + p.links[0].message_ms for size, context in chunks(prompt_tokens, chunk)[:-1])
-
-
 def first_round_batches(lengths: list[int], chunk: int) -> list[list[int]]:
     """The first rounds of prompts admitted together, by index, in the batches the scheduler sends them in
     (Scheduler.first_rounds says why): shortest first, a row joining the last batch while the batch, padded to it,
@@ -449,46 +442,51 @@ def first_round_batches(lengths: list[int], chunk: int) -> list[list[int]]:
 def ttft_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] = (), k: int = 0,
            depth: int = 0, intake: bool = True, ago_ms: tuple[float, ...] = ()) -> float:
     """Time to first token of a `prompt_tokens` prompt (nothing cached) crossing in chunks of `chunk`, pipelined
-    across the ranks, counted from its admission; the last chunk goes with the first round, whose reply carries
-    the token (it drafts nothing at any K). A chunk's cost grows with the context it attends over.
+    across the ranks, counted from its admission (first_tokens_s: its own, after the `ahead`)."""
+    return first_tokens_s(p, prompt_tokens, chunk, ahead, k, depth, intake, ago_ms)[-1]
 
-    `ahead`: prompts admitted before it whose first rounds are not yet sent. Rank 0 prefilled each at its
-    admission, before this one's (the newcomer waited for that in its queue: measured, not counted here), but
-    their chunks may still hold its link and the later ranks: from their own admissions, `ago_ms` before this one
-    (rank 0 free again at this one's; without them, counted from this admission on: more than they have left; four
-    2,000-token prompts at once over 0 ms had the later rank through the first three's chunks before the fourth
-    was admitted, where the model had them all ahead of it: its predicted TTFT 453 ms from admission, measured 317).
-    The first rounds then go in the scheduler's batches (first_round_batches: a batch's rows
-    reply together). Rank 0 takes the reply only after its work in the wait: the drafter taking in each first
-    round's chunk and, for a lone stream (`depth` its rounds on the way, 0: not alone) drafting K under
+
+def first_tokens_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] = (), k: int = 0,
+                   depth: int = 0, intake: bool = True, ago_ms: tuple[float, ...] = ()) -> tuple[float, ...]:
+    """When each of `ahead` and then this `prompt_tokens` prompt has its first token, counted from this one's
+    admission: each prompt crosses in chunks of `chunk` (nothing cached), pipelined across the ranks; the last chunk
+    goes with the first round, whose reply carries the token (it drafts nothing at any K). A chunk's cost grows with
+    the context it attends over.
+
+    `ahead`: prompts admitted before it whose first rounds are not yet sent, `ago_ms` before this one (rank 0 took
+    each in from then, and is free again at this admission; without `ago_ms`, rank 0's part done and the rest
+    counted from this admission on: more than they have left). Their chunks may still hold the links and the later
+    ranks; then every first round goes, in the scheduler's batches (first_round_batches: a batch's rows reply
+    together), behind this one's chunks: an admission holds back the first rounds before it (four 2,000-token
+    prompts at once over 20 Mbit/s at K=0: the first admitted had its first token last). Rank 0 takes a reply
+    only after its work in the wait: the drafter taking in each first round's chunk (so with it, every one of them
+    replies together) and, for a lone stream (`depth` its rounds on the way, 0: not alone) drafting K under
     spec.overlap, its first `depth` blocks on the bet (use_the_wait): over a short trip, what the first token
     waits for. `intake` False: the drafter takes in none of the prompts (streams admitted at K=0 under
     spec.k_from_costs leave them out)."""
-    CHUNK, FIRST, MINE = 0, 1, 2  # a Prefill chunk (no reply), a batch of first rounds, the one holding this prompt's
     since = [-ms for ms in ago_ms] if ago_ms else [None] * len(ahead)  # when rank 0 took each in (None: before)
-    items = [(1, size, context, CHUNK, at, False)
+    # (rows, tokens, context, the prompts whose first round it is, from when, after this admission)
+    items = [(1, size, context, (), at, False)
              for n, at in zip(ahead, since) for size, context in chunks(n, chunk)[:-1]]
-    items += [(1, size, context, CHUNK, 0.0, True) for size, context in chunks(prompt_tokens, chunk)[:-1]]
+    items += [(1, size, context, (), 0.0, True) for size, context in chunks(prompt_tokens, chunk)[:-1]]
     firsts = [chunks(n, chunk)[-1] for n in [*ahead, prompt_tokens]]
     for batch in first_round_batches([size for size, _ in firsts], chunk):
-        kind = MINE if len(firsts) - 1 in batch else FIRST
-        items.append((len(batch), max(firsts[i][0] for i in batch), max(firsts[i][1] for i in batch), kind, 0.0, True))
-    start_at = min([0.0, *(at for at in since if at is not None)])
-    free = [start_at] * (2 * len(p.ranks))  # when each resource is next free: rank 0, link 0, rank 1, link 1, ...
-    work = [0.0] * len(p.ranks)  # each rank's work on them from this admission on: ranks sharing a host's cores
-    done, mine, begun = 0.0, work, False
-    for rows, size, context, kind, at, now in items:
+        items.append((len(batch), max(firsts[i][0] for i in batch), max(firsts[i][1] for i in batch), batch, 0.0, True))
+    free = [min([0.0, *(at for at in since if at is not None)])] * (2 * len(p.ranks))  # when each resource is next
+    work = [0.0] * len(p.ranks)  # free (rank 0, link 0, rank 1, ...); each rank's work on them from this admission
+    replies, mine, begun = [0.0] * len(firsts), work, False  # on (ranks sharing a host's cores: host_ms)
+    for rows, size, context, first_of, at, now in items:
         ready = 0.0 if at is None else at
         if now and not begun:  # this admission: rank 0 is free again (it took in the ones before)
             free[0], begun = 0.0, True
         for r, rank in enumerate(p.ranks):
-            sends = r < len(p.ranks) - 1 or kind != CHUNK  # a Prefill message has no reply
+            sends = r < len(p.ranks) - 1 or bool(first_of)  # a Prefill message has no reply
             if r == 0 and at is None:  # rank 0 took it in and sent it before this admission: only its wire is left
                 sent = 0.0
             else:
                 # rank 0 sends a Prefill chunk before the drafter takes it in; a first round drafts nothing (its
                 # token is not known yet) and goes at once: the drafter takes its chunk in later, in the wait
-                drafting = p.draft.prefill_ms(size, context) if r == 0 and kind == CHUNK and intake else 0.0
+                drafting = p.draft.prefill_ms(size, context) if r == 0 and not first_of and intake else 0.0
                 start = max(ready, free[2 * r])
                 sent = start + rank.chunk_ms(size, context, rows)
                 messages = (p.links[r - 1].message_ms if r else 0.0) + (p.links[r].message_ms if sends else 0.0)
@@ -500,13 +498,18 @@ def ttft_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] =
             wire = max(sent, free[2 * r + 1])
             free[2 * r + 1] = wire + link.transfer_ms(p.link_bytes(r, rows, size))
             ready = free[2 * r + 1] + link.one_way_ms
-        if kind == MINE:
-            done, mine = ready, list(work)
+        for i in first_of:
+            replies[i] = ready
+        if len(firsts) - 1 in first_of:
+            mine = list(work)
     in_the_wait = sum(p.draft.prefill_ms(size, context) for size, context in firsts) if intake else 0.0
     if depth and k and p.overlap:
         in_the_wait += depth * (round_parts(p, k, 1).prep_ms + p.links[0].message_ms)
     mine[0] += in_the_wait
-    return max(done, free[0] + in_the_wait, host_ms(p, mine)) / 1000.0
+    taken = free[0] + in_the_wait  # rank 0 free to take the replies
+    out = [max(reply, taken) for reply in replies]
+    out[-1] = max(out[-1], host_ms(p, mine))
+    return tuple(t / 1000.0 for t in out)
 
 
 def depths_allowed(in_flight) -> tuple[int, ...]:
@@ -730,6 +733,10 @@ class Predictor:
                intake: bool = True, ago_ms: tuple[float, ...] = ()) -> float:
         return ttft_s(self.pipeline(), prompt_tokens, self.chunk, ahead, k, depth, intake, ago_ms)
 
+    def first_tokens_s(self, prompt_tokens: int, ahead: tuple[int, ...] = (), k: int = 0, depth: int = 0,
+                       intake: bool = True, ago_ms: tuple[float, ...] = ()) -> tuple[float, ...]:
+        return first_tokens_s(self.pipeline(), prompt_tokens, self.chunk, ahead, k, depth, intake, ago_ms)
+
     def intake_ms(self, tokens: int, context: int = 0) -> float:
         """The drafter taking in `tokens` it lacks after the `context` it holds (a prompt skipped at K=0)."""
         return self.start.draft.prefill_ms(tokens, context)
@@ -768,10 +775,6 @@ class Predictor:
                 last = at_context(p, contexts[body])
                 seconds += drain_ms(last, max(r.drafted for r in rounds[body:]), len(rounds) - body) / 1000
         return sum(r.committed for r in rounds) / seconds if seconds > 0 else 0.0
-
-    def admission_ms(self, prompt_tokens: int, intake: bool = True) -> float:
-        """What admitting a prompt adds to the TTFT of every stream whose first round is not yet sent."""
-        return rank0_prefill_ms(self.pipeline(), prompt_tokens, self.chunk, intake)
 
 
 def drained(rounds) -> int:

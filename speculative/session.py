@@ -35,7 +35,6 @@ from netbridge import protocol
 from netbridge.protocol import Prefill, Reply, Request, Round, SamplingParams
 from speculative import cost_model
 from speculative.blocks import BlockMaker
-from speculative.cost_model import first_round_batches
 from speculative.grammar import GrammarFailure
 from speculative.in_flight import in_flight_policy
 from speculative.k_choice import k_policy
@@ -154,26 +153,20 @@ class Session:
         return source, shared
 
     def predict_ttft(self, s: Stream, new_tokens: int) -> None:
-        """The cost model's TTFT of a newcomer, from its admission: the streams admitted before it whose first round
-        is not yet sent (their prompts were prefilled just before its own, while it waited) go first; and its
-        admission holds back each of their first rounds by its prefill, and those whose first round goes in one
-        batch with its own reply with it; where its drafter takes its first round's chunk in (in the wait, after
-        every first round is sent: ttft_s), rank 0 takes none of their replies before that either, so every one of
-        them replies with it (four 2,000-token prompts at once at K=4 over 0 ms: the four first tokens within 15 ms
-        of each other, where the model had them 150 ms apart). Alone, its first wait drafts its chain."""
+        """The cost model's TTFT of a newcomer, from its admission, and again of the streams admitted before it whose
+        first round is not yet sent (their prompts were prefilled just before its own, while it waited): their first
+        rounds go behind its prefill, in the scheduler's batches, and rank 0 takes their replies only after its work
+        in the wait (cost_model.first_tokens_s). Each prediction counts from its own admission. Alone, its first
+        wait drafts its chain."""
         unsent = [o for o in self.live if not o.gen.rounds and not o.chain]
         ahead = tuple(len(o.gen.prompt_ids) - o.gen.reused for o in unsent)
         ago_ms = tuple(1000 * (s.t_start - o.t_start) for o in unsent)
         depth = 0 if self.live else self.scheduler.in_flight.now()  # alone: its first wait drafts its chain
         intake = s.k_now > 0  # (admitted at K=0, the drafter leaves the prompt out: prefill_chunks)
-        s.gen.predicted_ttft_s = self.predictor.ttft_s(new_tokens, ahead, s.k_now, depth, intake, ago_ms)
-        held_back = self.predictor.admission_ms(new_tokens, intake) / 1000
-        batches = first_round_batches([len(o.pending) for o in [*unsent, s]], self.spec.prefill_chunk)
-        beside = next(batch for batch in batches if len(unsent) in batch)
-        for i, o in enumerate(unsent):
-            o.gen.predicted_ttft_s += held_back
-            if i in beside or intake:  # (each prediction counts from its own admission)
-                o.gen.predicted_ttft_s = max(o.gen.predicted_ttft_s, s.t_start - o.t_start + s.gen.predicted_ttft_s)
+        *before, s.gen.predicted_ttft_s = self.predictor.first_tokens_s(new_tokens, ahead, s.k_now, depth, intake,
+                                                                          ago_ms)
+        for o, first_s in zip(unsent, before):
+            o.gen.predicted_ttft_s = s.t_start - o.t_start + first_s
 
     def restore(self, gen: Generation, reuse: int, slot: int) -> int:
         """cache.dir: the longest saved prefix of the prompt every rank holds, loaded on every rank when longer than

@@ -15,7 +15,7 @@ from speculative.cost_model import (ENGINE_LAST_MS, ENGINE_LATER_ROW_MS, ENGINE_
                                     ENGINE_RANK0_ROW_MS, ENGINE_STEP_MS, Acceptance, DraftCost, LinkCost,
                                     Pipeline, Predictor, RankCost, aggregate_tokens_per_s, best_batches, best_depth,
                                     at_context, best_k, best_settings, chain_step_ms, deepening_ms, depths_sent,
-                                    drain_ms, drained, from_rank_costs, rank0_prefill_ms, round_parts, round_ms,
+                                    drain_ms, drained, first_tokens_s, from_rank_costs, round_parts, round_ms,
                                     stream_tokens_per_s, tokens_per_round, ttft_s)
 
 
@@ -78,11 +78,9 @@ def test_a_long_prompt_attends_over_its_context_and_the_drafter_takes_it_in():
     p = Pipeline((RankCost(0.0, 0.1, attend_ms=0.001), RankCost(0.0)), (LinkCost(), LinkCost()),
                  DraftCost(step_ms=7.0, token_ms=0.05, attend_ms=0.0005))
     assert ttft_s(p, 1000, 500) == pytest.approx(0.914)
-    assert rank0_prefill_ms(p, 1000, 500) == pytest.approx(175 + 94.5)  # what its admission holds rank 0 for
     # admitted at K=0 under spec.k_from_costs the drafter takes none of it in: chunk 2 sent at 175 + 425 = 600 ms,
     # its token then
     assert ttft_s(p, 1000, 500, intake=False) == pytest.approx(0.6)
-    assert rank0_prefill_ms(p, 1000, 500, intake=False) == pytest.approx(175)
 
 
 def test_a_lone_streams_first_token_waits_for_the_chain_drafted_in_its_wait():
@@ -109,8 +107,8 @@ def test_prompts_admitted_together_queue_on_rank_0():
     p = ring((0.0, 0.0), (0.0, 0.0), token_ms=0.1)
     assert ttft_s(p, 1000, 500) == pytest.approx(0.15)
     assert ttft_s(p, 1000, 500, ahead=(1000,)) == pytest.approx(0.2)
-    predictor = Predictor(p, chunk=500)
-    assert predictor.ttft_s(1000) + predictor.admission_ms(1000) / 1000 == pytest.approx(0.2)
+    # from B's admission, A's chunk on rank 1 since: A's token at 150 ms (200 from A's own admission), B's at 200
+    assert first_tokens_s(p, 1000, 500, ahead=(1000,), ago_ms=(50.0,)) == pytest.approx((0.15, 0.2))
     # rank 1 ten times slower (0.1 ms a token against 0.01): A's chunk, sent before B came, still holds it for 50 ms
     # after B's admission; B's chunk follows (50-100), A's first round (100-150), B's (150-200)
     slow = Pipeline((RankCost(0.0, 0.01), RankCost(0.0, 0.1)), (LinkCost(), LinkCost()))
@@ -427,33 +425,35 @@ def test_a_session_predicts_the_ttft_of_prompts_admitted_together():
     assert (d.gen.predicted_ttft_s, e.gen.predicted_ttft_s) == pytest.approx((0.018, 0.016))
 
 
-def test_prompts_admitted_before_went_through_the_later_ranks_from_their_own_admissions():
+def test_prompts_admitted_together_reply_behind_every_first_round_and_the_drafters_intake():
     """Three 1,000-token prompts admitted 50 ms apart (each admission rank 0's 50 ms over its first 500-token chunk;
     every chunk 50 ms on each of two ranks, nothing on the wire). From their admissions, A's chunk was on rank 1
-    over -50..0 ms and B's over 0..50, so C's over 50..100; the first rounds (500 tokens each, one batch each)
-    on rank 0 over 50..200 and on rank 1 over 100..250: C's first token at 250 ms. Counted from C's admission on,
-    the two chunks before would hold rank 1 until 100 and C's first token come at 300."""
+    over -50..0 ms and B's over 0..50, so C's over 50..100; the first rounds (500 tokens each, one batch each) on
+    rank 0 over 50..200 and on rank 1 over 100..250: C's first token at 250 ms. A's and B's replies come at 150 and
+    200, but rank 0 sends every first round before it takes one: both at 200 (300 and 250 ms after their own
+    admissions). Counted from C's admission on, the two chunks before would hold rank 1 until 100 and C's token come
+    at 300. At K=4 the drafter takes each chunk in too (10 ms: admissions 60 ms apart), and each first round's
+    chunk in the wait (30 ms after the last first round leaves rank 0 at 210): all three replies taken at 240, C's
+    own at 260 (360 and 300 ms after A's and B's admissions)."""
     from speculative.session import Session
-    predictor = Predictor(ring((0.0, 0.0), (0.0, 0.0), token_ms=0.1), chunk=500)
-    assert predictor.ttft_s(1000, (1000, 1000), ago_ms=(100.0, 50.0)) == pytest.approx(0.25)
+    p = ring((0.0, 0.0), (0.0, 0.0), token_ms=0.1)
+    predictor = Predictor(p, chunk=500)
+    assert predictor.first_tokens_s(1000, (1000, 1000), ago_ms=(100.0, 50.0)) == pytest.approx((0.2, 0.2, 0.25))
     assert predictor.ttft_s(1000, (1000, 1000)) == pytest.approx(0.30)
     streams = [SimpleNamespace(gen=SimpleNamespace(rounds=[], prompt_ids=[1] * 1000, reused=0, predicted_ttft_s=0.0),
                                chain=[], k_now=0, pending=[1] * 500, t_start=0.05 * i) for i in range(3)]
-    session = SimpleNamespace(live=[], predictor=predictor, spec=SimpleNamespace(prefill_chunk=500),
-                              scheduler=SimpleNamespace(in_flight=SimpleNamespace(now=lambda: 1)))
+    session = SimpleNamespace(live=[], predictor=predictor, scheduler=SimpleNamespace(
+        in_flight=SimpleNamespace(now=lambda: 1)))
     for s in streams:
         Session.predict_ttft(session, s, 1000)
         session.live.append(s)
-    assert streams[2].gen.predicted_ttft_s == pytest.approx(0.25)
-    assert [s.gen.predicted_ttft_s for s in streams[:2]] == pytest.approx([0.25, 0.25])  # in turn, each 250 ms on
-    # drafting (K=4: the drafter takes each first round's chunk in, in the wait, before rank 0 takes a reply): all
-    # three first tokens come with C's, 250 ms after its admission: 350 ms after A's, 300 after B's
-    session.live = []
-    for s in streams:
-        s.k_now, s.gen.predicted_ttft_s = 4, 0.0
+    assert [s.gen.predicted_ttft_s for s in streams] == pytest.approx([0.30, 0.25, 0.25])
+    session.live, session.predictor = [], Predictor(replace(p, draft=DraftCost(0.0, token_ms=0.02)), chunk=500)
+    for i, s in enumerate(streams):
+        s.k_now, s.t_start = 4, 0.06 * i
         Session.predict_ttft(session, s, 1000)
         session.live.append(s)
-    assert [s.gen.predicted_ttft_s for s in streams] == pytest.approx([0.35, 0.30, 0.25])
+    assert [s.gen.predicted_ttft_s for s in streams] == pytest.approx([0.36, 0.30, 0.26])
 
 
 def test_the_predictor_counts_the_bets_that_held():
@@ -601,13 +601,11 @@ def test_a_rank_pays_for_the_frames_on_its_own_two_links():
 
 def test_each_prefill_chunk_keeps_the_ranks_at_its_ends_busy_a_message_more():
     """2000 tokens in chunks of 500, both ranks 0.1 ms a token (50 ms a chunk), 5 ms a message: rank 0 sends a chunk
-    every 55 ms, rank 1 takes one every 55; the last chunk's own messages are in the latency: 50 + 3 x 55 + 50 ms.
-    Rank 0's work at admission: its three chunks and their sends."""
+    every 55 ms, rank 1 takes one every 55; the last chunk's own messages are in the latency: 50 + 3 x 55 + 50 ms."""
     free = ring((0.0, 0.0), (0.0, 0.0), token_ms=0.1)
     p = costly(free, 5.0, 5.0)
     assert ttft_s(free, 2000, 500) == pytest.approx(250 / 1000)
     assert ttft_s(p, 2000, 500) == pytest.approx((50 + 3 * 55 + 50) / 1000)
-    assert rank0_prefill_ms(p, 2000, 500) == pytest.approx(3 * 55)
 
 
 def test_the_handshakes_probe_gives_each_links_message_cost():

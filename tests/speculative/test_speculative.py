@@ -517,8 +517,8 @@ def test_a_stream_admitted_at_k0_leaves_its_prompt_out_of_the_drafter():
     predicted = []  # the cost model's TTFT counts the drafter's intake where there is one
     unused = lambda *args, **kwargs: None  # noqa: E731 - (the K policy is replaced below)
     predictor = SimpleNamespace(rates=unused, intake_ms=unused, admission_intake_ms=unused, best_depth=unused,
-                                start=None, admission_ms=lambda *a: 0.0,
-                                ttft_s=lambda n, ahead, k, depth, intake: predicted.append(intake) or 0.0)
+                                start=None, first_tokens_s=lambda n, ahead, k, depth, intake, ago_ms:
+                                predicted.append(intake) or (0.0,))
     for k, intake in ((0, []), (2, [64, 128])):
         taken.clear()
         session = Session(stage, drafter, channel, SpecSettings(k=2, prefill_chunk=64), slots=2, predictor=predictor)
