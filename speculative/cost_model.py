@@ -44,8 +44,9 @@ LinkCost.message_ms more. The first token comes back on the reply link after the
 which the first round carries with no drafts (the token they would follow is not known yet).
 A chunk after c cached tokens costs its block plus attention, attend_ms x tokens x (c + tokens / 2) (on a CPU
 that is most of a 2k prompt's cost for a small model); the drafter takes every chunk in too. Prompts that came
-together queue: the engine prefills each on admission, then sends the first rounds in turn (`ahead`; the
-scheduler batches first rounds of like length, which this does not model: docs/design.md).
+together queue: the engine prefills each on admission, then sends the first rounds in the scheduler's batches
+and takes their replies after its work in the wait (first_tokens_s: each one's first token, from the chunks of
+every one admitted before, `ahead`, on).
 
 A decode round after c cached tokens (Pipeline.context; None: as timed) costs each stage's block and each drafter
 step more per row-token per cached token beyond those its cost was timed after (RankCost / DraftCost.context_ms;
@@ -457,10 +458,9 @@ def first_tokens_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int
     each in from then, and is free again at this admission; without `ago_ms`, rank 0's part done and the rest
     counted from this admission on: more than they have left). Their chunks may still hold the links and the later
     ranks; then every first round goes, in the scheduler's batches (first_round_batches: a batch's rows reply
-    together), behind this one's chunks: an admission holds back the first rounds before it (four 2,000-token
-    prompts at once over 20 Mbit/s at K=0: the first admitted had its first token last). Rank 0 takes a reply
-    only after its work in the wait: the drafter taking in each first round's chunk (so with it, every one of them
-    replies together) and, for a lone stream (`depth` its rounds on the way, 0: not alone) drafting K under
+    together), behind this one's chunks: an admission holds back the first rounds before it. Rank 0 takes a reply
+    only after it has sent every first round and done its work in the wait: the drafter taking in each first
+    round's chunk (so with it, every one of them replies together) and, for a lone stream (`depth` its rounds on the way, 0: not alone) drafting K under
     spec.overlap, its first `depth` blocks on the bet (use_the_wait): over a short trip, what the first token
     waits for. `intake` False: the drafter takes in none of the prompts (streams admitted at K=0 under
     spec.k_from_costs leave them out)."""
