@@ -126,9 +126,10 @@ def _beyond(context: int | None, timed: int) -> int:
 
 def _rows_context(first_ms: float, row_ms: float | None, rows: int) -> float:
     """`rows` rows' ms per cached token: the first row's, and each other's (None: the first's again). Timed, a
-    row more costs another amount: the tiny model's layer over four rows of a 5-token block read 0.023-0.024 ms a
-    row per 1,000 cached tokens a token, one row 0.027-0.033 (its rows share each read of the weights); its
-    drafter's step over four rows 0.033, one row 0.027 (bench/draft_context.py --rows 4)."""
+    row more costs another amount: the tiny model's layer over four rows of a 5-token block read 0.023-0.025 ms a
+    row per 1,000 cached tokens a token, over one row 0.034-0.037 (its rows share each read of the weights;
+    bench/draft_context.py --rows 4 --block 5, two runs); its drafter's step over four rows 0.033-0.035 a row, its
+    real steps over one 0.026 (--rows 4, two runs)."""
     return first_ms + (rows - 1) * (first_ms if row_ms is None else row_ms)
 
 

@@ -124,8 +124,8 @@ class DraftStep:
                     self.noise[b].uniform_(1e-12, 1.0, generator=self.generators[slot])
         # eager: the slots as a list, so the cache reads consecutive ones in order as a view, not a copy of each
         # row's live part in every layer (the tiny drafter's round of 4 drafts over four rows after 2,048 cached
-        # tokens: 23.6 ms gathered, 15.5 as a view; bench/draft_context.py --rows 4); a graph (or static shapes,
-        # its stand-in): the static rows it was captured over
+        # tokens: 21.4-23.6 ms gathered, 14.7-15.5 as a view; bench/draft_context.py --rows 4, two runs); a graph
+        # (or static shapes, its stand-in): the static rows it was captured over
         rows = self.rows[batch] if graph is not None or (self.static_shapes and batch > 1) else slots
         for i in range(k):
             if graph is not None:
