@@ -12,9 +12,8 @@ as time_rank now times it), and real drafting steps (ModelDrafter.propose of 4 d
 Prints ms more per 1,000 cached tokens for one layer, each way. With --rows N, also one layer's step (with --block
 T: over a block of T tokens, a target's round) over N rows after the two contexts, back to back, the rows' slots
 consecutive and in order (StaticKVCache.span: the cache read as a view), in reverse (gathered: a copy of every row's
-live part) and one row alone; and the whole drafter's rounds of 4 drafts over
-N rows after each context (propose_rows, as rank 0 drafts a batch), the same two orders, and over one row of them.
-One thread; run it alone."""
+live part) and one row alone; and the whole drafter's rounds of 4 drafts over N rows after each context
+(propose_rows, as rank 0 drafts a batch), the same two orders, and over one row of them. One thread; run it alone."""
 from __future__ import annotations
 
 import argparse

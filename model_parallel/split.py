@@ -451,9 +451,10 @@ def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WIN
     """The target's stage call (and head, if `target.head`), plus `drafter.calls` drafter steps (every layer, the
     norm and the head over one token); a one-layer stage of each also over PROBE_TOKENS tokens, after a short and a
     long context: their slopes are the per-token and attention costs a prefill chunk adds (speculative.cost_model);
-    and a one-layer stage of each over its block after DECODE_CONTEXT: a decode round's cost per cached token.
-    Every part is timed here, in turn with the others, in one window (median_ms), but the drafter's steps after the
-    two contexts: back to back, as a round runs them (steps_ms)."""
+    and a one-layer stage of each over its block after DECODE_CONTEXT: a decode round's cost per cached token; each
+    also over ROW_PROBE rows: a row more's. Every part is timed here, in turn with the others, in one window
+    (median_ms), but the drafter's steps after the two contexts over one row and over ROW_PROBE rows: back to back,
+    as a round runs them (steps_ms)."""
     runs, scale = {}, {}
     for name, model in (("target", target), ("drafter", drafter)):
         if model is not None:
