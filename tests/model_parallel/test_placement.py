@@ -301,9 +301,9 @@ def test_timing_measures_what_a_long_prompt_and_more_rows_cost(tiny_qwen, monkey
     the drafter's 0.0001 a layer per cached token, times its 4 layers. Four rows of the block in one forward: a
     target layer 0.4 ms a row more; the last rank's head (timed on a slice, 0.2 ms over one row) 0.1 a row more; a
     drafter step over four rows: its layer 0.3 ms a row more (its steps back to back: 1.6 ms over four rows, 0.7 over
-    one), its head 0.05, so 4 x 0.3 + 0.05 x scale a step. The
-    four rows after 2048 cached tokens: each row more 0.00015 ms a target layer per block token per cached token,
-    0.00012 a drafter layer per cached token (its 4 layers: 0.00048)."""
+    one), its head 0.05, so 4 x 0.3 + 0.05 x scale a step. The four rows after 2048 cached tokens: each row more
+    0.00015 ms a target layer per block token per cached token, 0.00012 a drafter layer per cached token (its 4
+    layers: 0.00048)."""
     import model_parallel.split as split
     from model_parallel.loader import ModelSource
     probe, extra = split.PROBE_TOKENS, 128 * (split.LONG_CONTEXT - split.CONTEXT)
