@@ -442,10 +442,10 @@ def first_round_batches(lengths: list[int], chunk: int) -> list[list[int]]:
 
 
 def ttft_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] = (), k: int = 0,
-           depth: int = 0, intake: bool = True, ago_ms: tuple[float, ...] = ()) -> float:
+           depth: int = 0, intake: bool = True) -> float:
     """Time to first token of a `prompt_tokens` prompt (nothing cached) crossing in chunks of `chunk`, pipelined
     across the ranks, counted from its admission (first_tokens_s: its own, after the `ahead`)."""
-    return first_tokens_s(p, prompt_tokens, chunk, ahead, k, depth, intake, ago_ms)[-1]
+    return first_tokens_s(p, prompt_tokens, chunk, ahead, k, depth, intake)[-1]
 
 
 def first_tokens_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] = (), k: int = 0,
@@ -731,8 +731,8 @@ class Predictor:
                 for k in range(k_max + 1)]
 
     def ttft_s(self, prompt_tokens: int, ahead: tuple[int, ...] = (), k: int = 0, depth: int = 0,
-               intake: bool = True, ago_ms: tuple[float, ...] = ()) -> float:
-        return ttft_s(self.pipeline(), prompt_tokens, self.chunk, ahead, k, depth, intake, ago_ms)
+               intake: bool = True) -> float:
+        return ttft_s(self.pipeline(), prompt_tokens, self.chunk, ahead, k, depth, intake)
 
     def first_tokens_s(self, prompt_tokens: int, ahead: tuple[int, ...] = (), k: int = 0, depth: int = 0,
                        intake: bool = True, ago_ms: tuple[float, ...] = ()) -> tuple[float, ...]:
