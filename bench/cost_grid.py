@@ -22,14 +22,14 @@ pair's acceptance depends on the prompt, 0.42 to 0.83 at K=4 on two of them). Pe
     four clients  measured: the tokens after the first ones over the span from the first first token to the last
                   answer (the four decode side by side while the later prompts are still admitted), TTFT p50 (queue
                   included: the four prompts arrive at once), and in results.json the spread of the first tokens
-                  (the last's time less the first's; predicted: of the predicted TTFTs); predicted: the same tokens over the time the start-up
-                  line's aggregate (at the prior acceptance, scaled by the measured tokens per round over the prior's:
-                  the model's aggregate is linear in it; at the cell's context, between the line's two: aggregate_at)
-                  gives them, plus the spread of the requests' predicted TTFTs (rank 0 admits and prefills a newcomer
-                  while the others wait), less what the streams that have their first token decode in that spread
-                  (each at its own predicted rate), and the p50 of their predicted TTFTs. `auto` leaves the start-up
-                  line's K, so there the sum of the requests' own `predicted_tokens_per_s` stands for the aggregate
-                  (each the model's aggregate of the streams live beside it over their count, at its rounds' K)
+                  (the last's time less the first's; predicted: of the predicted TTFTs); predicted: the same tokens
+                  over the time the sum of the requests' own `predicted_tokens_per_s` gives them (each the model's
+                  aggregate of the streams live beside it over their count, at the K, the batch count and the
+                  acceptance its rounds ran at: the start-up line's aggregate is at the model's best batch count,
+                  where BatchCount, from costs measured online, may settle on another), plus the spread of the
+                  requests' predicted TTFTs (rank 0 admits and prefills a newcomer while the others wait), less what
+                  the streams that have their first token decode in that spread (each at its own predicted rate),
+                  and the p50 of their predicted TTFTs
     err           predicted / measured - 1 (the goal: within 15% in every cell)
     choice        the `auto` launch's measured figure over the best fixed setting's in the same cell (goal: >= 0.95);
                   and the same of the whole requests: every token over the time from the first request sent to the
@@ -184,16 +184,6 @@ def startup_prediction(log: Path) -> dict:
     return figures
 
 
-def aggregate_at(startup: dict, context: float) -> float:
-    """The start-up aggregate after `context` cached tokens: the time per token is linear in the context in the
-    model (each round's attention over it), so interpolated in it between the start-up line's two contexts."""
-    if "contexts" not in startup:
-        return startup.get("aggregate") or 0.0
-    (c0, c1), (a0, a1) = startup["contexts"], startup["aggregates"]
-    per_token = 1 / a0 + (1 / a1 - 1 / a0) * (context - c0) / (c1 - c0)
-    return 1 / per_token if per_token > 0 else 0.0
-
-
 def measure(cells: list[Cell], a, root: Path, run: int = 0) -> list[dict]:
     """Every cell, one launch per Launch (`run`: which of the --repeat runs, kept in each row)."""
     rows = []
@@ -222,8 +212,6 @@ def measure(cells: list[Cell], a, root: Path, run: int = 0) -> list[dict]:
 
 
 def figures(results: list[dict], cell: Cell, startup: dict) -> dict:
-    from launch.prediction import PRIOR_ACCEPTANCE
-    from speculative.cost_model import Acceptance, tokens_per_round
     bad = [r for r in results if "error" in r]
     if bad:
         return {"error": bad[0]["error"]}
@@ -237,14 +225,10 @@ def figures(results: list[dict], cell: Cell, startup: dict) -> dict:
         decoded = sum(r["tokens"] - 1 for r in results)
         first = min(r["sent"] + r["ttft_ms"] / 1000 for r in results)
         measured = decoded / max(max(r["done"] for r in results) - first, 1e-9)
-        if cell.launch.setting == "auto":  # K moved from the start-up line's: the requests' own predictions
-            together = sum(r["predicted_tokens_per_s"] for r in results)  # each its share of the streams beside it
-        else:  # the model's aggregate of the four, as the start-up line gave it, at the acceptance measured
-            k = startup.get("k", 0)
-            per_round = statistics.mean(r["tokens_per_round"] for r in results)
-            prior_round = tokens_per_round(Acceptance(prior=PRIOR_ACCEPTANCE), k) if k else 1.0
-            context = prompt_tokens + statistics.mean(r["tokens"] for r in results) / 2  # the middle of the answers
-            together = aggregate_at(startup, context) * per_round / prior_round
+        # the requests' own predictions: each its share of the streams beside it, at the K, the batches and the
+        # acceptance its rounds ran at (the start-up line's aggregate is at its K and the model's best batch count,
+        # where BatchCount may settle on another: four streams over two ranks at K=0 ran in one batch of four)
+        together = sum(r["predicted_tokens_per_s"] for r in results)
         # until the last first token (the spread of the predicted TTFTs), the streams that have theirs decode at
         # their own predicted rates; the rest at the aggregate
         last_s = max(r["predicted_ttft_ms"] for r in results) / 1000

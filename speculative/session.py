@@ -325,7 +325,8 @@ class Session:
             return
         self.predictor.observe(record.drafted, record.accepted, record.bet)
         record.predicted_tokens_per_s = self.predictor.tokens_per_s(record.drafted, self.scheduler.depth(), record.live,
-                                                                    len(s.gen.prompt_ids) + len(s.output.tokens))
+                                                                    len(s.gen.prompt_ids) + len(s.output.tokens),
+                                                                    cost_model.batches_run(record))
         decode_s = time.perf_counter() - s.t_start - s.gen.ttft_s
         record.measured_tokens_per_s = (len(s.output.tokens) - 1) / decode_s if decode_s > 0 else 0.0
 

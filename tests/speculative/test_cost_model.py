@@ -14,8 +14,8 @@ from types import SimpleNamespace
 from speculative.cost_model import (ENGINE_LAST_MS, ENGINE_LATER_ROW_MS, ENGINE_MIDDLE_MS, ENGINE_RANK0_MS,
                                     ENGINE_RANK0_ROW_MS, ENGINE_STEP_MS, Acceptance, DraftCost, LinkCost,
                                     Pipeline, Predictor, RankCost, aggregate_tokens_per_s, best_batches, best_depth,
-                                    at_context, best_k, best_settings, chain_step_ms, deepening_ms, depths_sent,
-                                    drain_ms, drained, first_tokens_s, from_rank_costs, round_parts, round_ms,
+                                    at_context, batches_run, best_k, best_settings, chain_step_ms, deepening_ms,
+                                    depths_sent, drain_ms, drained, first_tokens_s, from_rank_costs, round_parts, round_ms,
                                     stream_tokens_per_s, tokens_per_round, ttft_s)
 
 
@@ -675,3 +675,32 @@ def test_a_newcomers_intake_rides_its_prefills_pipeline():
     assert slow_later.admission_intake_ms(2000) == pytest.approx(0.0, abs=1e-9)
     fast_later = Predictor(replace(p, ranks=(RankCost(0.0, 0.01), RankCost(0.0, 0.01))), chunk=500)
     assert fast_later.admission_intake_ms(2000) == pytest.approx(124.0 - 25.0)
+
+
+def test_a_prediction_beside_a_round_is_at_the_batches_it_ran_in():
+    """Two ranks of 10 ms a batch and 2 ms a row, free links, K=0, four streams: in two batches of two rows a cycle
+    is 2 x 14 = 28 ms (142.9 tokens/s, the model's best count), in one batch of four the ranks take turns, 2 x 18 =
+    36 ms (111.1). A round that went out in one batch of four (BatchCount's choice) is predicted at that, 111.1 / 4
+    a stream, not at the best count's rate; so is a request of such rounds; rounds with no batch recorded, or
+    alone, at the best count."""
+    p = Pipeline((RankCost(10.0, row_ms=2.0),) * 2, (LinkCost(), LinkCost()), acceptance=Acceptance(prior=1.0))
+    assert best_batches(p, 0, 4) == 2
+    one_batch, two_batches = 1000 * 4 / 36 / 4, 1000 * 4 / 28 / 4
+    assert Predictor(p).tokens_per_s(0, streams=4, batches=1) == pytest.approx(one_batch)
+    assert Predictor(p).tokens_per_s(0, streams=4) == pytest.approx(two_batches)
+
+    def rounds(**ran):
+        return [SimpleNamespace(drafted=0, accepted=0, committed=1, bet=None, in_flight=1, from_ahead=False,
+                                prepared=0, **ran) for _ in range(3)]
+    assert Predictor(p).for_rounds(rounds(live=4, batch=4), streams=4) == pytest.approx(one_batch)
+    assert Predictor(p).for_rounds(rounds(live=4, batch=2), streams=4) == pytest.approx(two_batches)
+    assert Predictor(p).for_rounds(rounds(), streams=4) == pytest.approx(two_batches)
+    assert batches_run(SimpleNamespace(live=3, batch=2)) == 2 and batches_run(SimpleNamespace(live=1, batch=1)) is None
+    import time
+    from speculative.session import Session
+    session = SimpleNamespace(predictor=Predictor(p), scheduler=SimpleNamespace(depth=lambda: 1))
+    s = SimpleNamespace(gen=SimpleNamespace(prompt_ids=[1] * 40, ttft_s=0.0), output=SimpleNamespace(tokens=[1] * 10),
+                        t_start=time.perf_counter())
+    record = SimpleNamespace(drafted=0, accepted=0, bet=None, live=4, batch=4)
+    Session.predict(session, s, record, decode=True)  # the rate beside the round
+    assert record.predicted_tokens_per_s == pytest.approx(one_batch)
