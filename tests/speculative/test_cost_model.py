@@ -15,8 +15,8 @@ from speculative.cost_model import (ENGINE_LAST_MS, ENGINE_LATER_ROW_MS, ENGINE_
                                     ENGINE_RANK0_ROW_MS, ENGINE_STEP_MS, Acceptance, DraftCost, LinkCost,
                                     Pipeline, Predictor, RankCost, aggregate_tokens_per_s, best_batches, best_depth,
                                     at_context, batches_run, best_k, best_settings, chain_step_ms, deepening_ms,
-                                    depths_sent, drain_ms, drained, first_tokens_s, from_rank_costs, round_parts, round_ms,
-                                    stream_tokens_per_s, tokens_per_round, ttft_s)
+                                    depths_sent, drain_ms, drained, first_tokens_s, from_rank_costs, round_parts,
+                                    round_ms, stream_tokens_per_s, tokens_per_round, ttft_s)
 
 
 def ring(ranks=(10.0, 10.0), one_way=(0.0, 0.0), mbps=(float("inf"), float("inf")), step=0.0, rate=0.5, overlap=False,
