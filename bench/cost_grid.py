@@ -5,6 +5,7 @@ grid, and the model's own choice against the best fixed setting (issue 45).
     python -m bench.cost_grid                # the whole grid: 2 models x 2/3 ranks x 3 delays x 2 bandwidths x
                                              # 5 settings = 120 launches, 4 cells each (hours; run it alone)
     python -m bench.cost_grid --models tiny --ranks 2 --delays 0 40     # any slice of it
+    python -m bench.cost_grid --models tiny --delays 0 --repeat 3       # each launch three times (below)
 
 Axes: the model (`tiny`: an 8-layer random fp32 model drafting for itself, every draft kept; `pair`: the embedded
 1.5B target + 0.5B drafter, bf16, the README's quick start), ranks 2 / 3 (torchrun on this host), the EMULATED link
