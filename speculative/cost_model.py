@@ -716,7 +716,8 @@ class Predictor:
         p = at_context(self.pipeline(), context)
         if streams <= 1:
             return stream_tokens_per_s(p, k, depth)
-        return aggregate_tokens_per_s(p, k, streams, batches or best_batches(p, k, streams, self.batches_max)) / streams
+        batches = batches or best_batches(p, k, streams, self.batches_max)
+        return aggregate_tokens_per_s(p, k, streams, batches) / streams
 
     def best_depth(self, k: int, depth_max: int = DEPTH_MAX) -> int:
         """A lone stream's depth now (spec.in_flight=auto): best_depth at the acceptance and bets measured."""
