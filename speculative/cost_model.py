@@ -449,11 +449,13 @@ def ttft_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] =
 
 
 def first_tokens_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...] = (), k: int = 0,
-                   depth: int = 0, intake: bool = True, ago_ms: tuple[float, ...] = ()) -> tuple[float, ...]:
-    """When each of `ahead` and then this `prompt_tokens` prompt has its first token, counted from this one's
-    admission: each prompt crosses in chunks of `chunk` (nothing cached), pipelined across the ranks; the last chunk
-    goes with the first round, whose reply carries the token (it drafts nothing at any K). A chunk's cost grows with
-    the context it attends over.
+                   depth: int = 0, intake: bool = True, ago_ms: tuple[float, ...] = (),
+                   after: tuple[int, ...] = ()) -> tuple[float, ...]:
+    """When each of `ahead`, then this `prompt_tokens` prompt, then each of `after` has its first token, counted from
+    this one's admission: each prompt crosses in chunks of `chunk` (nothing cached), pipelined across the ranks; the
+    last chunk goes with the first round, whose reply carries the token (it drafts nothing at any K). A chunk's cost
+    grows with the context it attends over. `after`: prompts admitted right behind it, before any first round goes
+    (a burst the server gathered: rank 0 takes each in after this one).
 
     `ahead`: prompts admitted before it whose first rounds are not yet sent, `ago_ms` before this one (rank 0 took
     each in from then, and is free again at this admission; without `ago_ms`, rank 0's part done and the rest
@@ -469,8 +471,8 @@ def first_tokens_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int
     # (rows, tokens, context, the prompts whose first round it is, from when, after this admission)
     items = [(1, size, context, (), at, False)
              for n, at in zip(ahead, since) for size, context in chunks(n, chunk)[:-1]]
-    items += [(1, size, context, (), 0.0, True) for size, context in chunks(prompt_tokens, chunk)[:-1]]
-    firsts = [chunks(n, chunk)[-1] for n in [*ahead, prompt_tokens]]
+    items += [(1, size, context, (), 0.0, True) for n in (prompt_tokens, *after) for size, context in chunks(n, chunk)[:-1]]
+    firsts, me = [chunks(n, chunk)[-1] for n in [*ahead, prompt_tokens, *after]], len(ahead)
     for batch in first_round_batches([size for size, _ in firsts], chunk):
         items.append((len(batch), max(firsts[i][0] for i in batch), max(firsts[i][1] for i in batch), batch, 0.0, True))
     free = [min([0.0, *(at for at in since if at is not None)])] * (2 * len(p.ranks))  # when each resource is next
@@ -501,7 +503,7 @@ def first_tokens_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int
             ready = free[2 * r + 1] + link.one_way_ms
         for i in first_of:
             replies[i] = ready
-        if len(firsts) - 1 in first_of:
+        if me in first_of:
             mine = list(work)
     in_the_wait = sum(p.draft.prefill_ms(size, context) for size, context in firsts) if intake else 0.0
     if depth and k and p.overlap:
@@ -509,7 +511,7 @@ def first_tokens_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int
     mine[0] += in_the_wait
     taken = free[0] + in_the_wait  # rank 0 free to take the replies
     out = [max(reply, taken) for reply in replies]
-    out[-1] = max(out[-1], host_ms(p, mine))
+    out[me] = max(out[me], host_ms(p, mine))
     return tuple(t / 1000.0 for t in out)
 
 
@@ -745,10 +747,14 @@ class Predictor:
         """The drafter taking in `tokens` it lacks after the `context` it holds (a prompt skipped at K=0)."""
         return self.start.draft.prefill_ms(tokens, context)
 
-    def admission_intake_ms(self, tokens: int) -> float:
-        """What the drafter taking in a newcomer's `tokens`-token prompt adds to its TTFT: at its admission each
-        chunk goes in while the later ranks work on it (ttft_s with the intake less without)."""
-        return 1000 * (self.ttft_s(tokens) - self.ttft_s(tokens, intake=False))
+    def admission_intake_ms(self, tokens: int, burst: tuple[int, ...] = ()) -> float:
+        """What the drafter taking in a newcomer's `tokens`-token prompt, and those of the `burst` admitted with it,
+        adds to the last of their first tokens: each chunk goes in while the later ranks work on it, but in a burst
+        rank 0 takes in one prompt after another before any first round goes (first_tokens_s with the intake less
+        without, the burst admitted right behind it)."""
+        def last_s(intake: bool) -> float:
+            return max(first_tokens_s(self.pipeline(), tokens, self.chunk, intake=intake, after=burst))
+        return 1000 * (last_s(True) - last_s(False))
 
     def for_rounds(self, rounds, streams: int = 1, start: int | None = None, before=None) -> float:
         """One request's tokens/s as the model gives it at the acceptance its own decode rounds measured (and its

@@ -61,9 +61,11 @@ class FixedK:
     def __init__(self, k_max: int):
         self.k_max = k_max
 
-    def first(self, streams: int = 1, context: int | None = None, lag: int = 0, remaining: int | None = None) -> int:
+    def first(self, streams: int = 1, context: int | None = None, lag: int = 0, remaining: int | None = None,
+              burst: tuple[int, ...] = ()) -> int:
         """A generation's K, `streams` live with it (its own included), its prompt `context` tokens, `lag` of them
-        not in the drafter's cache, its answer at most `remaining` tokens."""
+        not in the drafter's cache, its answer at most `remaining` tokens; `burst`: the new tokens of the prompts
+        admitted with it (before it, their first rounds not yet sent, or right after)."""
         return self.k_max
 
     def bet(self, k_tip: int, drafted: int, k_now: int) -> int:
@@ -123,7 +125,9 @@ class KFromCosts:
         # best depth, or `streams` together (None: the rates of the rounds' own costs below, any number of streams)
         self.model = model
         self.intake = intake  # (tokens, context) -> the model's ms for the drafter to take in tokens it lacks
-        self.admission_intake = admission_intake  # tokens -> what it adds to a newcomer's TTFT to take them in then
+        # (tokens, the burst's other prompts) -> what taking a newcomer's tokens in then (and the burst's) adds to
+        # the first tokens
+        self.admission_intake = admission_intake
         self.warmup = [1, 0]  # the block sizes to measure first
         self.tried = [0] * (k_max + 2)  # [i]: decode rounds in which draft i was verified
         self.kept = [0] * (k_max + 2)  # [i]: ... and accepted
@@ -194,15 +198,17 @@ class KFromCosts:
         return best
 
     # --- the K policy interface (FixedK) ---------------------------------------------------------
-    def first(self, streams: int = 1, context: int | None = None, lag: int = 0, remaining: int | None = None) -> int:
+    def first(self, streams: int = 1, context: int | None = None, lag: int = 0, remaining: int | None = None,
+              burst: tuple[int, ...] = ()) -> int:
         """The model's K for the newcomer, or 0 where its answer is too short to pay for the drafter taking in the
-        prompt: what that adds to its TTFT (admission_intake: the model's TTFT with the intake less without, as the
-        drafter takes each chunk in while the later ranks work on it) against the decoding its drafts save."""
+        prompt: what that adds to the first tokens (admission_intake: the model's with the intake less without; the
+        drafter takes each chunk in while the later ranks work on it, and in a `burst` rank 0 takes in every prompt
+        of it before any first round goes) against the decoding its drafts save."""
         if self.model is None:
             return self.choose(None)
         best = self.k_modelled(streams, context)
         if best and not in_step(lag, self.k_max) and self.admission_intake is not None and not self.pays_intake(
-                best, streams, remaining, self.admission_intake(lag)):
+                best, streams, remaining, self.admission_intake(lag, burst)):
             return 0
         return best
 

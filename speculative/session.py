@@ -55,6 +55,11 @@ class SpecSettings:
     in_flight: int | str = 1  # rounds of a stream on the way at once (1: one; "auto": speculative.in_flight)
 
 
+def unsent(streams: list[Stream]) -> list[Stream]:
+    """The streams whose first round is not yet sent: admitted just before (a burst, Session.admit)."""
+    return [o for o in streams if not o.gen.rounds and not o.chain]
+
+
 def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000
 
@@ -112,10 +117,12 @@ class Session:
         return stream.gen
 
     def admit(self, prompt_ids: list[int], output: Output, params: SamplingParams = SamplingParams(), on_round=None,
-              cancelled=lambda: False) -> Stream:
+              cancelled=lambda: False, coming: tuple[int, ...] = ()) -> Stream:
         """A new stream in a free slot (speculative.scheduler: the one holding the longest prefix of the prompt): the
         Request to the later ranks, the drafter's slot reset past what every cache holds of the prompt, the
-        prompt's new part prefilled but for the tail the first round carries."""
+        prompt's new part prefilled but for the tail the first round carries. `coming`: the prompts' lengths of the
+        requests to be admitted right after it (a burst: the server gathered them together); its K is chosen for
+        the streams live with it then, and against the drafter taking in every prompt of the burst (k_choice)."""
         slot, reuse = self.scheduler.take(prompt_ids)
         self.replies.drain()  # a generation that stopped on an error may have left replies on the way
         s = Stream(output, params, Generation(prompt_ids, output, reused=reuse), list(prompt_ids), [], 0, slot,
@@ -131,8 +138,9 @@ class Session:
             self.stage.cache.copy_prefix(source, slot, shared)
             self.drafter.copy_prefix(source, slot, shared)
             held = s.gen.reused = shared
-        s.k_now = self.k_policy.first(len(self.scheduler.live) + 1, len(prompt_ids), len(prompt_ids) - held,
-                                      s.remaining)
+        burst = (*(len(o.gen.prompt_ids) - o.gen.reused for o in unsent(self.live)), *coming)
+        streams = len(self.scheduler.live) + 1 + len(coming)
+        s.k_now = self.k_policy.first(streams, len(prompt_ids), len(prompt_ids) - held, s.remaining, burst=burst)
         s.pending = self.prefill_chunks(prompt_ids, held, slot, drafts=s.k_now > 0)
         self.t_replied = None  # an admission is not a batch's work (BatchCount: rank 0's work per batch)
         if self.predictor is not None:
@@ -158,14 +166,14 @@ class Session:
         rounds go behind its prefill, in the scheduler's batches, and rank 0 takes their replies only after its work
         in the wait (cost_model.first_tokens_s). Each prediction counts from its own admission. Alone, its first
         wait drafts its chain."""
-        unsent = [o for o in self.live if not o.gen.rounds and not o.chain]
-        ahead = tuple(len(o.gen.prompt_ids) - o.gen.reused for o in unsent)
-        ago_ms = tuple(1000 * (s.t_start - o.t_start) for o in unsent)
+        before = unsent(self.live)
+        ahead = tuple(len(o.gen.prompt_ids) - o.gen.reused for o in before)
+        ago_ms = tuple(1000 * (s.t_start - o.t_start) for o in before)
         depth = 0 if self.live else self.scheduler.in_flight.now()  # alone: its first wait drafts its chain
         intake = s.k_now > 0  # (admitted at K=0, the drafter leaves the prompt out: prefill_chunks)
-        *before, s.gen.predicted_ttft_s = self.predictor.first_tokens_s(new_tokens, ahead, s.k_now, depth, intake,
+        *firsts, s.gen.predicted_ttft_s = self.predictor.first_tokens_s(new_tokens, ahead, s.k_now, depth, intake,
                                                                           ago_ms)
-        for o, first_s in zip(unsent, before):
+        for o, first_s in zip(before, firsts):
             o.gen.predicted_ttft_s = s.t_start - o.t_start + first_s
 
     def restore(self, gen: Generation, reuse: int, slot: int) -> int:

@@ -23,7 +23,7 @@ from speculative.output import Output
 from speculative.stats import summarize
 
 FINISH = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length"}
-BURST_S, BURST_MOST_S = 0.015, 0.06  # an idle engine's first request waits for others arriving with it (_admit_waiting)
+BURST_S, BURST_MOST_S = 0.015, 0.06  # an idle engine's first request waits for others arriving with it (_burst)
 
 
 @dataclass
@@ -53,7 +53,6 @@ class Running:
     stream: object = None  # the Session's stream (stream.gen, stream.slot) once admitted
     sent: str = ""  # the visible text sent so far
     reported: int = 0  # the tokens whose logprobs were sent so far
-    gathered_s: float = 0.0  # after its admission, waiting for requests right behind it (_admit_waiting)
 
     def relay(self) -> None:
         """After one of its rounds: the text and logprobs that round added, to the client. With logprobs, the text
@@ -151,25 +150,38 @@ class Engine:
             self.on_fatal()
 
     def _admit_waiting(self) -> None:
-        """Admit waiting jobs while a slot is free. With none live, wait for one (saying Idle meanwhile,
-        which keeps the later ranks' receives from timing out), then for the ones right behind it: requests sent
-        together reach the queue a few ms apart, and one that missed the first tick waited a whole round trip
-        (~0.9 s at 40 ms) for its first round; admitted together, their first rounds go out as one batch. Each
-        waits BURST_S for the next, BURST_MOST_S in all: what a lone request's first token pays."""
-        idle, gather_until = not self.live, None
+        """Admit waiting jobs while a slot is free: with none live, a burst (_burst) together, each knowing the
+        prompts behind it; else those already waiting."""
+        burst = [] if self.live else self._burst()
+        for i, job in enumerate(burst):
+            self._admit(job, coming=tuple(len(j.prompt.ids) for j in burst[i + 1:]))
         while not self.closing and self.session.free() > 0:
-            within = 0.0
-            if idle and self.live:  # an idle engine took a request: the ones right behind it join it
-                gather_until = gather_until or time.perf_counter() + BURST_MOST_S
-                within = min(BURST_S, max(0.0, gather_until - time.perf_counter()))
-            t0 = time.perf_counter()
-            job = self._next_job(wait=not self.live, within=within)
-            if within:  # the TTFT of each admitted so far: the cost model's prediction adds it (_done)
-                for running in self.live:
-                    running.gathered_s += time.perf_counter() - t0
+            job = self._next_job(wait=False)
             if job is None:
                 return
             self._admit(job)
+
+    def _burst(self) -> list[Job]:
+        """An idle engine's next jobs: wait for one (saying Idle meanwhile, which keeps the later ranks' receives
+        from timing out), then for the ones right behind it, before admitting any. Requests sent together reach the
+        queue a few ms apart: admitted together, their first rounds go out as one batch (one that missed the first
+        tick waited a whole round trip, ~0.9 s at 40 ms), and each one's K is chosen knowing the others
+        (spec.k_from_costs: four 2,000-token prompts each admitted as if alone drafted at K=4, every prompt through
+        the drafter first, and their first tokens came 4x later than at K=0). Each waits BURST_S for the next,
+        BURST_MOST_S in all: what a lone request's first token pays (in its queue_s)."""
+        job = self._next_job(wait=True)
+        burst, until = ([] if job is None else [job]), time.perf_counter() + BURST_MOST_S
+        while burst and not self.closing and len(burst) < self.session.free():
+            within = until - time.perf_counter()
+            job = self._next_job(wait=False, within=min(BURST_S, within)) if within > 0 else None
+            if job is None:
+                break
+            burst.append(job)
+        if self.closing:  # stop() came while gathering: these left the queue before its _fail_waiting
+            for job in burst:
+                job.emit("error", ApiError(503, "the server is stopping: the server is shutting down", "server_error"))
+            return []
+        return burst
 
     def _next_job(self, wait: bool, within: float = 0.0) -> Job | None:
         """The next job: waiting for one (`wait`), or for at most `within` seconds, or only one already there."""
@@ -186,7 +198,8 @@ class Engine:
             self.closing = True
         return None if job is None or job.cancelled.is_set() else job
 
-    def _admit(self, job: Job) -> None:
+    def _admit(self, job: Job, coming: tuple[int, ...] = ()) -> None:
+        """`job` live in a slot; `coming`: the prompts' lengths of the jobs admitted right after it (its burst)."""
         p = job.prompt
         running = Running(job, Output(self.tokenizer, self.eos_ids, p.max_tokens, p.stop), self.admitted)
         with self.lock:
@@ -202,7 +215,7 @@ class Engine:
             running.relay()
         # an exception (the link broke) fails every live job, this one included: it is in self.live
         running.stream = self.session.admit(p.ids, running.output, p.params, on_round=on_round,
-                                            cancelled=job.cancelled.is_set)
+                                            cancelled=job.cancelled.is_set, coming=coming)
 
     def _finish(self, ended) -> None:
         """The streams that ended in a tick: each job's last event, with its figures."""
@@ -223,8 +236,8 @@ class Engine:
         stats["prefilled_tokens"] = len(p.ids) - gen.reused
         stats["queue_s"] = running.admitted - job.arrived  # parsing, tokenizing and waiting for a slot
         stats["ttft_s"] += stats["queue_s"]  # as the client sees it: from the request's arrival
-        if stats["predicted_ttft_s"]:  # the cost model's counts from admission; the waits around it are measured
-            stats["predicted_ttft_s"] += stats["queue_s"] + running.gathered_s
+        if stats["predicted_ttft_s"]:  # the cost model's counts from admission; the wait before it is measured
+            stats["predicted_ttft_s"] += stats["queue_s"]
         stats["slot"] = running.stream.slot
         if self.telemetry is not None:
             self.telemetry.on_request(stats, self.served, running.serial, gen)

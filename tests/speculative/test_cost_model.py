@@ -675,6 +675,11 @@ def test_a_newcomers_intake_rides_its_prefills_pipeline():
     assert slow_later.admission_intake_ms(2000) == pytest.approx(0.0, abs=1e-9)
     fast_later = Predictor(replace(p, ranks=(RankCost(0.0, 0.01), RankCost(0.0, 0.01))), chunk=500)
     assert fast_later.admission_intake_ms(2000) == pytest.approx(124.0 - 25.0)
+    # four such prompts admitted together: rank 0 takes in every one before any first round goes; behind the fast
+    # later rank each intake delays them all: 12 chunks x (5 + 26) + 4 x 5 + 4 x 26 in the wait = 496 ms, where the
+    # 16 chunks without take 80 and the last reply 5 more. Behind the slow one (1,600 ms of chunks) it still hides.
+    assert fast_later.admission_intake_ms(2000, burst=(2000,) * 3) == pytest.approx(496.0 - 85.0)
+    assert slow_later.admission_intake_ms(2000, burst=(2000,) * 3) == pytest.approx(0.0, abs=1e-9)
 
 
 def test_a_prediction_beside_a_round_is_at_the_batches_it_ran_in():

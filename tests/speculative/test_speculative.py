@@ -504,6 +504,27 @@ def test_k_from_costs_drafts_again_only_where_it_pays_for_the_prompt_its_drafter
     assert model.first(1, 2010, lag=2000, remaining=10_000) == model.first(1, 2010, lag=0, remaining=5) == 4
 
 
+def test_a_burst_of_long_prompts_drafts_only_where_it_pays_for_every_prompt_through_the_drafter():
+    """Four 2,000-token prompts admitted together (Engine._burst): rank 0 takes each into the drafter before any
+    first round goes, 201 ms apiece, and every first token waits for all four (814 ms, the model's burst), where one
+    alone pays 202. Four streams at K=4 give 2,857 tokens/s against 1,333 at K=0: over 300 tokens each, K=4 saves
+    0.48 s, enough for one prompt's intake and not for four; over 1,000 it saves 1.6 s."""
+    from speculative.cost_model import Acceptance, DraftCost, LinkCost, Pipeline, Predictor, RankCost
+    from speculative.k_choice import KFromCosts
+    p = Pipeline((RankCost(1.0), RankCost(1.0)), (LinkCost(0.5), LinkCost(0.5)), DraftCost(1.0, token_ms=0.1),
+                 Acceptance(prior=1.0), overlap=False)
+    predictor = Predictor(p)
+    assert predictor.admission_intake_ms(2000, burst=(2000,) * 3) == pytest.approx(814.0)
+    model = KFromCosts(4, model=predictor.rates, intake=predictor.intake_ms,
+                       admission_intake=predictor.admission_intake_ms)
+    costed_rounds(model, 2, 1, accept=lambda k: k, draft_ms=1.0, block=lambda n: 1.0)  # a draft measured
+    burst = (2000,) * 3
+    assert model.first(4, 2010, lag=2000, remaining=300) == 4  # as if its prompt alone went through the drafter
+    assert model.first(4, 2010, lag=2000, remaining=300, burst=burst) == 0
+    assert model.first(4, 2010, lag=2000, remaining=1000, burst=burst) == 4
+    assert model.first(4, 2010, lag=0, remaining=300, burst=burst) == 4  # its drafter holds the prompt already
+
+
 def test_a_stream_admitted_at_k0_leaves_its_prompt_out_of_the_drafter():
     """Session.admit: a stream whose first K is 0 sends its prompt's chunks without the drafter taking them in
     (it takes them in when its rounds first draft, if ever: four 2,000-token streams at K=0 spent rank 0's time
@@ -522,11 +543,11 @@ def test_a_stream_admitted_at_k0_leaves_its_prompt_out_of_the_drafter():
     for k, intake in ((0, []), (2, [64, 128])):
         taken.clear()
         session = Session(stage, drafter, channel, SpecSettings(k=2, prefill_chunk=64), slots=2, predictor=predictor)
-        session.k_policy = SimpleNamespace(first=lambda *args, k=k: asked.append(args) or k)
+        session.k_policy = SimpleNamespace(first=lambda *args, k=k, **kwargs: asked.append((args, kwargs)) or k)
         s = session.admit(list(range(150)), SimpleNamespace(max_new_tokens=4, tokens=[]))
         assert s.k_now == k and taken == intake and len(s.pending) == 22
         # the K policy asked for this stream alone, its prompt's 150 tokens, none in the drafter, 4 to answer
-        assert asked[-1] == (1, 150, 150, 4)
+        assert asked[-1] == ((1, 150, 150, 4), {"burst": ()})
         assert predicted[-1] is bool(k)
         # its first round on the way, several streams live: the drafter takes in the rest in the wait, at K > 0
         taken.clear()
@@ -534,6 +555,12 @@ def test_a_stream_admitted_at_k0_leaves_its_prompt_out_of_the_drafter():
                                                      slot=0)}
         session.take_in_prompts()
         assert taken == ([150] if k else [])
+    # a burst: admitted beside one whose first round is not sent, one more coming right after it (Engine._burst)
+    session = Session(stage, drafter, channel, SpecSettings(k=2, prefill_chunk=64), slots=3, predictor=predictor)
+    session.k_policy = SimpleNamespace(first=lambda *args, **kwargs: asked.append((args, kwargs)) or 2)
+    session.admit(list(range(150)), SimpleNamespace(max_new_tokens=4, tokens=[]), coming=(100, 300))
+    session.admit(list(range(1000, 1100)), SimpleNamespace(max_new_tokens=4, tokens=[]), coming=(300,))
+    assert asked[-2:] == [((3, 150, 150, 4), {"burst": (100, 300)}), ((3, 100, 100, 4), {"burst": (150, 300)})]
 
 
 def test_a_lone_stream_at_k0_keeps_its_drafter_in_step_in_the_wait_but_takes_no_skipped_prompt_in():

@@ -23,12 +23,14 @@ class ScriptedSession:
     def __init__(self, slots: int, fail_at_tick: int | None = None):
         self.slots, self.fail_at_tick = slots, fail_at_tick
         self.live, self.ticks, self.most_live, self.closed = [], 0, 0, False
+        self.coming = []  # per admission: (its prompt's first id, the lengths of the prompts admitted right after)
         self.ticked = threading.Event()
 
     def free(self) -> int:
         return self.slots - len(self.live)
 
-    def admit(self, ids, output, request, on_round=None, cancelled=lambda: False):
+    def admit(self, ids, output, request, on_round=None, cancelled=lambda: False, coming=()):
+        self.coming.append((ids[0], coming))
         if not self.free():
             raise RuntimeError("admitted with no slot free")
         slot = min(set(range(self.slots)) - {s.slot for s in self.live})
@@ -195,8 +197,8 @@ def test_the_predicted_ttft_counts_the_wait_for_a_slot_as_the_measured_one_does(
 
 
 def test_the_predicted_ttft_counts_the_wait_for_requests_right_behind(monkeypatch):
-    """A lone request to an idle engine waits BURST_S for others before its first round (measured, like the wait
-    for a slot): its predicted TTFT has that wait too."""
+    """A lone request to an idle engine waits BURST_S for others before its admission (measured, like the wait
+    for a slot, in its queue_s): its predicted TTFT has that wait too."""
     monkeypatch.setattr(engine_module, "BURST_S", 0.05)
 
     class Predicting(ScriptedSession):
@@ -210,7 +212,8 @@ def test_the_predicted_ttft_counts_the_wait_for_requests_right_behind(monkeypatc
     e.thread.start()
     stats = alone.loop.last()[1]["stats"]
     e.stop()
-    assert 0.01 + stats["queue_s"] + 0.045 <= stats["predicted_ttft_s"] < 0.01 + stats["queue_s"] + 0.5
+    assert 0.045 <= stats["queue_s"] < 0.5
+    assert stats["predicted_ttft_s"] == pytest.approx(0.01 + stats["queue_s"])
 
 
 def test_requests_arriving_together_are_admitted_before_the_first_tick(monkeypatch):
@@ -239,3 +242,25 @@ def test_requests_arriving_together_are_admitted_before_the_first_tick(monkeypat
     assert late.loop.last()[1]["token_ids"] == expected(4, 3)
     e.stop()
     assert live_at_tick[0] == 3 and max(live_at_tick) == 4
+    # gathered before any was admitted: each admission knew the prompts behind it (their K is chosen for the burst)
+    assert session.coming == [(1, (3, 3)), (2, (3,)), (3, ()), (4, ())]  # (each prompt 3 tokens)
+
+
+def test_a_request_gathered_when_the_server_stops_gets_the_error(monkeypatch):
+    """stop() while an idle engine waits for requests right behind its first: the one it holds (off the queue, not
+    yet admitted) gets the shutdown error, as the waiting ones do, and the engine ends."""
+    monkeypatch.setattr(engine_module, "BURST_S", 5.0)
+    monkeypatch.setattr(engine_module, "BURST_MOST_S", 5.0)
+    session = ScriptedSession(slots=2)
+    e = engine(session)
+    held = job(1, 3)
+    e.submit(held)
+    e.thread.start()
+    for _ in range(500):  # bounded: until the engine took it off the queue
+        if e.jobs.qsize() == 0:
+            break
+        time.sleep(0.002)
+    e.stop()
+    kind, value = held.loop.last()
+    assert kind == "error" and "shutting down" in str(value) and session.coming == []
+    assert not e.thread.is_alive()
