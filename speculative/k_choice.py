@@ -28,7 +28,8 @@ K=4 over 0 ms ran four 2,000-token streams at 0.61x the fixed K=0 (the K=0 so ch
 for spec.k: bench/README.md). A stream admitted at K=0 (first(streams, context)) leaves its prompt out of the
 drafter; K > 0 for it again first takes in what its drafter lacks, so it is chosen only where the answer's tokens
 left pay for that (pays_intake, the model's `intake`), and so is a newcomer's first K over a prompt the drafter
-lacks.
+lacks, counting every prompt of its burst (admitted with it: rank 0 takes each into the drafter before any first
+round goes, so each delays them all) and the streams that will be live with it.
 Any K is lossless: this decides speed only.
 
 Three policies share one small interface (`k_policy` picks one from the settings): `first(streams, context, lag,
