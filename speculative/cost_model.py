@@ -471,7 +471,8 @@ def first_tokens_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int
     # (rows, tokens, context, the prompts whose first round it is, from when, after this admission)
     items = [(1, size, context, (), at, False)
              for n, at in zip(ahead, since) for size, context in chunks(n, chunk)[:-1]]
-    items += [(1, size, context, (), 0.0, True) for n in (prompt_tokens, *after) for size, context in chunks(n, chunk)[:-1]]
+    items += [(1, size, context, (), 0.0, True)
+              for n in (prompt_tokens, *after) for size, context in chunks(n, chunk)[:-1]]
     firsts, me = [chunks(n, chunk)[-1] for n in [*ahead, prompt_tokens, *after]], len(ahead)
     for batch in first_round_batches([size for size, _ in firsts], chunk):
         items.append((len(batch), max(firsts[i][0] for i in batch), max(firsts[i][1] for i in batch), batch, 0.0, True))

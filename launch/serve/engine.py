@@ -23,6 +23,7 @@ from speculative.output import Output
 from speculative.stats import summarize
 
 FINISH = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length"}
+SHUTTING_DOWN = "the server is shutting down"  # stop()'s cause, in the error of each request it leaves unrun
 BURST_S, BURST_MOST_S = 0.015, 0.06  # an idle engine's first request waits for others arriving with it (_burst)
 
 
@@ -118,7 +119,7 @@ class Engine:
         """Cancel the live requests (each ends at its next round), drop the waiting ones, say Bye."""
         for running in list(self.live):
             running.job.cancelled.set()
-        self._fail_waiting(RuntimeError("the server is shutting down"))
+        self._fail_waiting(RuntimeError(SHUTTING_DOWN))
         self.jobs.put(None)
         self.thread.join()
 
@@ -179,7 +180,7 @@ class Engine:
             burst.append(job)
         if self.closing:  # stop() came while gathering: these left the queue before its _fail_waiting
             for job in burst:
-                job.emit("error", ApiError(503, "the server is stopping: the server is shutting down", "server_error"))
+                refuse(job, SHUTTING_DOWN)
             return []
         return burst
 
@@ -255,7 +256,12 @@ class Engine:
             except queue.Empty:
                 return
             if job is not None:
-                job.emit("error", ApiError(503, f"the server is stopping: {cause}", "server_error"))
+                refuse(job, cause)
+
+
+def refuse(job: Job, cause) -> None:
+    """A job that will not run: the server is stopping, for `cause`."""
+    job.emit("error", ApiError(503, f"the server is stopping: {cause}", "server_error"))
 
 
 def visible_text(text: str | None, stops: list[str], done: bool) -> str:
