@@ -167,8 +167,8 @@ class Engine:
         from timing out), then for the ones right behind it, before admitting any. Requests sent together reach the
         queue a few ms apart: admitted together, their first rounds go out as one batch (one that missed the first
         tick waited a whole round trip, ~0.9 s at 40 ms), and each one's K is chosen knowing the others
-        (spec.k_from_costs: four 2,000-token prompts each admitted as if alone drafted at K=4, every prompt through
-        the drafter first, and their first tokens came 4x later than at K=0). Each waits BURST_S for the next,
+        (spec.k_from_costs: four 2,000-token prompts each admitted as if alone drafted, every prompt through the
+        drafter first, and their first tokens came 4x later than at K=0). Each waits BURST_S for the next,
         BURST_MOST_S in all: what a lone request's first token pays (in its queue_s)."""
         job = self._next_job(wait=True)
         burst, until = ([] if job is None else [job]), time.perf_counter() + BURST_MOST_S
