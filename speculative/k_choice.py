@@ -73,9 +73,10 @@ class FixedK:
         return k_tip
 
     def after(self, k_now: int, record, decode: bool, context: int | None = None, lag: int = 0,
-              remaining: int | None = None) -> int:
+              remaining: int | None = None, behind: tuple[tuple[int, int], ...] = ()) -> int:
         """The K of the stream's next round; `context` the tokens its caches hold, `lag` how many of them the
-        drafter has not taken in, `remaining` the tokens its answer may still take."""
+        drafter has not taken in, `remaining` the tokens its answer may still take; `behind`: (tokens lacking,
+        tokens held) of each other live stream whose drafter is behind by a prompt (not in_step)."""
         return k_now
 
 
@@ -100,7 +101,7 @@ class AdaptiveK(FixedK):
         return next_k(k_tip, drafted, drafted, self.k_max)
 
     def after(self, k_now: int, record, decode: bool, context: int | None = None, lag: int = 0,
-              remaining: int | None = None) -> int:
+              remaining: int | None = None, behind: tuple[tuple[int, int], ...] = ()) -> int:
         drafted, accepted = record.drafted, record.accepted
         if not record.looked_up:  # by the K it asked for: a batch drafts past it for free (blocks.widths), and a
             drafted, accepted = min(drafted, k_now), min(accepted, k_now)  # miss among those says nothing of its K
@@ -220,8 +221,11 @@ class KFromCosts:
         return k_now
 
     def after(self, k_now: int, record, decode: bool, context: int | None = None, lag: int = 0,
-              remaining: int | None = None) -> int:
-        """The K of the stream's next round (FixedK.after)."""
+              remaining: int | None = None, behind: tuple[tuple[int, int], ...] = ()) -> int:
+        """The K of the stream's next round (FixedK.after). A stream whose drafter lacks its prompt drafts again
+        only where the answers left pay for every such stream's intake: the others live beside it choose alike, and
+        rank 0 takes each prompt in while every stream waits (four 2,000-token prompts over 150 ms, each weighing
+        its own 19 s against the four streams' gain: all four turned to K=3, and decoded at 0.25x the fixed K=4)."""
         if not decode:
             return k_now
         self.observe(record)
@@ -229,7 +233,8 @@ class KFromCosts:
             return self.choose(record.slot)
         best = self.k_modelled(record.live, context)
         if best and not in_step(lag, self.k_max) and self.intake is not None and not self.pays_intake(
-                best, record.live, remaining, self.intake(lag, max((context or lag) - lag, 0))):
+                best, record.live, remaining, sum(self.intake(lacking, held) for lacking, held in (
+                    (lag, max((context or lag) - lag, 0)), *behind))):
             return 0
         # (a lone stream still explores: a drafter never right at first may come right later)
         return self.explored(best, record.slot) if record.live == 1 else best

@@ -37,7 +37,7 @@ from speculative import cost_model
 from speculative.blocks import BlockMaker
 from speculative.grammar import GrammarFailure
 from speculative.in_flight import in_flight_policy
-from speculative.k_choice import k_policy
+from speculative.k_choice import in_step, k_policy
 from speculative.output import Output
 from speculative.rounds import Generation, RoundRecord, middle_ms
 from speculative.scheduler import Scheduler, common_prefix
@@ -321,10 +321,19 @@ class Session:
                              on_the_way, block.drafts.looked_up, cut=block.drafts.cut)
         s.gen.rounds.append(record)
         self.predict(s, record, decode=len(s.gen.rounds) > 1)
+        lag = self.drafter.lacks(len(s.committed), s.slot)
         s.k_now = self.k_policy.after(s.k_now, record, decode=len(s.gen.rounds) > 1,
-                                      context=len(s.gen.prompt_ids) + len(s.output.tokens),
-                                      lag=self.drafter.lacks(len(s.committed), s.slot), remaining=s.remaining)
+                                      context=len(s.gen.prompt_ids) + len(s.output.tokens), lag=lag,
+                                      remaining=s.remaining, behind=self.behind(s, lag))
         return record
+
+    def behind(self, s: Stream, lag: int) -> tuple[tuple[int, int], ...]:
+        """(tokens lacking, tokens held) of each live stream but `s` whose drafter lacks a prompt (admitted at K=0),
+        where `s`'s own drafter (`lag`) does too (else its K does not weigh an intake)."""
+        if in_step(lag, self.k_policy.k_max):
+            return ()
+        lags = ((self.drafter.lacks(len(o.committed), o.slot), len(o.committed)) for o in self.live if o is not s)
+        return tuple((lacking, n - lacking) for lacking, n in lags if not in_step(lacking, self.k_policy.k_max))
 
     def predict(self, s: Stream, record: RoundRecord, decode: bool) -> None:
         """The cost model's tokens/s beside the measured: its acceptance taken in (decode rounds), then the

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from netbridge.protocol import SamplingParams
-from speculative.k_choice import AdaptiveK
+from speculative.k_choice import AdaptiveK, FixedK
 from speculative.rounds import RoundRecord
 from speculative.cost_model import DraftCost, LinkCost, Pipeline, RankCost
 from speculative.scheduler import BatchCount, Scheduler
@@ -315,6 +315,36 @@ def test_a_newcomer_s_first_round_and_the_running_streams_next_round_go_out_toge
                       batches=1)
     for prompt, n, gen in zip((a, b, c, d), (24, 24, 8, 8), gens):
         assert gen.output.tokens == reference_greedy(tiny_qwen, prompt, n)
+
+
+def test_streams_admitted_at_k0_each_weigh_the_prompts_the_others_drafters_lack(tiny_qwen, tiny_qwen_draft):
+    """Three streams admitted at K=0 (their prompts left out of the drafter): after each round the K policy hears,
+    beside the stream's own lag, the (lacking, held) of every other live stream whose drafter lacks its prompt
+    (KFromCosts weighs every such intake: they all choose alike). The answers stay generate's."""
+    reqs = [(p, min(n, 12)) for p, _, n in requests()[5:]]  # prompts of 9-11 tokens, more than a round behind
+    heard = []
+
+    class NoDrafts(FixedK):
+        def first(self, *args, **kwargs):
+            return 0
+
+        def after(self, k_now, record, decode, context=None, lag=0, remaining=None, behind=()):
+            heard.append((record.slot, record.live, lag, behind))
+            return 0
+
+    def body(session, cfg, eos):
+        session.k_policy = session.maker.k_policy = NoDrafts(4)
+        streams = [session.admit(ids, Output(None, eos, n, [], stream=False)) for ids, n in reqs]
+        while session.live:
+            session.tick()
+        return [s.gen for s in streams]
+    gens = with_ranks(["serve.port=0", "serve.max_concurrent=4", *session_args(tiny_qwen, tiny_qwen_draft, 40)], 2, body)
+    for (prompt, n), gen in zip(reqs, gens):
+        assert gen.output.tokens == reference_greedy(tiny_qwen, prompt, n)
+    three = [h for h in heard if h[1] == 3]
+    assert three and all(len(behind) == 2 for _, _, _, behind in three)
+    for slot, _, lag, behind in three:  # nothing drafted: each drafter lacks all its stream has committed
+        assert lag > len(reqs[slot][0]) and all(held == 0 and lacking > 5 for lacking, held in behind)
 
 
 class Newcomer:

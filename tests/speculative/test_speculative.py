@@ -525,6 +525,36 @@ def test_a_burst_of_long_prompts_drafts_only_where_it_pays_for_every_prompt_thro
     assert model.first(4, 2010, lag=0, remaining=300, burst=burst) == 4  # its drafter holds the prompt already
 
 
+def test_streams_admitted_at_k0_draft_again_only_where_it_pays_for_every_prompt_their_drafters_lack():
+    """Four streams admitted at K=0, none of their 2,000-token prompts in the drafter: each that turns to K=4 first
+    takes its prompt in (201 ms) while every stream waits, and each chooses alike. Over 300 tokens left each, K=4
+    saves the four 0.48 s: enough for one intake, not for four (804 ms); over 1,000 it saves 1.6 s. Session.behind
+    gives a stream the others' lags: those whose drafters lack a prompt, where its own does."""
+    from types import SimpleNamespace
+    from speculative.cost_model import Acceptance, DraftCost, LinkCost, Pipeline, Predictor, RankCost
+    from speculative.k_choice import KFromCosts
+    from speculative.session import Session, SpecSettings
+    p = Pipeline((RankCost(1.0), RankCost(1.0)), (LinkCost(0.5), LinkCost(0.5)), DraftCost(1.0, token_ms=0.1),
+                 Acceptance(prior=1.0), overlap=False)
+    predictor = Predictor(p)
+    model = KFromCosts(4, model=predictor.rates, intake=predictor.intake_ms)
+    costed_rounds(model, 2, 1, accept=lambda k: k, draft_ms=1.0, block=lambda n: 1.0)  # a draft measured
+    four = RoundRecord(0, 0, 1, 0.0, 1.0, 2.0, 0.5, live=4)
+    others = ((2000, 10),) * 3
+    assert model.after(0, four, decode=True, context=2010, lag=2000, remaining=300) == 4  # as if alone behind
+    assert model.after(0, four, decode=True, context=2010, lag=2000, remaining=300, behind=others) == 0
+    assert model.after(0, four, decode=True, context=2010, lag=2000, remaining=1000, behind=others) == 4
+
+    lacking = {0: 2000, 1: 2000, 2: 3, 3: 0}  # slots 2 and 3 in step (a round's tokens behind at most)
+    drafter = SimpleNamespace(reset=lambda *a, **k: None, lacks=lambda tokens, slot=0: lacking[slot])
+    session = Session(SimpleNamespace(device="cpu"), drafter, SimpleNamespace(send=lambda *a, **k: None),
+                      SpecSettings(k=4), slots=4)
+    streams = [SimpleNamespace(committed=[0] * 2010, slot=slot) for slot in range(4)]
+    session.scheduler.live = dict(enumerate(streams))
+    assert session.behind(streams[0], lag=2000) == ((2000, 10),)
+    assert session.behind(streams[2], lag=3) == ()  # in step: it weighs no intake
+
+
 def test_a_stream_admitted_at_k0_leaves_its_prompt_out_of_the_drafter():
     """Session.admit: a stream whose first K is 0 sends its prompt's chunks without the drafter taking them in
     (it takes them in when its rounds first draft, if ever: four 2,000-token streams at K=0 spent rank 0's time
