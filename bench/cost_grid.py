@@ -247,7 +247,13 @@ def figures(results: list[dict], cell: Cell, startup: dict) -> dict:
             "predicted_ttft_spread_ms": max(r["predicted_ttft_ms"] for r in results) - min(
                 r["predicted_ttft_ms"] for r in results),
             "measured_ttft_ms": ttft_ms, "predicted_ttft_ms": predicted_ttft_ms,
-            "acceptance": statistics.mean(r["acceptance_rate"] for r in results), "startup": startup}
+            "acceptance": statistics.mean(r["acceptance_rate"] for r in results), "startup": startup,
+            "requests": [{key: r[key] for key in REQUEST_KEYS if key in r} for r in results]}
+
+
+# each request's own figures, kept in results.json beside the cell's (which stream lagged, and why)
+REQUEST_KEYS = ("sent", "done", "tokens", "prompt_tokens", "ttft_ms", "predicted_ttft_ms", "tokens_per_s",
+                "predicted_tokens_per_s", "acceptance_rate", "tokens_per_round", "queue_ms")
 
 
 def err(predicted: float, measured: float) -> str:
