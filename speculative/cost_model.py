@@ -27,9 +27,11 @@ One stream with D rounds on the way (stream_tokens_per_s; spec.overlap, spec.in_
 prepared on a bet (every draft and the drafter's guess of the next token kept: chance h = bet_holds(K), counted
 from the bets once rounds are sent on them, Predictor); a
 chain of blocks leaves rank 0 every delta = max(prep, busiest later resource, trip / D) and breaks with chance
-1 - h. Kept rounds per ms the pipe allows: 1 / (h delta + (1 - h)(trip + prep)); rank 0 allows
-1 / (prep (1 + (1 - h) w)), w the blocks thrown away at a lost bet (D under overlap, D - 1 without). The rate
-is the smaller. Without overlap and D = 1, or K = 0 (nothing to bet on), rounds run in turn: prep + trip.
+1 - h. A lost bet costs prep + max(trip, w prep), w the blocks thrown away at a lost bet (D under overlap, D - 1
+without): rank 0 sends the fresh block and prepares w more on bets before it reads the reply (at 150 ms, the
+embedded pair after a 2,000-token prompt at K=4, depth 3: 1,175 ms from the fresh block's send to its reply read,
+where the trip is 663 and three blocks' preparing, every rank at once, 1,170). Kept rounds per ms the pipe
+allows: 1 / (h delta + (1 - h) lost); rank 0 allows 1 / (prep (1 + (1 - h) w)). The rate is the smaller. Without overlap and D = 1, or K = 0 (nothing to bet on), rounds run in turn: prep + trip.
 A chain deepened while a request runs (spec.in_flight=auto) pays once for filling: the rounds added reply a trip
 after they go, the old pace until then (deepening_ms).
 
@@ -373,8 +375,11 @@ def kept_rounds_per_ms(p: Pipeline, k: int, depth: int) -> float:
         return 1.0 / max(prep + trip, 1e-9)
     h = p.acceptance.bet_holds(k)
     delta = max(parts.full_prep_ms, parts.full_later_busiest_ms, parts.host_ms, trip / depth)  # they work at once
-    wire = 1.0 / max(h * delta + (1 - h) * (trip + prep), 1e-9)
     thrown = depth if p.overlap else depth - 1
+    # after a lost bet the fresh block goes, and rank 0 fills the chain again (blocks.use_the_wait) before it reads
+    # the reply
+    lost = prep + max(trip, thrown * parts.full_prep_ms)
+    wire = 1.0 / max(h * delta + (1 - h) * lost, 1e-9)
     rank0 = 1.0 / max(parts.full_prep_ms * (1 + (1 - h) * thrown), 1e-9)
     return min(wire, rank0)
 

@@ -166,6 +166,17 @@ def test_depth_is_bounded_by_rank_0s_drafting():
     assert best_depth(never, 4) == 1  # no bet holds: every block sent ahead is thrown away
 
 
+def test_a_lost_bet_costs_the_chain_s_refill_before_its_reply_is_read():
+    """Rank 0 preps a block in 84 ms, the last rank takes 150, half the bets hold. After a lost bet the fresh block
+    goes, and rank 0 prepares the chain's next blocks on bets before it reads the reply (blocks.use_the_wait): at
+    depth 3 under overlap three of them, 252 ms, outlasting the 150 ms trip; at depth 1 one, within it. A round
+    then takes 0.5 x 150 + 0.5 x (84 + 252) = 243 ms at depth 3 (not 210, rank 0's pace), 192 at depth 1."""
+    p = replace(ring((20.0, 150.0), step=16.0, overlap=True), acceptance=Acceptance(prior=1.0, hold=0.5))
+    assert round_parts(p, 4).prep_ms == 84.0
+    assert stream_tokens_per_s(p, 4, 3) == pytest.approx(5 * 1000 / 243)
+    assert stream_tokens_per_s(p, 4, 1) == pytest.approx(5 * 1000 / 192)
+
+
 def test_without_overlap_one_round_at_a_time_and_k0_never_bets():
     p = ring((10.0, 10.0), (20.0, 20.0), step=5.0, rate=1.0, overlap=False)
     assert stream_tokens_per_s(p, 2, 1) == pytest.approx(3 * 1000 / (10 + 10 + 10 + 40))
