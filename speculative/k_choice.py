@@ -27,18 +27,20 @@ costs above (each at whatever rows it ran) cannot tell a K=0 block of four rows 
 K=4 over 0 ms ran four 2,000-token streams at 0.61x the fixed K=0 (the K=0 so chosen still runs on the split placed
 for spec.k: bench/README.md). A stream admitted at K=0 (first(streams, context)) leaves its prompt out of the
 drafter; K > 0 for it again first takes in what its drafter lacks, so it is chosen only where the answer's tokens
-left pay for that (pays_intake, the model's `intake`), and so is a newcomer's first K over a prompt the drafter
-lacks, counting every prompt of its burst (admitted with it: rank 0 takes each into the drafter before any first
-round goes, so each delays them all) and the streams that will be live with it.
+left pay for that and for every other live stream's drafter lacking its prompt (pays_intake, the model's `intake`:
+they choose alike), and so is a newcomer's first K over a prompt the drafter lacks, counting every prompt of its
+burst (admitted with it: rank 0 takes each into the drafter before any first round goes, so each delays them all)
+and the streams that will be live with it.
 Any K is lossless: this decides speed only.
 
 Three policies share one small interface (`k_policy` picks one from the settings): `first(streams, context, lag,
 remaining)` is a generation's K (`streams` live with it, its prompt `context` tokens, `lag` of them not in the
 drafter, its answer at most `remaining` tokens), `bet(k_tip, drafted, k_now)` the K of the
 round prepared ahead on the bet that the chain's tip (a block of K = k_tip that drafted `drafted`) is fully
-accepted, k_now the stream's K as its last reply left it, `after(k_now, record, decode, context, lag, remaining)`
-the K after a round (`decode`: not a generation's first round, which carries the prompt and says nothing about K;
-`lag`: the tokens the stream's drafter lacks; `remaining`: the answer's tokens left).
+accepted, k_now the stream's K as its last reply left it, `after(k_now, record, decode, context, lag, remaining,
+behind)` the K after a round (`decode`: not a generation's first round, which carries the prompt and says nothing
+about K; `lag`: the tokens the stream's drafter lacks; `remaining`: the answer's tokens left; `behind`: the other
+live streams' drafters lacking a prompt, Session.behind).
 
 One K for every drafter kind: K bounds the model's steps; draft.kind=hybrid lets a lookup propose past it (up to
 draft.lookup_k, a copy costing no drafting), and every policy sees looked-up and model-drafted rounds alike (by
