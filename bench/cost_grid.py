@@ -24,13 +24,12 @@ pair's acceptance depends on the prompt, 0.42 to 0.83 at K=4 on two of them). Pe
                   answer (the four decode side by side while the later prompts are still admitted), TTFT p50 (queue
                   included: the four prompts arrive at once), and in results.json the spread of the first tokens
                   (the last's time less the first's; predicted: of the predicted TTFTs); predicted: the same tokens
-                  over the time the sum of the requests' own `predicted_tokens_per_s` gives them (each the model's
+                  over the span from the first predicted first token to the last predicted end, each request's
+                  end its predicted TTFT and then its tokens at its own `predicted_tokens_per_s` (the model's
                   aggregate of the streams live beside it over their count, at the K, the batch count and the
                   acceptance its rounds ran at: the start-up line's aggregate is at the model's best batch count,
-                  where BatchCount, from costs measured online, may settle on another), plus the spread of the
-                  requests' predicted TTFTs (rank 0 admits and prefills a newcomer while the others wait), less what
-                  the streams that have their first token decode in that spread (each at its own predicted rate),
-                  and the p50 of their predicted TTFTs
+                  where BatchCount, from costs measured online, may settle on another; at K > 0 a stream whose
+                  drafts are kept less often ends later), and the p50 of their predicted TTFTs
     err           predicted / measured - 1 (the goal: within 15% in every cell)
     choice        the `auto` launch's measured figure over the best fixed setting's in the same cell (goal: >= 0.95);
                   and the same of the whole requests: every token over the time from the first request sent to the
