@@ -40,8 +40,8 @@ spreads over every setting), and each cell's N runs are summed up: in how many i
 how far its measured figure moved between them (max / min - 1; the same launch, nothing changed). A cell within 15%
 in no run is a miss of the model; one within in some runs only is a miss of the measurement as much: on a shared
 2-core host the same 0 ms cell has moved by half between runs.
-Writes <out>/results.json (a row per cell and run, each request's own figures in it) and prints a markdown table. Figures beside other work measure
-the other work: run alone.
+Writes <out>/results.json (a row per cell and run, each request's own figures in it) and prints a markdown table.
+Figures beside other work measure the other work: run alone.
 """
 from __future__ import annotations
 
