@@ -31,7 +31,8 @@ chain of blocks leaves rank 0 every delta = max(prep, busiest later resource, tr
 without): rank 0 sends the fresh block and prepares w more on bets before it reads the reply (at 150 ms, the
 embedded pair after a 2,000-token prompt at K=4, depth 3: 1,175 ms from the fresh block's send to its reply read,
 where the trip is 663 and three blocks' preparing, every rank at once, 1,170). Kept rounds per ms the pipe
-allows: 1 / (h delta + (1 - h) lost); rank 0 allows 1 / (prep (1 + (1 - h) w)). The rate is the smaller. Without overlap and D = 1, or K = 0 (nothing to bet on), rounds run in turn: prep + trip.
+allows: 1 / (h delta + (1 - h) lost); rank 0 allows 1 / (prep (1 + (1 - h) w)). The rate is the smaller.
+Without overlap and D = 1, or K = 0 (nothing to bet on), rounds run in turn: prep + trip.
 A chain deepened while a request runs (spec.in_flight=auto) pays once for filling: the rounds added reply a trip
 after they go, the old pace until then (deepening_ms).
 
@@ -769,16 +770,19 @@ class Predictor:
         round after the tokens committed before it; None: every round as timed), and what deepening a lone stream's
         chain cost (deepening_ms: spec.in_flight=auto rising after the first token; `before`: the round before
         the first, the depth the chain had when they began); a lone stream's last rounds that drained its chain
-        (drained) cost drain_ms together, not a chain step each. The rounds' own predictions lean on what earlier
+        (drained) cost drain_ms together, not a chain step each, and leave out the acceptance and bets the others
+        are priced at: each came of a bet that held (that is what drains), so counted they raised the hold rate of
+        the rounds that lost theirs (the embedded pair over 150 ms at depth 3, a 2,000-token prompt: four bets lost
+        in the first 13 rounds, none in the last 3). The rounds' own predictions lean on what earlier
         rounds measured (the prior at first), which on a short request of a prompt drafted far better or worse than
         the prior mostly measures the prior."""
+        body = len(rounds) - (drained(rounds) if streams <= 1 else 0)
         mine = Predictor(self.start, self.chunk, self.batches_max)
-        for r in rounds:
+        for r in rounds[:body]:
             mine.observe(r.drafted, r.accepted, r.bet)
         contexts = [None] * len(rounds) if start is None else list(itertools.accumulate(
             (r.committed for r in rounds[:-1]), initial=start))
         depths = depths_sent(rounds)
-        body = len(rounds) - (drained(rounds) if streams <= 1 else 0)
         seconds = sum(r.committed / mine.tokens_per_s(r.drafted, depth, streams, context, batches_run(r))
                       for r, depth, context in zip(rounds[:body], depths, contexts))
         if streams <= 1:  # (several streams fill the pipe with their rounds, not bets)

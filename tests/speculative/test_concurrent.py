@@ -338,7 +338,8 @@ def test_streams_admitted_at_k0_each_weigh_the_prompts_the_others_drafters_lack(
         while session.live:
             session.tick()
         return [s.gen for s in streams]
-    gens = with_ranks(["serve.port=0", "serve.max_concurrent=4", *session_args(tiny_qwen, tiny_qwen_draft, 40)], 2, body)
+    args = ["serve.port=0", "serve.max_concurrent=4", *session_args(tiny_qwen, tiny_qwen_draft, 40)]
+    gens = with_ranks(args, 2, body)
     for (prompt, n), gen in zip(reqs, gens):
         assert gen.output.tokens == reference_greedy(tiny_qwen, prompt, n)
     three = [h for h in heard if h[1] == 3]
