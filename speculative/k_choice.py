@@ -227,7 +227,7 @@ class KFromCosts:
         """The K of the stream's next round (FixedK.after). A stream whose drafter lacks its prompt drafts again
         only where the answers left pay for every such stream's intake: the others live beside it choose alike, and
         rank 0 takes each prompt in while every stream waits (four 2,000-token prompts over 150 ms, each weighing
-        its own 19 s against the four streams' gain: all four turned to K=3, and decoded at 0.25x the fixed K=4)."""
+        its own 19 s against the four streams' gain turned to K > 0 and decoded at 0.25x the fixed K=4)."""
         if not decode:
             return k_now
         self.observe(record)
