@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import random
@@ -232,10 +231,11 @@ def figures(results: list[dict], cell: Cell, startup: dict) -> dict:
         # rates summed over the same span, as if the streams ended together, read four 2,000-token streams at K=4
         # over 150 ms 11.3 tokens/s where they measured 9.9: the two least accepted ended 5 s after the others,
         # each within 3% of its own prediction.)
-        starts = [r["predicted_ttft_ms"] / 1000 for r in results]
-        ends = [start + (r["tokens"] - 1) / r["predicted_tokens_per_s"] if r["predicted_tokens_per_s"] else math.inf
-                for start, r in zip(starts, results)]
-        predicted = decoded / (max(ends) - min(starts)) if max(ends) < math.inf else 0.0
+        predicted = 0.0  # (a request without a prediction: none for the cell)
+        if all(r["predicted_tokens_per_s"] for r in results):
+            starts = [r["predicted_ttft_ms"] / 1000 for r in results]
+            ends = [start + (r["tokens"] - 1) / r["predicted_tokens_per_s"] for start, r in zip(starts, results)]
+            predicted = decoded / max(max(ends) - min(starts), 1e-9)
     # the whole requests: every token over the time from the first sent to the last answer (what a client waiting
     # for its answers sees; decode tokens/s alone reads faster where a setting moves rank 0's work into the TTFT)
     whole = sum(r["tokens"] for r in results) / max(max(r["done"] for r in results) - min(r["sent"] for r in results),
