@@ -49,6 +49,8 @@ class RankCosts:
     draft_attend_ms: float = 0.0  # rank 0: the drafter's attention ms per token per earlier token
     alone_layer_ms: float = 0.0  # spec.overlap: layer_ms timed again while the other ranks idle (0: not timed)
     alone_draft_step_ms: float = 0.0  # ... and rank 0's draft_step_ms (0: not timed)
+    alone_layer_token_ms: float = 0.0  # ... and layer_token_ms (a prefill chunk's per token; 0: not timed)
+    alone_attend_ms: float = 0.0  # ... and attend_ms (0: not timed)
     context_ms: float = 0.0  # a decode block: one layer's ms per token per cached token beyond CONTEXT (0: not timed)
     draft_context_ms: float = 0.0  # rank 0: a drafter step's ms per cached token beyond CONTEXT (the whole drafter)
     context_row_ms: float = 0.0  # context_ms for each row more in a batch (0: not timed)
@@ -492,14 +494,21 @@ def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WIN
     return speed
 
 
-def time_layer(target: Timed, window_s: float = WINDOW_S) -> float:
-    """One target layer over the round's block, as time_rank's layer_ms, timed by itself (no head, drafter or
-    probes): the handshake's second timing, alone, beside the one with every rank at once."""
+def time_alone(target: Timed, window_s: float = WINDOW_S) -> dict:
+    """RankCosts' alone_* figures of the target: one layer over the round's block (time_rank's layer_ms) and a
+    prefill chunk's slopes (its layer_token_ms, attend_ms), timed by themselves (no head, drafter or other probes):
+    the handshake's second timing, alone, beside the one with every rank at once. A chunk's slopes at once read
+    1.1-2.0x these where three ranks shared two cores (the embedded pair's target, 2026-12-06), though its chunks
+    run at once only while the pipe is full, and the host's cores bound that (cost_model.host_ms)."""
     runs: dict = {}
     add_runs(runs, "target", replace(target, head=False))
+    probe = max(PROBE_TOKENS, 2 * target.tokens)
+    probe_runs(runs, "probe", target, probe)
     ms = median_ms(runs, window_s)
     _release(target)
-    return layer_and_call_ms({n: ms["target", n] for n in STAGE_SIZES})[0]
+    token_ms, attend_ms = slopes(ms, "probe", ms["target", 1], target.tokens, probe)
+    return {"alone_layer_ms": layer_and_call_ms({n: ms["target", n] for n in STAGE_SIZES})[0],
+            "alone_layer_token_ms": token_ms, "alone_attend_ms": attend_ms}
 
 
 def add_runs(runs: dict, name, model: Timed, rows: int = 1) -> float:

@@ -619,7 +619,10 @@ def from_rank_costs(costs, layer_counts: list[int], links: list[LinkCost], block
     rank i -> i+1, the last the reply), `block_tokens` the block timed (K+1), `draft_steps` the drafter's steps
     rank 0's fixed_ms holds (K+1 with a model drafter, else 0). Where a rank was also timed alone (alone_layer_ms,
     spec.overlap), its round's costs are the ones alone (one stream's ranks take turns) and the ratio of the two
-    its slowdown in a full pipe (Pipeline.together); a prefill's slopes stay as timed at once (its chunks are). A
+    its slowdown in a full pipe (Pipeline.together); a prefill's slopes are as timed alone where they were
+    (alone_layer_token_ms, alone_attend_ms), else at once: a chunk runs at once with the others' only while the
+    pipe is full, and then the host's cores bound them (first_tokens_s: host_ms), which at-once slopes would count
+    twice (three ranks on two cores at 0 ms: a 2,000-token prompt's TTFT predicted 10.6-17.4 s, 5.5-6.2 measured). A
     decode block's cost per cached token (context_ms, draft_context_ms: beyond `timed_context`, the context the
     blocks were timed after; context_row_ms, draft_context_row_ms: each row more, 0 where not timed) is a block's
     cost like the rest: alone, the ratio applied in a full pipe. Each rank's
@@ -630,12 +633,13 @@ def from_rank_costs(costs, layer_counts: list[int], links: list[LinkCost], block
     ranks = []
     for r, (c, n) in enumerate(zip(costs, layer_counts)):
         fixed = (c.fixed_ms - (draft_steps * step if r == 0 else 0.0)) / slow[r] + engine_ms(r, len(costs))
-        token_ms = getattr(c, "layer_token_ms", 0.0)
+        token_ms = getattr(c, "alone_layer_token_ms", 0.0) or getattr(c, "layer_token_ms", 0.0)
+        attend_ms = getattr(c, "alone_attend_ms", 0.0) or getattr(c, "attend_ms", 0.0)
         # a row more: its layers' and its head's share as timed over ROW_PROBE rows, less its tokens' (RankCost adds them)
         row = (n * getattr(c, "layer_row_ms", 0.0) + getattr(c, "head_row_ms", 0.0)) / slow[r]
         row = max(row - n * token_ms * block_tokens, 0.0) + engine_row_ms(r)
         ranks.append(rank_cost(n, c.layer_ms / slow[r], max(fixed, 0.0), block_tokens, token_ms,
-                               row_ms=row, attend_ms=getattr(c, "attend_ms", 0.0),
+                               row_ms=row, attend_ms=attend_ms,
                                context_ms=getattr(c, "context_ms", 0.0) / slow[r], timed_context=timed_context,
                                context_row_ms=_timed(getattr(c, "context_row_ms", 0.0), slow[r])))
     draft = DraftCost()

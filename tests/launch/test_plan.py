@@ -42,7 +42,8 @@ def test_a_hello_carries_every_figure_its_ranks_timing_gives():
     from model_parallel.split import RankCosts, Speed
     from netbridge.link_probe import LinkProbe
     from netbridge.protocol import as_message
-    timed = [f.name for f in dataclasses.fields(Speed)] + ["alone_layer_ms", "alone_draft_step_ms", "core_share"]
+    timed = [f.name for f in dataclasses.fields(Speed)] + ["alone_layer_ms", "alone_draft_step_ms",
+                                                            "alone_layer_token_ms", "alone_attend_ms", "core_share"]
     costs = RankCosts(1 << 30, 1000, 200, slot_fixed_bytes=10, slot_layer_bytes=2, host_rank=1,
                       **{name: 0.5 + i for i, name in enumerate(timed)})
     cfg = SimpleNamespace(model=SimpleNamespace(dtype="float32", quant="none"), serve=SimpleNamespace(port=None))

@@ -539,6 +539,21 @@ def test_a_rank_timed_alone_and_at_once_gives_its_costs_alone_and_its_slowdown()
     assert p.ranks[1].ms(1, 1) == pytest.approx(2 * 3.0 + ENGINE_LAST_MS)
 
 
+def test_a_prefill_chunk_costs_its_slopes_timed_alone_where_they_were():
+    """Rank 1, 2 layers: timed at once 0.3 ms a token more and 1e-4 ms a token per earlier token a layer; alone 0.15
+    and 5e-5. A 512-token chunk after 1,024 cached tokens costs 2 x (512 x 0.15 + 512 x (1,024 + 256) x 5e-5) more
+    than its block alone (the host's cores bound the ranks at once: first_tokens_s); untimed alone (0), the slopes at
+    once."""
+    at_once = SimpleNamespace(layer_ms=1.0, fixed_ms=0.0, layer_token_ms=0.3, attend_ms=1e-4)
+    alone = SimpleNamespace(**vars(at_once), alone_layer_token_ms=0.15, alone_attend_ms=5e-5)
+    first = SimpleNamespace(layer_ms=1.0, fixed_ms=0.0)
+    chunk = 2 * (512 * 0.15 + 512 * (1024 + 256) * 5e-5)
+    p = from_rank_costs([first, alone], [1, 2], [LinkCost(), LinkCost()], block_tokens=1)
+    assert p.ranks[1].chunk_ms(512, 1024) - p.ranks[1].ms(1, 1) == pytest.approx(chunk - 2 * 0.15)
+    p = from_rank_costs([first, at_once], [1, 2], [LinkCost(), LinkCost()], block_tokens=1)
+    assert p.ranks[1].chunk_ms(512, 1024) - p.ranks[1].ms(1, 1) == pytest.approx(2 * chunk - 2 * 0.3)
+
+
 def test_rank_0s_drafter_step_timed_alone_gives_its_step_and_its_slowdown():
     """Rank 0's five drafter steps of 2 ms (at once) in its 12 ms besides its layers, the step 1.6 ms alone, its layer
     the same both ways (too coarse to tell): its slowdown is the step's 1.25, a step costs 1.6 alone (and the
