@@ -498,7 +498,7 @@ def time_alone(target: Timed, window_s: float = WINDOW_S) -> dict:
     """RankCosts' alone_* figures of the target: one layer over the round's block (time_rank's layer_ms) and a
     prefill chunk's slopes (its layer_token_ms, attend_ms), timed by themselves (no head, drafter or other probes):
     the handshake's second timing, alone, beside the one with every rank at once. A chunk's slopes at once read
-    1.1-2.0x these where three ranks shared two cores (the embedded pair's target, 2026-12-06), though its chunks
+    1.4-2.8x these where three ranks shared two cores (the embedded pair's target, 2026-12-06), though its chunks
     run at once only while the pipe is full, and the host's cores bound that (cost_model.host_ms)."""
     runs: dict = {}
     add_runs(runs, "target", replace(target, head=False))
