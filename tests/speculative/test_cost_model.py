@@ -541,9 +541,9 @@ def test_a_rank_timed_alone_and_at_once_gives_its_costs_alone_and_its_slowdown()
 
 def test_a_prefill_chunk_costs_its_slopes_timed_alone_where_they_were():
     """Rank 1, 2 layers: timed at once 0.3 ms a token more and 1e-4 ms a token per earlier token a layer; alone 0.15
-    and 5e-5. A 512-token chunk after 1,024 cached tokens costs 2 x (512 x 0.15 + 512 x (1,024 + 256) x 5e-5) more
-    than its block alone (the host's cores bound the ranks at once: first_tokens_s); untimed alone (0), the slopes at
-    once."""
+    and 5e-5. A 512-token chunk after 1,024 cached tokens costs 2 x (511 x 0.15 + 512 x (1,024 + 256) x 5e-5) more
+    than a one-token block: its slopes alone (the host's cores bound the ranks at once: first_tokens_s); untimed
+    alone (0), the slopes at once."""
     at_once = SimpleNamespace(layer_ms=1.0, fixed_ms=0.0, layer_token_ms=0.3, attend_ms=1e-4)
     alone = SimpleNamespace(**vars(at_once), alone_layer_token_ms=0.15, alone_attend_ms=5e-5)
     first = SimpleNamespace(layer_ms=1.0, fixed_ms=0.0)
