@@ -339,6 +339,12 @@ class Speed:
     draft_row_ms: float = 0.0  # a drafter step's ms per row more (its every layer and its head)
 
 
+def probe_size(target: Timed) -> int:
+    """The tokens the prefill probe runs over: PROBE_TOKENS, or twice the round's block where that is longer (a slope
+    from a difference of sizes), the same at once (time_rank) and alone (time_alone)."""
+    return max(PROBE_TOKENS, 2 * target.tokens)
+
+
 def probe_runs(runs: dict, name, model: Timed, probe: int) -> None:
     """A one-layer stage of `model` over `probe` tokens after CONTEXT and after LONG_CONTEXT cached ones."""
     for context in (CONTEXT, LONG_CONTEXT):
@@ -461,7 +467,7 @@ def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WIN
     for name, model in (("target", target), ("drafter", drafter)):
         if model is not None:
             scale[name] = add_runs(runs, name, model)
-    probe = max(PROBE_TOKENS, 2 * target.tokens)
+    probe = probe_size(target)
     probe_runs(runs, "probe", target, probe)
     long_runs(runs, "target", target)
     rows_runs(runs, "target", target)
@@ -502,7 +508,7 @@ def time_alone(target: Timed, window_s: float = WINDOW_S) -> dict:
     run at once only while the pipe is full, and the host's cores bound that (cost_model.host_ms)."""
     runs: dict = {}
     add_runs(runs, "target", replace(target, head=False))
-    probe = max(PROBE_TOKENS, 2 * target.tokens)
+    probe = probe_size(target)
     probe_runs(runs, "probe", target, probe)
     ms = median_ms(runs, window_s)
     _release(target)
