@@ -253,14 +253,14 @@ def rank_speed(cfg: TandemConfig, models: Models, rank: int, ranks: int):
 
 def rank_alone_ms(cfg: TandemConfig, models: Models, rank: int, ranks: int) -> dict:
     """RankCosts' figures timed again while the other ranks idle: one of this rank's target layers over a block of
-    K+1 and a prefill chunk's slopes (model_parallel.split.time_alone) and, on rank 0, one drafter step
+    K+1 and over prefill chunks (model_parallel.split.time_alone) and, on rank 0, one drafter step
     (split.draft_step_ms): beside the same timed with every rank at once, what the ranks sharing a host cost each
     other: at 0 ms one stream's round is mostly rank 0 drafting while the others idle: on a 2-core host the tiny
     drafter's step read 1.69-2.05 ms timed at once, 1.47-1.71 alone (10th-90th percentiles of 66 launches' start-up
     lines), its real steps 1.6-1.7."""
     from model_parallel.split import Timed, draft_step_ms, time_alone
     alone = time_alone(Timed(models.target, cfg.spec.k + 1, this_device(), DTYPES[cfg.model.dtype],
-                             quantizer(cfg, "model")))
+                             quantizer(cfg, "model")), cfg.model.prefill_chunk)
     if models.drafter is not None:
         drafter = Timed(models.drafter, 1, draft_device(cfg), DTYPES[cfg.draft.dtype], models.draft_quant, head=True)
         steps, _ = draft_step_ms({"alone": (drafter, 1)})

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -51,6 +51,8 @@ class RankCosts:
     alone_draft_step_ms: float = 0.0  # ... and rank 0's draft_step_ms (0: not timed)
     alone_layer_token_ms: float = 0.0  # ... and layer_token_ms (a prefill chunk's per token; 0: not timed)
     alone_attend_ms: float = 0.0  # ... and attend_ms (0: not timed)
+    alone_prefill_ms: list = field(default_factory=list)  # ... and [tokens, one layer's ms over a chunk of them]
+    # at each of prefill_sizes (time_alone; empty: not timed)
     context_ms: float = 0.0  # a decode block: one layer's ms per token per cached token beyond CONTEXT (0: not timed)
     draft_context_ms: float = 0.0  # rank 0: a drafter step's ms per cached token beyond CONTEXT (the whole drafter)
     context_row_ms: float = 0.0  # context_ms for each row more in a batch (0: not timed)
@@ -180,6 +182,11 @@ def no_fit_message(num_layers: int, ranks: list[RankCosts]) -> str:
 STAGE_SIZES = (1, 3)  # layers in the two stages timed: one layer is their difference / 2, the rest the call's
 PROBE_TOKENS = 128  # a one-layer stage is also timed over a block this long: its slope is a layer's ms per token
 # (from a block of 128 on: a CPU's matrix products run near their full rate there, as over a 512-token chunk)
+# ... and timed alone over chunks of these many tokens besides the round's block, 128 and a whole chunk (time_alone):
+# a chunk's cost is no line in its size. One 1.5B layer here (Intel Xeon, avx512_bf16 + AMX, one thread, 2026-12-06,
+# two timings) read 10.4-12.3 ms from 5 to 32 tokens, 14.8 over 33 (its matrix products change kernel past 32 rows),
+# 22.7 over 128 and 76.9 over 512: the line through 5 and 128 gave 13.9 at 40 where 15.8 was timed, and 57 at 512.
+PREFILL_SIZES = (32, 33)
 LONG_CONTEXT = 1024  # ... and after this many cached tokens: the slope is attention's ms per token per earlier one
 DECODE_CONTEXT = 2048  # ... and a round's block after this many: its slope is a decode round's cost per cached token
 ROW_PROBE = 4  # ... and over this many rows of the block (several streams' in one forward): its slope is a row's cost
@@ -345,6 +352,12 @@ def probe_size(target: Timed) -> int:
     return max(PROBE_TOKENS, 2 * target.tokens)
 
 
+def prefill_sizes(target: Timed, chunk: int) -> tuple[int, ...]:
+    """The chunk sizes time_alone times a layer over: the round's block, PREFILL_SIZES, PROBE_TOKENS and a whole
+    chunk, none longer than a chunk (no longer one crosses)."""
+    return tuple(sorted({n for n in (target.tokens, *PREFILL_SIZES, PROBE_TOKENS) if n < chunk} | {chunk}))
+
+
 def probe_runs(runs: dict, name, model: Timed, probe: int) -> None:
     """A one-layer stage of `model` over `probe` tokens after CONTEXT and after LONG_CONTEXT cached ones."""
     for context in (CONTEXT, LONG_CONTEXT):
@@ -500,21 +513,34 @@ def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WIN
     return speed
 
 
-def time_alone(target: Timed, window_s: float = WINDOW_S) -> dict:
-    """RankCosts' alone_* figures of the target: one layer over the round's block (time_rank's layer_ms) and a
-    prefill chunk's slopes (its layer_token_ms, attend_ms), timed by themselves (no head, drafter or other probes):
-    the handshake's second timing, alone, beside the one with every rank at once. A chunk's slopes at once read
-    1.4-2.8x these where three ranks shared two cores (the embedded pair's target, 2026-12-06), though its chunks
-    run at once only while the pipe is full, and the host's cores bound that (cost_model.host_ms)."""
+def time_alone(target: Timed, chunk: int, window_s: float = WINDOW_S) -> dict:
+    """RankCosts' alone_* figures of the target, timed by themselves (no head, drafter or other probes): one layer
+    over the round's block (time_rank's layer_ms), and over a prefill chunk of each of prefill_sizes after CONTEXT
+    cached tokens (alone_prefill_ms) and a whole chunk after LONG_CONTEXT too: attention's slope (alone_attend_ms);
+    the line through the block and PROBE_TOKENS (alone_layer_token_ms) prices a block of another size. This is the
+    handshake's second timing, alone, beside the one with every rank at once: a chunk's slopes at once read
+    1.4-2.8x these where three ranks shared two cores (the embedded pair's target, 2026-12-06), though its chunks run
+    at once only while the pipe is full, and the host's cores bound that (cost_model.host_ms). A whole chunk's
+    difference of contexts, not the 128-token probe's: one 1.5B layer's attention slope from the probe read 1.9e-5
+    to 5.4e-5 ms in three timings a minute apart, where 512-token chunks after 0 to 1,536 tokens cost 1.7e-5."""
     runs: dict = {}
     add_runs(runs, "target", replace(target, head=False))
-    probe = probe_size(target)
-    probe_runs(runs, "probe", target, probe)
+    sizes = prefill_sizes(target, chunk)
+    for n in sizes:
+        if n != target.tokens:  # the block's is add_runs' one-layer stage
+            runs["chunk", n] = stage_runs(target.model, n, target.device, target.dtype, target.quant, sizes=(1,))[1]
+    runs["chunk", "long"] = stage_runs(target.model, chunk, target.device, target.dtype, target.quant,
+                                       context=LONG_CONTEXT, sizes=(1,))[1]
     ms = median_ms(runs, window_s)
     _release(target)
-    token_ms, attend_ms = slopes(ms, "probe", ms["target", 1], target.tokens, probe)
-    return {"alone_layer_ms": layer_and_call_ms({n: ms["target", n] for n in STAGE_SIZES})[0],
-            "alone_layer_token_ms": token_ms, "alone_attend_ms": attend_ms}
+    layer_ms = layer_and_call_ms({n: ms["target", n] for n in STAGE_SIZES})[0]
+    block = ms["target", 1]  # the one-layer stage over the block: each size's more is its layer's more
+    over = {n: block if n == target.tokens else ms["chunk", n] for n in sizes}
+    probe = min(PROBE_TOKENS, chunk)
+    token_ms = max(over[probe] - block, 0.0) / (probe - target.tokens) if probe > target.tokens else 0.0
+    attend_ms = max(ms["chunk", "long"] - over[chunk], 0.0) / (chunk * (LONG_CONTEXT - CONTEXT))
+    return {"alone_layer_ms": layer_ms, "alone_layer_token_ms": token_ms, "alone_attend_ms": attend_ms,
+            "alone_prefill_ms": [[n, layer_ms + over[n] - block] for n in sizes]}
 
 
 def add_runs(runs: dict, name, model: Timed, rows: int = 1) -> float:

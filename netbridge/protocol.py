@@ -40,7 +40,7 @@ import torch
 from netbridge.channel import Channel, PeerError
 from netbridge.frames import Message
 
-VERSION = 17  # bumped when a message changes; Hello carries it
+VERSION = 18  # bumped when a message changes; Hello carries it
 
 
 @dataclass

@@ -149,8 +149,10 @@ class RankCost:
     by_tokens: dict[int, float] = field(default_factory=dict)
     attend_ms: float = 0.0  # ms per token per earlier token it attends to (a long prompt's chunks: not linear)
     context_ms: float = 0.0  # a decode block: ms per row-token per cached token beyond timed_context
-    timed_context: int = 0  # the cached tokens the block above was timed after
+    timed_context: int = 0  # the cached tokens the block above (and prefill_by_tokens' chunks) was timed after
     context_row_ms: float | None = None  # the same for each row beyond the first (None: as the first's)
+    prefill_by_tokens: dict[int, float] = field(default_factory=dict)  # {chunk size: ms at one row after
+    # timed_context cached tokens, its attention included}, timed alone: a prefill chunk's cost where given
 
     def ms(self, rows: int, tokens: int, context: int | None = None) -> float:
         """A block of rows x tokens; after `context` cached tokens (the batch's longest: every row attends over
@@ -162,8 +164,14 @@ class RankCost:
 
     def chunk_ms(self, tokens: int, context: int, rows: int = 1) -> float:
         """A prefill chunk of `tokens` after `context` cached ones (`rows` of them: first rounds sent as one
-        batch): the block's cost, and attention over the cache and within the chunk (causal: half of it)."""
-        return self.ms(rows, tokens) + rows * self.attend_ms * tokens * (context + tokens / 2)
+        batch): the block's cost, and attention over the cache and within the chunk (causal: half of it). Where
+        chunks were timed (prefill_by_tokens), the block's at one row is theirs, interpolated between the sizes
+        timed, less the attention in it (its chunk was timed after timed_context cached tokens)."""
+        attention = rows * self.attend_ms * tokens * (context + tokens / 2)
+        if not self.prefill_by_tokens:
+            return self.ms(rows, tokens) + attention
+        timed = _at(self.prefill_by_tokens, tokens) - self.attend_ms * tokens * (self.timed_context + tokens / 2)
+        return max(timed + (rows - 1) * (self.row_ms + self.token_ms * tokens) + attention, 0.0)
 
 
 @dataclass(frozen=True)
@@ -584,18 +592,21 @@ def at_context(p: Pipeline, context: int | None) -> Pipeline:
 
 def rank_cost(layers: int, layer_ms: float, fixed_ms: float, block_tokens: int, layer_token_ms: float = 0.0,
               row_ms: float = 0.0, attend_ms: float = 0.0, context_ms: float = 0.0, timed_context: int = 0,
-              context_row_ms: float | None = None) -> RankCost:
+              context_row_ms: float | None = None, prefill_layer_ms=()) -> RankCost:
     """A stage of `layers` layers from the placement's timing (model_parallel.split.RankCosts): `layer_ms` one layer
     over a block of `block_tokens` (K+1), `fixed_ms` the rest of its work per round (drafting excluded),
     `layer_token_ms` one layer's ms per token more (0: not timed; a block then costs the same at any size), and
     `attend_ms` one layer's ms per token per earlier token (a long prompt's attention), `context_ms` one layer's
     ms per token of a decode block per cached token beyond `timed_context` (the context `layer_ms` was timed after),
-    `context_row_ms` the same for each row of a batch beyond the first (None: as the first's)."""
+    `context_row_ms` the same for each row of a batch beyond the first (None: as the first's), `prefill_layer_ms`
+    [tokens, one layer's ms over a prefill chunk of them after `timed_context`] pairs (the rest of the rank's work as
+    over a block: `fixed_ms`)."""
     token_ms = layers * layer_token_ms
     total = fixed_ms + layers * layer_ms
     return RankCost(max(total - row_ms - token_ms * block_tokens, 0.0), token_ms, row_ms, attend_ms=layers * attend_ms,
                     context_ms=layers * context_ms, timed_context=timed_context,
-                    context_row_ms=None if context_row_ms is None else layers * context_row_ms)
+                    context_row_ms=None if context_row_ms is None else layers * context_row_ms,
+                    prefill_by_tokens={int(n): fixed_ms + layers * ms for n, ms in prefill_layer_ms})
 
 
 def engine_ms(rank: int, ranks: int) -> float:
@@ -619,7 +630,8 @@ def from_rank_costs(costs, layer_counts: list[int], links: list[LinkCost], block
     rank i -> i+1, the last the reply), `block_tokens` the block timed (K+1), `draft_steps` the drafter's steps
     rank 0's fixed_ms holds (K+1 with a model drafter, else 0). Where a rank was also timed alone (alone_layer_ms,
     spec.overlap), its round's costs are the ones alone (one stream's ranks take turns) and the ratio of the two
-    its slowdown in a full pipe (Pipeline.together); a prefill's slopes are as timed alone where they were
+    its slowdown in a full pipe (Pipeline.together); a prefill chunk costs what chunks of its size timed alone cost
+    where they were (alone_prefill_ms: RankCost.prefill_by_tokens), and its slopes are as timed alone
     (alone_layer_token_ms, alone_attend_ms), else at once: a chunk runs at once with the others' only while the
     pipe is full, and then the host's cores bound them (first_tokens_s: host_ms), which at-once slopes would count
     twice (three ranks on two cores at 0 ms: a 2,000-token prompt's TTFT predicted 10.6-17.4 s, 5.5-6.2 measured). A
@@ -641,7 +653,8 @@ def from_rank_costs(costs, layer_counts: list[int], links: list[LinkCost], block
         ranks.append(rank_cost(n, c.layer_ms / slow[r], max(fixed, 0.0), block_tokens, token_ms,
                                row_ms=row, attend_ms=attend_ms,
                                context_ms=getattr(c, "context_ms", 0.0) / slow[r], timed_context=timed_context,
-                               context_row_ms=_timed(getattr(c, "context_row_ms", 0.0), slow[r])))
+                               context_row_ms=_timed(getattr(c, "context_row_ms", 0.0), slow[r]),
+                               prefill_layer_ms=getattr(c, "alone_prefill_ms", ())))
     draft = DraftCost()
     if draft_steps:
         token = getattr(costs[0], "draft_token_ms", 0.0)

@@ -37,6 +37,7 @@ def test_a_hello_carries_every_figure_its_ranks_timing_gives():
     reach the cost model as 0: not timed)."""
     import dataclasses
     import json
+    from dataclasses import replace
     from types import SimpleNamespace
     from launch.handshake import costs_of, hello
     from model_parallel.split import RankCosts, Speed
@@ -47,10 +48,16 @@ def test_a_hello_carries_every_figure_its_ranks_timing_gives():
     costs = RankCosts(1 << 30, 1000, 200, slot_fixed_bytes=10, slot_layer_bytes=2, host_rank=1,
                       **{name: 0.5 + i for i, name in enumerate(timed)})
     cfg = SimpleNamespace(model=SimpleNamespace(dtype="float32", quant="none"), serve=SimpleNamespace(port=None))
-    sent = hello(cfg, SimpleNamespace(target=SimpleNamespace(num_layers=8)), costs, None, LinkProbe("local", 0.1, 1, 1))
-    got = costs_of(Hello(**json.loads(json.dumps(as_message(sent).meta))))
+    models = SimpleNamespace(target=SimpleNamespace(num_layers=8))
+
+    def through(costs: RankCosts) -> RankCosts:
+        sent = hello(cfg, models, costs, None, LinkProbe("local", 0.1, 1, 1))
+        return costs_of(Hello(**json.loads(json.dumps(as_message(sent).meta))))
+    got = through(costs)
     assert {name: getattr(got, name) for name in timed} == {name: getattr(costs, name) for name in timed}
     assert (got.host_rank, got.slot_fixed_bytes, got.slot_layer_bytes) == (1, 10, 2)
+    chunks = [[5, 1.0], [33, 1.8], [512, 7.5]]  # timed alone: each chunk size's [tokens, ms]
+    assert through(replace(costs, alone_prefill_ms=chunks)).alone_prefill_ms == chunks
 
 
 def run_ring(cfgs: list, ranks: int) -> dict:
