@@ -408,6 +408,9 @@ def describe(plan: Plan) -> str:
             drafting += f" ({mine.draft_row_ms:.2f} ms more a step per stream batched beside)"
         alone = (f" with every rank at once; {mine.alone_layer_ms:.1f} ms a layer alone"
                  if mine.alone_layer_ms > 0 else "")
+        if mine.alone_prefill_ms:  # the chunk sizes timed alone: what a prompt's prefill costs (TTFT)
+            tokens, chunk_ms = mine.alone_prefill_ms[-1]
+            alone += f" ({chunk_ms:.1f} over a {tokens}-token prompt chunk)"
         if mine.alone_draft_step_ms > 0:
             alone += f", a drafter step {mine.alone_draft_step_ms:.2f} ms alone, {mine.draft_step_ms:.2f} at once"
         context = (f", {1000 * (cfg.spec.k + 1) * mine.context_ms:.2f} ms a layer more per 1k tokens cached beyond "

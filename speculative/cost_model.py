@@ -68,7 +68,8 @@ compute at once, however briefly each timed itself: a full pipe's cycle, a chain
 across the ranks (TTFT) take at least what the host's cores spend on them, each rank's work weighted by its share of
 them (Pipeline.cores; host_ms). A small model's timings end before another rank's begin, so the ratio above reads 1
 there (the tiny model's three ranks over two cores: four streams at K=0 over 0 ms measured 1.3-1.6x slower than
-predicted without this).
+predicted without this). A prefill's chunks are scheduled with the host's cores shared out among its ranks at work
+at each moment, too (sharing_end): the bound counts the cores busy while the pipe fills and drains, when they idle.
 
 Besides the forwards timed, each round costs the engine's own work (ENGINE_*: committing, sampling, verifying,
 replying), more for each row of a batch (ENGINE_*_ROW_MS: each stream committed and answered, its messages read and
@@ -81,6 +82,7 @@ is never slower, and its per-row costs, unmeasured online, only favour it).
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from dataclasses import dataclass, field, replace
@@ -105,6 +107,9 @@ ENGINE_MIDDLE_MS = 0.5
 # the round less the last rank's time 0.48 -> 0.66 ms: 0.06 a row, each row's Round and Reply read and written).
 ENGINE_RANK0_ROW_MS, ENGINE_LATER_ROW_MS = 0.16, 0.07
 PRIOR_ACCEPTANCE = 0.5  # a draft's chance to be kept before any is measured (pooled: (kept + 1) / (tried + 2))
+SHARING_PASSES, SHARING_TOLERANCE = 12, 0.002  # first_tokens_s on crowded hosts: passes over the prefill, each
+# timing a rank's work beside the other ranks' work as the pass before placed it (sharing_end), until the first
+# tokens move less than this share (three ranks over two cores: 5-9 passes)
 BET_PRIOR_WEIGHT = 1.0  # the bets measured lean on the position rates' product as on this many bets (Predictor)
 
 
@@ -481,6 +486,23 @@ def first_tokens_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int
     spec.overlap, its first `depth` blocks on the bet (use_the_wait): over a short trip, what the first token
     waits for. `intake` False: the drafter takes in none of the prompts (streams admitted at K=0 under
     spec.k_from_costs leave them out)."""
+    out, spans = _first_tokens_pass(p, prompt_tokens, chunk, ahead, k, depth, intake, ago_ms, after, None)
+    for _ in range(SHARING_PASSES if crowded(p) else 0):  # each rank's work beside the others' as the pass before
+        before = spans  # placed it (processor sharing: sharing_end), until it holds still
+        out, spans = _first_tokens_pass(p, prompt_tokens, chunk, ahead, k, depth, intake, ago_ms, after, spans)
+        last = [max((b for _, b in mine), default=0.0) for mine in spans]
+        moved = [abs(a - max((b for _, b in was), default=0.0)) for a, was in zip(last, before)]
+        if max(moved) <= SHARING_TOLERANCE * max(max(last), 1e-9):
+            break
+    return out
+
+
+def _first_tokens_pass(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int, ...], k: int, depth: int,
+                       intake: bool, ago_ms: tuple[float, ...], after: tuple[int, ...], spans):
+    """One pass of first_tokens_s: (its answer, each rank's spans of CPU work), each rank's work slowed by its
+    host's other ranks at work in `spans` (None: not at all)."""
+    ends = sharing_end(p, spans)
+    busy: list[list[tuple[float, float]]] = [[] for _ in p.ranks]
     since = [-ms for ms in ago_ms] if ago_ms else [None] * len(ahead)  # when rank 0 took each in (None: before)
     # (rows, tokens, context, the prompts whose first round it is, from when, after this admission)
     items = [(1, size, context, (), at, False)
@@ -506,10 +528,12 @@ def first_tokens_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int
                 # token is not known yet) and goes at once: the drafter takes its chunk in later, in the wait
                 drafting = p.draft.prefill_ms(size, context) if r == 0 and not first_of and intake else 0.0
                 start = max(ready, free[2 * r])
-                sent = start + rank.chunk_ms(size, context, rows)
+                compute = rank.chunk_ms(size, context, rows)
+                sent = ends(r, start, compute)
                 messages = (p.links[r - 1].message_ms if r else 0.0) + (p.links[r].message_ms if sends else 0.0)
-                free[2 * r] = sent + drafting + messages  # the next waits for them, this one not (latency)
-                work[r] += max(free[2 * r], 0.0) - max(start, 0.0)
+                free[2 * r] = ends(r, sent, drafting + messages)  # the next waits for them, this one not (latency)
+                busy[r].append((start, free[2 * r]))
+                work[r] += max(start + compute + drafting + messages, 0.0) - max(start, 0.0)
             if not sends:
                 break
             link = p.links[r]
@@ -527,7 +551,52 @@ def first_tokens_s(p: Pipeline, prompt_tokens: int, chunk: int, ahead: tuple[int
     taken = free[0] + in_the_wait  # rank 0 free to take the replies
     out = [max(reply, taken) for reply in replies]
     out[me] = max(out[me], host_ms(p, mine))
-    return tuple(t / 1000.0 for t in out)
+    return tuple(t / 1000.0 for t in out), busy
+
+
+def crowded(p: Pipeline) -> bool:
+    """Whether some host's ranks ask for more than its cores when they all compute (Pipeline.cores)."""
+    return max(host_ms(p, [1.0] * len(p.ranks)), 0.0) > 1.0 + TIE
+
+
+def sharing_end(p: Pipeline, spans):
+    """ends(r, start, work): when rank r's `work` ms of CPU begun at `start` is done, while its host's other ranks
+    compute in `spans` (each rank's (from, to) list; None: nobody slows it): whenever the shares of the host's cores
+    at work add to more than 1, each runs that many times slower (processor sharing). Three one-thread ranks on two
+    cores: each at 2/3 while all three compute (measured: 1.55-1.62x slower, one 1.5B layer over 512 tokens each),
+    at full speed while two do. The pipe fills and drains around a prompt's chunks, so a bound by the cores' sum
+    alone (host_ms) is short of it: eight chunks of 50 ms over three such ranks take 650 ms, the sum says 600."""
+    if spans is None:
+        return lambda r, start, work: start + work
+    host = [p.hosts[r] if r < len(p.hosts) else -1 - r for r in range(len(p.ranks))]
+    share = [p.cores[r] if r < len(p.cores) else 0.0 for r in range(len(p.ranks))]
+    loads = []  # per rank: [(time, the others' shares at work from then)]
+    for r in range(len(p.ranks)):
+        steps: dict[float, float] = {}
+        for q, theirs in enumerate(spans):
+            if q != r and host[q] == host[r]:
+                for a, b in theirs:
+                    steps[a], steps[b] = steps.get(a, 0.0) + share[q], steps.get(b, 0.0) - share[q]
+        level, profile = 0.0, [(-math.inf, 0.0)]
+        for t in sorted(steps):
+            level += steps[t]
+            profile.append((t, level))
+        loads.append(profile)
+
+    def ends(r: int, start: float, work: float) -> float:
+        profile = loads[r]
+        if share[r] <= 0 or len(profile) == 1:
+            return start + work
+        i = bisect.bisect_right(profile, (start, math.inf)) - 1
+        t, left = start, work
+        while True:
+            rate = 1.0 / max(1.0, share[r] + profile[i][1])
+            until = profile[i + 1][0] if i + 1 < len(profile) else math.inf
+            if left <= (until - t) * rate:
+                return t + left / rate
+            left -= (until - t) * rate
+            t, i = until, i + 1
+    return ends
 
 
 def depths_allowed(in_flight) -> tuple[int, ...]:

@@ -60,6 +60,19 @@ def test_a_hello_carries_every_figure_its_ranks_timing_gives():
     assert through(replace(costs, alone_prefill_ms=chunks)).alone_prefill_ms == chunks
 
 
+def test_the_start_up_line_says_what_a_whole_prompt_chunk_costs_alone(tiny_qwen, monkeypatch):
+    """A rank timed alone over chunks of 5 and 512 tokens (1 and 7.25 ms a layer): its start-up line gives the
+    whole chunk's beside the layer's alone."""
+    from dataclasses import replace
+    import model_parallel.split as split
+    from launch.plan import describe, plan_here
+    monkeypatch.setattr(split, "WINDOW_S", 0.05)
+    cfg = load_config([f"model.target={tiny_qwen}", "prompt_ids=[1]", "draft.kind=none", "model.split=auto"])
+    plan = plan_here(cfg, 0)
+    costs = [replace(c, alone_layer_ms=1.0, alone_prefill_ms=[[5, 1.0], [512, 7.25]]) for c in plan.costs]
+    assert "; 1.0 ms a layer alone (7.2 over a 512-token prompt chunk)" in describe(replace(plan, costs=costs))
+
+
 def run_ring(cfgs: list, ranks: int) -> dict:
     def body(r, prev, next):
         if r == 0:
