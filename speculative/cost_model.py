@@ -108,8 +108,9 @@ ENGINE_MIDDLE_MS = 0.5
 ENGINE_RANK0_ROW_MS, ENGINE_LATER_ROW_MS = 0.16, 0.07
 PRIOR_ACCEPTANCE = 0.5  # a draft's chance to be kept before any is measured (pooled: (kept + 1) / (tried + 2))
 SHARING_PASSES, SHARING_TOLERANCE = 12, 0.002  # first_tokens_s on crowded hosts: passes over the prefill, each
-# timing a rank's work beside the other ranks' work as the pass before placed it (sharing_end), until the first
-# tokens move less than this share (three ranks over two cores: 5-9 passes)
+# timing a rank's work beside the other ranks' work as the pass before placed it (sharing_end), until each rank's
+# last work ends within this share of where the pass before put it (eight or 64 chunks over three one-thread ranks
+# on two cores: six passes more)
 BET_PRIOR_WEIGHT = 1.0  # the bets measured lean on the position rates' product as on this many bets (Predictor)
 
 
@@ -563,9 +564,9 @@ def sharing_end(p: Pipeline, spans):
     """ends(r, start, work): when rank r's `work` ms of CPU begun at `start` is done, while its host's other ranks
     compute in `spans` (each rank's (from, to) list; None: nobody slows it): whenever the shares of the host's cores
     at work add to more than 1, each runs that many times slower (processor sharing). Three one-thread ranks on two
-    cores: each at 2/3 while all three compute (measured: 1.55-1.62x slower, one 1.5B layer over 512 tokens each),
-    at full speed while two do. The pipe fills and drains around a prompt's chunks, so a bound by the cores' sum
-    alone (host_ms) is short of it: eight chunks of 50 ms over three such ranks take 650 ms, the sum says 600."""
+    cores: each at 2/3 while all three compute (measured 1.55-1.62x slower, one 1.5B layer over 512 tokens each,
+    2026-12-06), at full speed while two do. The pipe fills and drains around a prompt's chunks, so a bound by the
+    cores' sum alone (host_ms) is short of it: eight chunks of 50 ms over three such ranks take 650 ms, the sum 600."""
     if spans is None:
         return lambda r, start, work: start + work
     host = [p.hosts[r] if r < len(p.hosts) else -1 - r for r in range(len(p.ranks))]
