@@ -347,8 +347,8 @@ class Speed:
 
 
 def probe_size(target: Timed) -> int:
-    """The tokens the prefill probe runs over: PROBE_TOKENS, or twice the round's block where that is longer (a slope
-    from a difference of sizes), the same at once (time_rank) and alone (time_alone)."""
+    """The tokens time_rank's prefill probe runs over: PROBE_TOKENS, or twice the round's block where that is longer
+    (a slope from a difference of sizes; time_alone times chunks of prefill_sizes instead)."""
     return max(PROBE_TOKENS, 2 * target.tokens)
 
 
