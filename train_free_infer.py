@@ -25,7 +25,8 @@ if __name__ == "__main__" and {"--help", "-h"} & set(sys.argv[1:]):  # at once: 
 from launch import ranks as lives
 from launch.config import ConfigError, StdinError, TandemConfig, config_from_argv
 from launch.distributed import (Interrupted, close_channel, error_line, expected_failures, open_links, report,
-                                skip_the_final_collections_at_exit, tell_peer, torchrun_rank, wait_for_peer_to_leave)
+                                reuse_freed_memory, skip_the_final_collections_at_exit, tell_peer, torchrun_rank,
+                                wait_for_peer_to_leave)
 from launch.ranks import StdoutClosed
 from netbridge.channel import PeerError
 
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         rank, ranks = torchrun_rank()
         skip_the_final_collections_at_exit()
+        reuse_freed_memory()  # before the start-up's timing: it times forwards as serving will run them
         if refusal is not None:
             _refuse(cfg, rank, ranks, refusal)
         listener = serving_port(cfg, rank, ranks)

@@ -55,6 +55,33 @@ def skip_the_final_collections_at_exit() -> None:
     atexit.register(gc.freeze)
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (glibc's malloc.h)
+HEAP_BLOCK_MAX = 32 << 20  # blocks up to this come from the heap (glibc's own ceiling for them); larger ones are mapped
+HEAP_KEPT = 1 << 30  # free memory at the heap's top goes back to the OS only past this
+
+
+def reuse_freed_memory() -> bool:
+    """Keep a forward's freed activations in this process for the next forward: glibc's malloc gives a freed block
+    of more than 128 KiB (raised as such blocks come and go, to 32 MiB at most) back to the OS, and trims the heap's
+    free top, so a prefill chunk's activations (a 512-token chunk's MLP: 9 MiB a tensor in bf16) are mapped
+    and page-faulted in again on every layer. One 1.5B layer over a 512-token chunk, one thread: 84 ms by default,
+    64 ms with this (2026-12-06, Xeon avx512_bf16; bench/README). Timing at start-up and serving then run alike: a
+    chunk's cost depended on which forwards the process had run before. PyTorch's CPU tuning guide says the same
+    (a caching allocator, jemalloc or tcmalloc, preloaded). The cost: blocks freed stay in the process for the
+    next to reuse (the start-up's placeholder layers' go to the weights loaded after them), up to HEAP_KEPT free at
+    the heap's top; a KV slot and a tensor over HEAP_BLOCK_MAX are mapped as before. False where the C library has
+    no mallopt (not glibc): nothing changes."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    # setting either fixes both (glibc stops moving them): the threshold first, so blocks up to it stay in the heap
+    return bool(mallopt(M_MMAP_THRESHOLD, HEAP_BLOCK_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, HEAP_KEPT))
+
+
 def open_links(cfg: TandemConfig, rank: int, ranks: int, place: HostPlace | None = None) -> tuple[Channel, Channel]:
     """(the link from the rank before, the link to the rank after) on the ring: one Channel per neighbour, so
     with two ranks both are the same one; a neighbour on this host directly (launch.transport.local_peers), any
