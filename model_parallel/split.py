@@ -184,9 +184,11 @@ PROBE_TOKENS = 128  # a one-layer stage is also timed over a block this long: it
 # (from a block of 128 on: a CPU's matrix products run near their full rate there, as over a 512-token chunk)
 # ... and timed alone over chunks of these many tokens besides the round's block, 128 and a whole chunk (time_alone):
 # a chunk's cost is no line in its size. One 1.5B layer here (Intel Xeon, avx512_bf16 + AMX, one thread, 2026-12-06,
-# two timings) read 10.4-12.3 ms from 5 to 32 tokens, 14.8 over 33 (its matrix products change kernel past 32 rows),
-# 22.7 over 128 and 76.9 over 512: the line through 5 and 128 gave 13.9 at 40 where 15.8 was timed, and 57 at 512.
-PREFILL_SIZES = (32, 33)
+# freed memory reused: launch.distributed.reuse_freed_memory) read 11.2 ms over 5 tokens, 12.7 over 32, 14.8 over 33
+# (its matrix products change kernel past 32 rows), 16.5 over 40, 17.7 over 48, 18.4 over 64, 22.5 over 128, 32.8
+# over 256 and 63.8 over 512: rising steeply past 33 and slowly to 128, then faster again. A line through 33 and 128
+# gave 15.4 at 40 (-7%), one through 128 and 512 gave 36.3 at 256 (+11%); with 48, 64 and 256 timed too, within 2%.
+PREFILL_SIZES = (32, 33, 48, 64, 256)
 LONG_CONTEXT = 1024  # ... and after this many cached tokens: the slope is attention's ms per token per earlier one
 DECODE_CONTEXT = 2048  # ... and a round's block after this many: its slope is a decode round's cost per cached token
 ROW_PROBE = 4  # ... and over this many rows of the block (several streams' in one forward): its slope is a row's cost

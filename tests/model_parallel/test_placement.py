@@ -342,17 +342,19 @@ def test_timing_measures_what_a_long_prompt_and_more_rows_cost(tiny_qwen, monkey
 
 def test_timing_alone_measures_each_chunk_size_and_attention_over_a_whole_chunk(tiny_qwen, monkeypatch):
     """Timed alone (medians given): a target layer 1 ms over the block of 5 (its one- and three-layer stages 1.5 and
-    3.5 ms); its one-layer stage over 32, 33, 128 and a whole chunk of 512 tokens after 128 cached: 1.8, 2.3, 2.73
-    and 8 ms, and 8 ms + 2e-5 ms a token per earlier token over 512 after 1,024. Each size's layer is the block's
-    1 ms and its stage's more than the block's; the line's slope is 128's, attention's the whole chunk's."""
+    3.5 ms); its one-layer stage over 32, 33, 48, 64, 128, 256 and a whole chunk of 512 tokens after 128 cached:
+    1.8, 2.3, 2.4, 2.5, 2.73, 4 and 8 ms, and 8 ms + 2e-5 ms a token per earlier token over 512 after 1,024. Each
+    size's layer is the block's 1 ms and its stage's more than the block's; the line's slope is 128's, attention's
+    the whole chunk's."""
     import model_parallel.split as split
     from model_parallel.loader import ModelSource
-    given = {("target", 1): 1.5, ("target", 3): 3.5, ("chunk", 32): 1.8, ("chunk", 33): 2.3,
-             ("chunk", 128): 1.5 + 0.01 * 123, ("chunk", 512): 8.0,
+    given = {("target", 1): 1.5, ("target", 3): 3.5, ("chunk", 32): 1.8, ("chunk", 33): 2.3, ("chunk", 48): 2.4,
+             ("chunk", 64): 2.5, ("chunk", 128): 1.5 + 0.01 * 123, ("chunk", 256): 4.0, ("chunk", 512): 8.0,
              ("chunk", "long"): 8.0 + 2e-5 * 512 * (split.LONG_CONTEXT - split.CONTEXT)}
     monkeypatch.setattr(split, "sample_ms", lambda runs, window_s: {name: [given[name]] for name in runs})
     alone = split.time_alone(split.Timed(ModelSource.open(tiny_qwen, "float32"), 5, "cpu", torch.float32), 512)
-    assert dict(alone["alone_prefill_ms"]) == pytest.approx({5: 1.0, 32: 1.3, 33: 1.8, 128: 2.23, 512: 7.5})
+    assert dict(alone["alone_prefill_ms"]) == pytest.approx(
+        {5: 1.0, 32: 1.3, 33: 1.8, 48: 1.9, 64: 2.0, 128: 2.23, 256: 3.5, 512: 7.5})
     assert (alone["alone_layer_ms"], alone["alone_layer_token_ms"], alone["alone_attend_ms"]) == pytest.approx(
         (1.0, 0.01, 2e-5))
 
