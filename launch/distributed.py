@@ -68,18 +68,33 @@ def reuse_freed_memory() -> bool:
     64 ms with this (2026-12-06, Xeon avx512_bf16; bench/README). Timing at start-up and serving then run alike: a
     chunk's cost depended on which forwards the process had run before. PyTorch's CPU tuning guide says the same
     (a caching allocator, jemalloc or tcmalloc, preloaded). The cost: blocks freed stay in the process for the
-    next to reuse (the start-up's placeholder layers' go to the weights loaded after them), up to HEAP_KEPT free at
-    the heap's top; a KV slot and a tensor over HEAP_BLOCK_MAX are mapped as before. False where the C library has
-    no mallopt (not glibc): nothing changes."""
+    next to reuse, up to HEAP_KEPT free at the heap's top (release_freed_memory gives back the start-up timing's);
+    a KV slot and a tensor over HEAP_BLOCK_MAX are mapped as before. False where the C library has no mallopt (not
+    glibc): nothing changes."""
+    mallopt = _libc_function("mallopt")
+    # setting either fixes both (glibc stops moving them): the threshold first, so blocks up to it stay in the heap
+    return mallopt is not None and bool(mallopt(M_MMAP_THRESHOLD, HEAP_BLOCK_MAX)) and bool(
+        mallopt(M_TRIM_THRESHOLD, HEAP_KEPT))
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free memory back to the OS (glibc's malloc_trim): once the start-up's timing is done, its
+    placeholder layers' blocks would stay in the process for good (a 1.5B target's time_alone left 1.1 GiB free in
+    the heap; a script's layers built after it grew the process as much as without reuse_freed_memory, less a
+    sixth). A forward's activations are faulted in once more, on the first prefill after."""
+    trim = _libc_function("malloc_trim")
+    if trim is not None:
+        trim(0)
+
+
+def _libc_function(name: str):
+    """The C library's `name`, or None where it has none (not glibc)."""
     import ctypes
     import ctypes.util
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
-        return False
-    # setting either fixes both (glibc stops moving them): the threshold first, so blocks up to it stay in the heap
-    return bool(mallopt(M_MMAP_THRESHOLD, HEAP_BLOCK_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, HEAP_KEPT))
+        return None
 
 
 def open_links(cfg: TandemConfig, rank: int, ranks: int, place: HostPlace | None = None) -> tuple[Channel, Channel]:

@@ -17,6 +17,7 @@ import sys
 from dataclasses import asdict, replace
 
 from launch.config import ConfigError, TandemConfig
+from launch.distributed import release_freed_memory
 from launch.plan import (Models, Plan, asked_slots, describe, given_cuts, rank_alone_ms, rank_costs, rank_speed,
                          ring_text, settle, split_text, timed, with_draft_format)
 from model_parallel.split import RankCosts
@@ -55,6 +56,7 @@ def handshake(cfg: TandemConfig, models: Models, prev, next, rank: int, ranks: i
             costs = replace(costs, **rank_alone_ms(cfg, models, rank, ranks))
         return hello(cfg, models, costs, given, link)
     hellos = gather(prev, next, rank, ranks, mine)
+    release_freed_memory()  # the timing's placeholder layers: the weights load next
     every = [costs_of(h) for h in hellos]
     cuts = next_given(hellos)
     plan = settle(cfg, models, rank, every, source, cuts, [h.slots for h in hellos], ring_links(hellos))
