@@ -257,7 +257,10 @@ def hf_generate(model, ids: list[int], max_new_tokens: int, eos: list[int], **kw
 def hf_baselines(args, prompts: list[list[int]]) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from launch.distributed import reuse_freed_memory
     torch.set_num_threads(args.hf_threads)
+    reuse_freed_memory()  # as Tandem's ranks do: neither side wins a prefill by malloc's page faults
     dtype = getattr(torch, args.dtype)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
     draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=getattr(torch, args.draft_dtype)).eval()  # Tandem's drafter
