@@ -252,14 +252,10 @@ def _placeholder(module: torch.nn.Module, device: str, dtype: torch.dtype) -> to
     return module.eval().requires_grad_(False)
 
 
-def stage_runs(model, tokens: int, device: str, dtype: torch.dtype, quant=None, context: int = CONTEXT,
-               rows: int = 1, sizes: tuple[int, ...] = STAGE_SIZES) -> dict:
-    """{layers: a forward of `tokens` tokens after `context` cached ones} for a stage of each size in
-    STAGE_SIZES, through Stage.forward as a round calls it (placeholder weights of `model`'s shapes, `dtype`,
-    NF4 or int8 with `quant`; every layer its own weights, as in a real stage); `rows` requests at once, each in
-    its own KV slot (a batched draft step)."""
-    from model_parallel.stage import Stage
-    layer_cls, rotary_cls, _, small = _classes(model)
+def _layers(model, n: int, device: str, dtype: torch.dtype, quant=None) -> list[torch.nn.Module]:
+    """`n` decoder layers of `model`'s shapes with placeholder weights (`dtype`; NF4 or int8 with `quant`), every
+    layer its own weights, as in a real stage."""
+    layer_cls, _, _, small = _classes(model)
 
     def layer(i: int):
         with torch.device("meta"):
@@ -269,20 +265,59 @@ def stage_runs(model, tokens: int, device: str, dtype: torch.dtype, quant=None, 
             from model_parallel.quant import quantize_linears
             quantize_linears(built, quant)  # each quantized module in eval mode, as the layer it went into
         return built
-    hidden = torch.randn(rows, tokens, small.hidden_size, dtype=dtype, device=device) * 0.1
-    slots = list(range(rows))
+    return [layer(i) for i in range(n)]
+
+
+def _stage(model, layers: list[torch.nn.Module], device: str, capacity: int, dtype: torch.dtype, rows: int = 1):
+    from model_parallel.stage import Stage
+    _, rotary_cls, _, small = _classes(model)
+    stage = Stage(small, layers, 0, rotary_cls(config=small).to(device)).eval()
+    stage.allocate_cache(capacity, dtype, slots=rows)
+    return stage
+
+
+def _forward(stage, hidden: torch.Tensor, context: int, device: str):
+    """A forward of `hidden` (rows x tokens) through `stage` after `context` cached tokens in each row's slot: its
+    first `context` slots stand for cached tokens, which attention reads whatever they hold, so nothing need
+    compute them."""
+    slots = list(range(hidden.shape[0]))
+
+    def block():
+        for slot in slots:
+            stage.cache.rewind(context, slot)
+        stage(hidden, live=context + hidden.shape[1], rows=slots)
+        _sync(device)
+    return block
+
+
+def _hidden(model, rows: int, tokens: int, device: str, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(rows, tokens, _classes(model)[3].hidden_size, dtype=dtype, device=device) * 0.1
+
+
+def stage_runs(model, tokens: int, device: str, dtype: torch.dtype, quant=None, context: int = CONTEXT,
+               rows: int = 1, sizes: tuple[int, ...] = STAGE_SIZES) -> dict:
+    """{layers: a forward of `tokens` tokens after `context` cached ones} for a stage of each size in
+    STAGE_SIZES, through Stage.forward as a round calls it (placeholder weights of `model`'s shapes, `dtype`,
+    NF4 or int8 with `quant`; every layer its own weights, as in a real stage); `rows` requests at once, each in
+    its own KV slot (a batched draft step)."""
+    hidden = _hidden(model, rows, tokens, device, dtype)
     runs = {}
     for n in sizes:  # each stage its own layers: none is still in a CPU cache from the other's call
-        stage = Stage(small, [layer(i) for i in range(n)], 0, rotary_cls(config=small).to(device)).eval()
-        stage.allocate_cache(context + tokens, dtype, slots=rows)  # its first `context` slots stand for cached tokens:
-
-        def block(stage=stage):  # attention reads them whatever they hold, so nothing need compute them
-            for slot in slots:
-                stage.cache.rewind(context, slot)
-            stage(hidden, live=context + tokens, rows=slots)
-            _sync(device)
-        runs[n] = block
+        stage = _stage(model, _layers(model, n, device, dtype, quant), device, context + tokens, dtype, rows)
+        runs[n] = _forward(stage, hidden, context, device)
     return runs
+
+
+def chunk_runs(model, shapes: list[tuple[int, int]], device: str, dtype: torch.dtype, quant=None) -> dict:
+    """{(tokens, context): a forward of a chunk of `tokens` after `context` cached} through one stage of
+    STAGE_SIZES[-1] layers for all of `shapes`: its layers' weights stream from memory on every call, as in a
+    stage of many. A one-layer stage called again and again keeps part of its layer in the CPU's caches: its
+    chunks' costs beyond the block's read 4.5 ms over 40 tokens where a 12-layer stage's read 6.0 a layer (one
+    1.5B layer, 2026-12-06)."""
+    stage = _stage(model, _layers(model, STAGE_SIZES[-1], device, dtype, quant), device,
+                   max(tokens + context for tokens, context in shapes), dtype)
+    return {(tokens, context): _forward(stage, _hidden(model, 1, tokens, device, dtype), context, device)
+            for tokens, context in shapes}
 
 
 def layer_and_call_ms(ms: dict) -> tuple[float, float]:
@@ -518,8 +553,10 @@ def time_rank(target: Timed, drafter: Timed | None = None, window_s: float = WIN
 def time_alone(target: Timed, chunk: int, window_s: float = WINDOW_S) -> dict:
     """RankCosts' alone_* figures of the target, timed by themselves (no head, drafter or other probes): one layer
     over the round's block (time_rank's layer_ms), and over a prefill chunk of each of prefill_sizes after CONTEXT
-    cached tokens (alone_prefill_ms) and a whole chunk after LONG_CONTEXT too: attention's slope (alone_attend_ms);
-    the line through the block and PROBE_TOKENS (alone_layer_token_ms) prices a block of another size. This is the
+    cached tokens (alone_prefill_ms) and a whole chunk after LONG_CONTEXT too: attention's slope (alone_attend_ms),
+    the chunks through one stage of STAGE_SIZES[-1] layers (chunk_runs), each layer's share of its more over the
+    stage as deep over the block added to the block's layer; the line through the block and PROBE_TOKENS
+    (alone_layer_token_ms) prices a block of another size. This is the
     handshake's second timing, alone, beside the one with every rank at once: a chunk's slopes at once read
     1.4-2.8x these where three ranks shared two cores (the embedded pair's target, 2026-12-06), though its chunks run
     at once only while the pipe is full, and the host's cores bound that (cost_model.host_ms). A whole chunk's
@@ -527,22 +564,20 @@ def time_alone(target: Timed, chunk: int, window_s: float = WINDOW_S) -> dict:
     to 5.4e-5 ms in three timings a minute apart, where 512-token chunks after 0 to 1,536 tokens cost 1.7e-5."""
     runs: dict = {}
     add_runs(runs, "target", replace(target, head=False))
-    sizes = prefill_sizes(target, chunk)
-    for n in sizes:
-        if n != target.tokens:  # the block's is add_runs' one-layer stage
-            runs["chunk", n] = stage_runs(target.model, n, target.device, target.dtype, target.quant, sizes=(1,))[1]
-    runs["chunk", "long"] = stage_runs(target.model, chunk, target.device, target.dtype, target.quant,
-                                       context=LONG_CONTEXT, sizes=(1,))[1]
+    sizes, depth = prefill_sizes(target, chunk), STAGE_SIZES[-1]
+    shapes = [(n, CONTEXT) for n in sizes if n != target.tokens] + [(chunk, LONG_CONTEXT)]  # (the block's: add_runs')
+    for (n, context), run in chunk_runs(target.model, shapes, target.device, target.dtype, target.quant).items():
+        runs["chunk", n if context == CONTEXT else "long"] = run
     ms = median_ms(runs, window_s)
     _release(target)
     layer_ms = layer_and_call_ms({n: ms["target", n] for n in STAGE_SIZES})[0]
-    block = ms["target", 1]  # the one-layer stage over the block: each size's more is its layer's more
+    block = ms["target", depth]  # a stage as deep over the block: each size's more over `depth` layers
     over = {n: block if n == target.tokens else ms["chunk", n] for n in sizes}
     probe = min(PROBE_TOKENS, chunk)
-    token_ms = max(over[probe] - block, 0.0) / (probe - target.tokens) if probe > target.tokens else 0.0
-    attend_ms = max(ms["chunk", "long"] - over[chunk], 0.0) / (chunk * (LONG_CONTEXT - CONTEXT))
+    token_ms = max(over[probe] - block, 0.0) / (depth * (probe - target.tokens)) if probe > target.tokens else 0.0
+    attend_ms = max(ms["chunk", "long"] - over[chunk], 0.0) / (depth * chunk * (LONG_CONTEXT - CONTEXT))
     return {"alone_layer_ms": layer_ms, "alone_layer_token_ms": token_ms, "alone_attend_ms": attend_ms,
-            "alone_prefill_ms": [[n, layer_ms + over[n] - block] for n in sizes]}
+            "alone_prefill_ms": [[n, layer_ms + (over[n] - block) / depth] for n in sizes]}
 
 
 def add_runs(runs: dict, name, model: Timed, rows: int = 1) -> float:

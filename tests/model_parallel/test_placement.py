@@ -342,21 +342,35 @@ def test_timing_measures_what_a_long_prompt_and_more_rows_cost(tiny_qwen, monkey
 
 def test_timing_alone_measures_each_chunk_size_and_attention_over_a_whole_chunk(tiny_qwen, monkeypatch):
     """Timed alone (medians given): a target layer 1 ms over the block of 5 (its one- and three-layer stages 1.5 and
-    3.5 ms); its one-layer stage over 32, 33, 48, 64, 128, 256 and a whole chunk of 512 tokens after 128 cached:
-    1.8, 2.3, 2.4, 2.5, 2.73, 4 and 8 ms, and 8 ms + 2e-5 ms a token per earlier token over 512 after 1,024. Each
-    size's layer is the block's 1 ms and its stage's more than the block's; the line's slope is 128's, attention's
-    the whole chunk's."""
+    3.5 ms); the three-layer chunk stage over 32, 33, 48, 64, 128, 256 and a whole chunk of 512 tokens after 128
+    cached: 3.5 ms more by 0.9, 2.4, 2.7, 3.0, 3.69, 7.5 and 19.5, and over 512 after 1,024 3 x 2e-5 ms a token per
+    earlier token more than after 128. Each size's layer is the block's 1 ms and a third of its stage's more than
+    the stage as deep over the block; the line's slope is 128's, attention's the whole chunk's."""
     import model_parallel.split as split
     from model_parallel.loader import ModelSource
-    given = {("target", 1): 1.5, ("target", 3): 3.5, ("chunk", 32): 1.8, ("chunk", 33): 2.3, ("chunk", 48): 2.4,
-             ("chunk", 64): 2.5, ("chunk", 128): 1.5 + 0.01 * 123, ("chunk", 256): 4.0, ("chunk", 512): 8.0,
-             ("chunk", "long"): 8.0 + 2e-5 * 512 * (split.LONG_CONTEXT - split.CONTEXT)}
+    more = {32: 0.9, 33: 2.4, 48: 2.7, 64: 3.0, 128: 3 * 0.01 * 123, 256: 7.5, 512: 19.5}
+    given = {("target", 1): 1.5, ("target", 3): 3.5, **{("chunk", n): 3.5 + ms for n, ms in more.items()},
+             ("chunk", "long"): 3.5 + 19.5 + 3 * 2e-5 * 512 * (split.LONG_CONTEXT - split.CONTEXT)}
     monkeypatch.setattr(split, "sample_ms", lambda runs, window_s: {name: [given[name]] for name in runs})
     alone = split.time_alone(split.Timed(ModelSource.open(tiny_qwen, "float32"), 5, "cpu", torch.float32), 512)
     assert dict(alone["alone_prefill_ms"]) == pytest.approx(
         {5: 1.0, 32: 1.3, 33: 1.8, 48: 1.9, 64: 2.0, 128: 2.23, 256: 3.5, 512: 7.5})
     assert (alone["alone_layer_ms"], alone["alone_layer_token_ms"], alone["alone_attend_ms"]) == pytest.approx(
         (1.0, 0.01, 2e-5))
+
+
+def test_chunks_are_timed_through_one_stage_as_deep_as_the_blocks(tiny_qwen, monkeypatch):
+    """chunk_runs: every shape through one stage of STAGE_SIZES[-1] layers (a stage of many streams its weights on
+    every call; one layer called again and again keeps part of it in the CPU's caches), its cache as long as the
+    longest shape needs."""
+    import model_parallel.split as split
+    from model_parallel.loader import ModelSource
+    built, stage = [], split._stage
+    monkeypatch.setattr(split, "_stage", lambda *a, **kw: built.append(stage(*a, **kw)) or built[-1])
+    runs = split.chunk_runs(ModelSource.open(tiny_qwen, "float32"), [(32, 128), (8, 1024)], "cpu", torch.float32)
+    assert [len(stage.layers) for stage in built] == [split.STAGE_SIZES[-1]]
+    for run in runs.values():
+        run()  # room for 8 after 1,024 in the one cache: no CacheFull
 
 
 def test_rank_costs_say_the_ranks_host_and_its_share_of_the_cores(tiny_qwen, monkeypatch):
