@@ -183,11 +183,12 @@ STAGE_SIZES = (1, 3)  # layers in the two stages timed: one layer is their diffe
 PROBE_TOKENS = 128  # a one-layer stage is also timed over a block this long: its slope is a layer's ms per token
 # (from a block of 128 on: a CPU's matrix products run near their full rate there, as over a 512-token chunk)
 # ... and timed alone over chunks of these many tokens besides the round's block, 128 and a whole chunk (time_alone):
-# a chunk's cost is no line in its size. One 1.5B layer here (Intel Xeon, avx512_bf16 + AMX, one thread, 2026-12-06,
-# freed memory reused: launch.distributed.reuse_freed_memory) read 11.2 ms over 5 tokens, 12.7 over 32, 14.8 over 33
-# (its matrix products change kernel past 32 rows), 16.5 over 40, 17.7 over 48, 18.4 over 64, 22.5 over 128, 32.8
-# over 256 and 63.8 over 512: rising steeply past 33 and slowly to 128, then faster again. A line through 33 and 128
-# gave 15.4 at 40 (-7%), one through 128 and 512 gave 36.3 at 256 (+11%); with 48, 64 and 256 timed too, within 2%.
+# a chunk's cost is no line in its size. A one-layer 1.5B stage here (Intel Xeon, avx512_bf16 + AMX, one thread,
+# 2026-12-06, freed memory reused: launch.distributed.reuse_freed_memory) read 11.2 ms over 5 tokens, 12.7 over 32,
+# 14.8 over 33 (its matrix products change kernel past 32 rows), 16.5 over 40, 17.7 over 48, 18.4 over 64, 22.5 over
+# 128, 32.8 over 256 and 63.8 over 512: rising steeply past 33 and slowly to 128, then faster again. A line through
+# 33 and 128 gave 15.4 at 40 (-7%), one through 128 and 512 gave 36.3 at 256 (+11%); with 48, 64 and 256 timed too,
+# within 2%.
 PREFILL_SIZES = (32, 33, 48, 64, 256)
 LONG_CONTEXT = 1024  # ... and after this many cached tokens: the slope is attention's ms per token per earlier one
 DECODE_CONTEXT = 2048  # ... and a round's block after this many: its slope is a decode round's cost per cached token
@@ -195,7 +196,8 @@ ROW_PROBE = 4  # ... and over this many rows of the block (several streams' in o
 WINDOW_S = 1.5  # each run is repeated, in turn with the others, for about this long after its warm-up
 MIN_SAMPLES, MAX_SAMPLES, WARMUP = 5, 25, 2
 STEP_REPS = 10  # steps_ms: tries of a round's drafter steps back to back
-QUICK_S = 0.1  # MIN_SAMPLES cycles this quick are enough: a GPU's times hold still (and tests' tiny models)
+QUICK_S = 0.5  # MIN_SAMPLES cycles this quick are enough: a GPU's times hold still (and tests' tiny models: their
+# time_alone's ten runs, a three-layer stage over 512 tokens among them, take 36-50 ms a cycle; the 1.5B's ~900)
 
 
 def median_ms(runs: dict, window_s: float = WINDOW_S) -> dict:
@@ -312,7 +314,7 @@ def chunk_runs(model, shapes: list[tuple[int, int]], device: str, dtype: torch.d
     """{(tokens, context): a forward of a chunk of `tokens` after `context` cached} through one stage of
     STAGE_SIZES[-1] layers for all of `shapes`: its layers' weights stream from memory on every call, as in a
     stage of many. A one-layer stage called again and again keeps part of its layer in the CPU's caches: its
-    chunks' costs beyond the block's read 4.5 ms over 40 tokens where a 12-layer stage's read 6.0 a layer (one
+    chunks' costs beyond the block's read 4.5 ms over 40 tokens where a 12-layer stage's read 5.9 a layer (one
     1.5B layer, 2026-12-06)."""
     stage = _stage(model, _layers(model, STAGE_SIZES[-1], device, dtype, quant), device,
                    max(tokens + context for tokens, context in shapes), dtype)
@@ -556,10 +558,10 @@ def time_alone(target: Timed, chunk: int, window_s: float = WINDOW_S) -> dict:
     cached tokens (alone_prefill_ms) and a whole chunk after LONG_CONTEXT too: attention's slope (alone_attend_ms),
     the chunks through one stage of STAGE_SIZES[-1] layers (chunk_runs), each layer's share of its more over the
     stage as deep over the block added to the block's layer; the line through the block and PROBE_TOKENS
-    (alone_layer_token_ms) prices a block of another size. This is the
-    handshake's second timing, alone, beside the one with every rank at once: a chunk's slopes at once read
-    1.4-2.8x these where three ranks shared two cores (the embedded pair's target, 2026-12-06), though its chunks run
-    at once only while the pipe is full, and the host's cores bound that (cost_model.host_ms). A whole chunk's
+    (alone_layer_token_ms) prices a block of another size. This is the handshake's second timing, alone, beside
+    the one with every rank at once: a chunk's slopes at once read 1.4-2.8x these where three ranks shared two cores
+    (the embedded pair's target, 2026-12-06), though its chunks run at once only while the pipe is full, and the
+    host's cores bound that (cost_model.host_ms). A whole chunk's
     difference of contexts, not the 128-token probe's: one 1.5B layer's attention slope from the probe read 1.9e-5
     to 5.4e-5 ms in three timings a minute apart, where 512-token chunks after 0 to 1,536 tokens cost 1.7e-5."""
     runs: dict = {}
