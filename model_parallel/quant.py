@@ -26,7 +26,8 @@ per output channel), computed in the input's dtype. Why torch's own `torch._weig
 on CPU it is the kernel torchao's weight-only int8 reaches there too, and it reads one byte per weight (a 0.5B
 decode step 137 -> 87 ms at one thread, bf16); torchao would add a dependency and a tensor subclass that the
 CUDA graph capture and `weight_bytes` would have to see through, for no speed here. The kernel is fast for bf16 /
-fp16 inputs on CPU only: with fp32 inputs it falls to a slow loop (6x an fp32 matmul), and its CUDA version is a
+fp16 inputs on CPU over a few rows only (a decode step's, not a prompt chunk's: INT8_KERNEL_MAX_ROWS): with fp32
+inputs it falls to a slow loop (6x an fp32 matmul), and its CUDA version is a
 naive one-thread-per-output kernel (where it exists at all: torch 2.11 may lack it). Elsewhere Int8Linear
 dequantizes and multiplies (a cast + one matmul: capturable in a CUDA graph, slower than the full-precision
 weight unless torch.compile fuses it); draft.quant=auto times what runs and keeps what pays.
@@ -60,9 +61,17 @@ class Int8Settings:
         return int8_linear(linear)
 
 
+# Past this many rows the weight dequantized and one matmul beat the int8 kernel: the kernel is a matrix-vector loop,
+# its time linear in the rows (one thread, bf16, a 0.5B drafter's 4864x896 MLP weight: 0.30 ms over 1 row, 1.70
+# over 16, 55 over 512, where the cast and a bf16 matmul take 1.5, 2.0 and 6.0), so a prompt's chunk through an
+# int8 drafter ran ~10x its bf16 cost (the embedded pair's 2,000-token prompt: ~12 s of a 20 s first token).
+INT8_KERNEL_MAX_ROWS = 16
+
+
 def int8_fast_kernel(x: torch.Tensor) -> bool:
     """Whether torch._weight_int8pack_mm is the fast path for `x` (see the module's docstring)."""
-    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and hasattr(torch, "_weight_int8pack_mm")
+    return (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and hasattr(torch, "_weight_int8pack_mm")
+            and x.numel() // x.shape[-1] <= INT8_KERNEL_MAX_ROWS)
 
 
 class Int8Linear(nn.Module):

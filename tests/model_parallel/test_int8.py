@@ -14,11 +14,13 @@ from tests.support.tiny_models import ids_arg, load_reference, run_pair
 PROMPT = [11, 42, 7, 250, 3, 99, 180, 5]
 
 
-@pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-6), (torch.bfloat16, 2**-8)])
-def test_int8_linear_is_the_float_linear_within_half_a_step_per_weight(dtype, rel):
+@pytest.mark.parametrize("dtype,rel,rows", [(torch.float32, 1e-6, 5), (torch.bfloat16, 2**-8, 5),
+                                           (torch.bfloat16, 2**-8, 40)])
+def test_int8_linear_is_the_float_linear_within_half_a_step_per_weight(dtype, rel, rows):
     """Each weight is within half a quantization step (its row's scale / 2) of the float one, so each output is within
     sum|x| * scale / 2 of the float linear's; and the module computes x @ (q * scale).T + b to the rounding of its
-    dtype (bf16 runs torch's int8 kernel, fp32 dequantizes: both paths)."""
+    dtype (bf16 over 15 rows runs torch's int8 kernel; fp32, and bf16 over a prompt chunk's 120, dequantize: every
+    path)."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 160, bias=True).to(dtype).eval()
     module = int8_linear(linear)
@@ -26,13 +28,26 @@ def test_int8_linear_is_the_float_linear_within_half_a_step_per_weight(dtype, re
     w, deq, scale = linear.weight.double(), module.dequantized().double(), module.scale.double()
     assert ((deq - w).abs() <= scale[:, None] / 2 * (1 + 1e-6)).all()
     assert (module.weight.abs().amax(1) == 127).all()  # every row uses the whole grid
-    x = torch.randn(3, 5, 96).to(dtype)
+    x = torch.randn(3, rows, 96).to(dtype)
     y = module(x).double()
     exact = x.double() @ deq.T + linear.bias.double()
     size = x.double().abs() @ deq.abs().T + linear.bias.double().abs()
     assert ((y - exact).abs() <= rel * size).all()
     full = x.double() @ w.T + linear.bias.double()
     assert ((full - exact).abs() <= x.double().abs().sum(-1, keepdim=True) * scale / 2 * (1 + 1e-6)).all()
+
+
+def test_int8_kernel_for_a_decode_step_a_dequantized_matmul_for_a_prompt_chunk(monkeypatch):
+    """torch's int8 kernel is a matrix-vector loop, its time linear in the rows (one thread: 55 ms over 512 rows of a
+    0.5B drafter's MLP weight, where a bf16 matmul takes 4): over a prompt's chunk Int8Linear dequantizes the weight
+    and multiplies once; over a decode step's few rows it runs the kernel."""
+    calls = []
+    kernel = torch._weight_int8pack_mm
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    module = int8_linear(torch.nn.Linear(64, 32).to(torch.bfloat16).eval())
+    for rows in (1, 5, 16, 17, 512):
+        module(torch.randn(1, rows, 64, dtype=torch.bfloat16))
+    assert calls == [1, 5, 16]
 
 
 def test_a_quantized_module_takes_the_eval_mode_of_the_linear_it_replaces():
