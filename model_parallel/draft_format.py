@@ -16,6 +16,11 @@ The rule (`pick`), and the figures behind it:
   drafter is the whole round, which it is when it is the bottleneck this choice is about).
 - Several rows (serve.max_concurrent > 1): each format's time relative to none's at one row and at B rows, their
   geometric mean: a one-stream step and a full batch weigh alike.
+- A prompt's intake weighs alike too: every request's prompt goes through the drafter once, in chunks, and a
+  kernel fast for a step's few rows may be slow over a chunk's hundreds (bitsandbytes' NF4 kernel on an
+  AVX512-BF16 CPU runs a matrix-vector loop per row: the embedded pair's 0.5B drafter took in a 512-token chunk in
+  ~5 s where int8 took 1.2, so a 2,000-token prompt's first token waited ~20 s instead of ~9). So each format
+  also takes in a chunk of INTAKE_TOKENS, and that time relative to none's joins the mean.
 - A drafter whose layers and head are under SMALL_BYTES stays as it is: its weights sit in a CPU's caches (or a
   GPU reads them in microseconds), a step costs its overheads, and a timing would pick noise.
 - A format whose trial step fails here (bitsandbytes missing, a shape its kernel refuses) is left out, said so.
@@ -29,6 +34,8 @@ FORMATS = ("none", "int8", "nf4")
 NF4_MARGIN = 1.15
 SMALL_BYTES = 32 * 2**20
 MAX_ROWS = 8  # the largest batch timed (serve.max_concurrent=null serves up to launch.plan.AUTO_SLOTS = 8)
+INTAKE_TOKENS = 128  # the prompt chunk timed: past a few dozen rows every kernel's time is linear in them
+INTAKE = "intake"  # its key beside the row counts
 
 
 @dataclass(frozen=True)
@@ -39,8 +46,9 @@ class DraftFormat:
     step_ms: dict = field(default_factory=dict)  # auto: {rows: ms of a step} of the format chosen, as timed
 
 
-def pick(ms: dict[tuple[str, int], float], rows: tuple[int, ...]) -> str:
-    """The format to run from {(format, rows): ms per step} (none's at every row count included)."""
+def pick(ms: dict[tuple[str, int | str], float], rows: tuple[int | str, ...]) -> str:
+    """The format to run from {(format, rows): ms per step} (none's at every row count included; rows INTAKE: a
+    prompt chunk's intake)."""
     names = [f for f in FORMATS if all((f, r) in ms for r in rows)]
     score = {f: math.prod(ms[f, r] / ms["none", r] for r in rows) ** (1 / len(rows)) for f in names}
     lossless = min((f for f in names if f != "nf4"), key=score.__getitem__)
@@ -60,15 +68,19 @@ def choose(model, device: str, dtype, settings: dict[str, object], rows: tuple[i
         return "none", (f"draft.quant=auto: none (the drafter's layers and head are {human(weights_bytes)}, under "
                         f"{human(SMALL_BYTES)}: a step costs its overheads, not its weight reads)"), {}
     steps = {(f, r): (Timed(model, 1, device, dtype, settings[f], head=True), r) for f in FORMATS for r in rows}
+    steps |= {(f, INTAKE): (Timed(model, INTAKE_TOKENS, device, dtype, settings[f]), 1) for f in FORMATS}
     ms, failed = draft_step_ms(steps, WINDOW_S if window_s is None else window_s)
-    if any(("none", r) not in ms for r in rows):
+    columns = (*rows, INTAKE)
+    if any(("none", r) not in ms for r in columns):
         return "none", f"draft.quant=auto: none (the full-precision step did not run: {failed})", {}
-    chosen = pick(ms, rows)
-    timings = "; ".join(f"{r} row{'s' if r > 1 else ''}: " + ", ".join(f"{f} {ms[f, r]:.1f}" for f in FORMATS if (f, r) in ms)
-                        for r in rows)
+    chosen = pick(ms, columns)
+    names = {r: f"{r} row{'s' if r > 1 else ''}" for r in rows} | {INTAKE: f"a {INTAKE_TOKENS}-token prompt chunk"}
+    timings = "; ".join(f"{names[r]}: " + ", ".join(f"{f} {ms[f, r]:.1f}" for f in FORMATS if (f, r) in ms)
+                        for r in columns)
     skipped = sorted({f for f, _ in failed})
     reasons = {f: why for (f, _), why in failed.items()}
     left_out = f"; left out: {', '.join(f'{f} ({reasons[f]})' for f in skipped)}" if skipped else ""
     why = (f"draft.quant=auto: {chosen} (ms per draft step, timed here: {timings}; int8 when faster than none, nf4 "
-           f"only when {NF4_MARGIN:g}x faster than both, for its lower acceptance{left_out})")
+           f"only when {NF4_MARGIN:g}x faster than both, for its lower acceptance; the step and the prompt's intake "
+           f"weigh alike{left_out})")
     return chosen, why, {r: ms[chosen, r] for r in rows}

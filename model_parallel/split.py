@@ -600,7 +600,8 @@ def model_ms(ms: dict, name, model: Timed, scale: float) -> float:
 
 def draft_step_ms(steps: dict, window_s: float = WINDOW_S) -> tuple[dict, dict]:
     """({key: ms of one drafter step}, {key: why it could not run}) for `steps` {key: (Timed, rows)}: a step of
-    every layer, the norm and the head over one token for `rows` requests, each key its own modules (a format
+    every layer, the norm and the head over one token for `rows` requests (or over the Timed's tokens without the
+    head: a prompt chunk's intake), each key its own modules (a format
     and a batch size, say), all timed in turn in one window after warm-up steps. A key whose trial step raises
     (a format this device cannot run) is left out, its reason kept."""
     runs, scale, failed = {}, {}, {}

@@ -70,6 +70,7 @@ def test_auto_times_each_format_and_says_which_it_chose(tiny_qwen, any_size):
     assert chosen.name in ("none", "int8", "nf4")
     assert chosen.why.startswith(f"draft.quant=auto: {chosen.name} (ms per draft step, timed here: 1 row: none ")
     assert all(f"{f} " in chosen.why for f in ("int8", "nf4"))
+    assert f"; a {draft_format.INTAKE_TOKENS}-token prompt chunk: none " in chosen.why  # the intake timed too
     line = describe(plan)
     assert line.endswith(f"; the drafter's weights: {chosen.why}") and "\n" not in line
     print(line)
@@ -97,6 +98,14 @@ def test_the_rule_int8_when_faster_nf4_only_past_its_margin():
     # several rows: NF4 fast for one row but slow for eight (it does not batch) loses to int8
     rows = {**ms, ("none", 8): 160.0, ("int8", 8): 110.0, ("nf4", 8): 150.0}
     assert pick(rows, (1, 8)) == "int8"
+    # a prompt's intake: NF4 fast for a step but slow over a chunk (its CPU kernel loops over the rows) loses to
+    # int8 (the pair's 0.5B drafter at start-up: 70 / 99 / 1218 ms against int8's 90 / 119 / 316, none 132 / 138 / 212)
+    timed = {("none", 1): 132.0, ("int8", 1): 90.0, ("nf4", 1): 70.5, ("none", 4): 138.0, ("int8", 4): 119.0,
+             ("nf4", 4): 99.0}
+    assert pick(timed, (1, 4)) == "nf4"
+    intake = {("none", draft_format.INTAKE): 212.0, ("int8", draft_format.INTAKE): 316.0,
+              ("nf4", draft_format.INTAKE): 1218.0}
+    assert pick({**timed, **intake}, (1, 4, draft_format.INTAKE)) == "int8"
 
 
 @pytest.mark.parametrize("key,value,valid", [("draft.quant", "int4", "auto, none, int8, nf4"),
