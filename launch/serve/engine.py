@@ -136,6 +136,7 @@ class Engine:
     # --- the engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            self.session.warm_up()  # on this thread: its heap is the one requests use
             while self.live or not self.closing:
                 self._admit_waiting()
                 if self.live:

@@ -160,6 +160,38 @@ def test_a_batch_crosses_every_link_as_one_frame(tiny_qwen, tiny_qwen_draft):
             assert all(m.meta.get("batch", 1) == len(b) for b in batches for m in b), r
 
 
+def test_the_warm_up_runs_a_chunk_through_every_rank_and_the_drafter_and_is_forgotten(tiny_qwen, tiny_qwen_draft):
+    """Session.warm_up (a server's engine runs it first): one prefill chunk of placeholder tokens crosses every link
+    as a Prefill into slot 0 and through the drafter, which then holds nothing there; requests after it, the first
+    in slot 0, are generate's."""
+    from netbridge.channel import local_ring
+    from netbridge.frames import decode
+    links = local_ring(3, 30.0)
+    frames = {r: [] for r in range(3)}
+    for r, (_, to_next) in enumerate(links):
+        to_next.send_frame = (lambda frame, r=r, send=to_next.send_frame: (frames[r].append(decode(frame)), send(frame)))
+    prompts = [PROMPTS[0], PROMPTS[1]]
+
+    def warmed(session, cfg, eos):
+        session.warm_up()
+        lacks = session.drafter.lacks(cfg.model.prefill_chunk, 0)
+        streams = [session.admit(ids, Output(None, eos, 12, [], stream=False)) for ids in prompts]
+        while session.live:
+            session.tick()
+        return lacks, [s.gen for s in streams]
+    lacks, gens = with_ranks(["serve.port=0", "serve.max_concurrent=2", "model.prefill_chunk=48",
+                              *session_args(tiny_qwen, tiny_qwen_draft, max_new=12)], 3, warmed, links)
+    assert lacks == 48  # the drafter forgot the chunk
+    assert gens[0].rounds[0].slot == 0
+    for prompt, gen in zip(prompts, gens):
+        assert gen.output.tokens == reference_greedy(tiny_qwen, prompt, 12), prompt
+    for r in (0, 1):  # rank 0 -> 1, and 1 -> 2: the warm-up's chunk before any request, and no other
+        serving = [f for f in frames[r] if f.kind not in ("hellos", "bye") and not f.kind.startswith("probe")]
+        first = serving[0]
+        assert first.kind == "prefill" and first.meta["start"] == 0 and first.meta["slot"] == 0, (r, first.kind)
+        assert first.tensors["hidden"].shape[1] == 48 and [f.kind for f in serving].count("prefill") == 1, r
+
+
 def test_streams_take_turns(tiny_qwen, tiny_qwen_draft):
     """Round-robin: while two streams are live, neither gets a second round before the other has had its next,
     so a long answer cannot starve a short one (four streams, answers from 4 to 40 tokens)."""

@@ -25,6 +25,10 @@ class ScriptedSession:
         self.live, self.ticks, self.most_live, self.closed = [], 0, 0, False
         self.coming = []  # per admission: (its prompt's first id, the lengths of the prompts admitted right after)
         self.ticked = threading.Event()
+        self.warmed = []  # (the thread, how many admitted then), per warm-up
+
+    def warm_up(self) -> None:
+        self.warmed.append((threading.current_thread().name, len(self.coming)))
 
     def free(self) -> int:
         return self.slots - len(self.live)
@@ -110,6 +114,8 @@ def test_jobs_beyond_the_slots_wait_and_each_gets_its_own_answer():
     third = answers[2][1]["stats"]
     assert third["slot"] == 1 and third["queue_s"] > 0  # it waited for the second's slot
     assert e.served == 3 and e.cancelled == 0 and not e.live
+    # the caches warmed once, on the engine's thread (its heap is the one requests use), before any admission
+    assert session.warmed == [("tandem-engine", 0)]
 
 
 def test_a_cancelled_job_frees_its_slot_for_a_waiting_one():
