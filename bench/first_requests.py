@@ -22,11 +22,13 @@ from bench.cost_grid import FIXED, complete, prompt_texts  # noqa: E402
 
 
 def rank_counters() -> dict[int, tuple[int, int]]:
-    """Every rank process's (minor page faults, system time in clock ticks), its threads' together, by pid."""
+    """Every rank process's (minor page faults, system time in clock ticks), its threads' together, by pid (rank 0
+    is started first: the lowest)."""
     counters = {}
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            if b"train_free_infer" not in (proc / "cmdline").read_bytes():
+            cmdline = (proc / "cmdline").read_bytes()
+            if b"train_free_infer" not in cmdline or b"torchrun" in cmdline:  # a rank, not torchrun's agent
                 continue
             fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
