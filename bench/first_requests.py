@@ -28,7 +28,7 @@ def rank_counters() -> dict[int, tuple[int, int]]:
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             cmdline = (proc / "cmdline").read_bytes()
-            if b"train_free_infer" not in cmdline or b"torchrun" in cmdline:  # a rank, not torchrun's agent
+            if b"train_free_infer" not in cmdline or b"torchrun" in cmdline or b"distributed.run" in cmdline:  # not the agent
                 continue
             fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
