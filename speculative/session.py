@@ -198,7 +198,8 @@ class Session:
         starts): else the first long prompt after the start-up pays for faulting in its activations' memory (the
         start-up's timing gave its heap back, and rank 0 serves from a thread of its own). The embedded pair over
         two ranks, one 2,000-token prompt after another: the first's first token 7.1 s, the next three's 5.9, 5.6
-        and 5.5 (the first: 27k page faults on rank 1 and 1.5 s of its time in the kernel; the later ones none)."""
+        and 5.5 (in a launch like it, the first took 27k page faults on rank 1 and 1.5 s of its time in the kernel,
+        the later ones next to none: bench/README.md)."""
         n = min(self.spec.prefill_chunk, self.stage.cache.capacity)
         ids = torch.zeros(1, n, dtype=torch.long, device=self.stage.device)
         protocol.send(self.channel, Prefill(0, self.stage.run(0, ids, slot=0), 0))
