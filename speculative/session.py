@@ -193,19 +193,17 @@ class Session:
         return restore.tokens
 
     def warm_up(self) -> None:
-        """One prefill chunk of placeholder tokens through every rank's layers (a Prefill: each later rank runs it
-        on the thread that serves) and the drafter, in slot 0, then forgotten (a block rewinds its slot to where it
-        starts): else the first long prompt after the start-up pays for faulting in its activations' memory (the
-        start-up's timing gave its heap back, and rank 0 serves from a thread of its own). The embedded pair over
-        two ranks, one 2,000-token prompt after another: the first's first token 7.1 s, the next three's 5.9, 5.6
+        """One prefill chunk of placeholder tokens through every rank's layers and the drafter, in slot 0, the way a
+        long prompt's chunks go (prefill_chunks: each later rank runs it on the thread that serves), then forgotten
+        (a block rewinds its slot to where it starts): else the first long prompt after the start-up pays for
+        faulting in its activations' memory (the start-up's timing gave its heap back, and rank 0 serves from a
+        thread of its own). The embedded pair over two ranks, one 2,000-token prompt after another: the first's first token 7.1 s, the next three's 5.9, 5.6
         and 5.5 (in a launch like it, the first took 27k page faults on rank 1 and 1.5 s of its time in the kernel,
         the later ones next to none: bench/README.md)."""
-        n = min(self.spec.prefill_chunk, self.stage.cache.capacity)
-        ids = torch.zeros(1, n, dtype=torch.long, device=self.stage.device)
-        protocol.send(self.channel, Prefill(0, self.stage.run(0, ids, slot=0), 0))
         drafter = getattr(self.drafter, "stage", None)  # (a model drafter's)
-        if self.spec.k > 0 and drafter is not None:
-            self.drafter.catch_up([0] * min(n, drafter.cache.capacity), slot=0)
+        rooms = [self.stage.cache.capacity, *([drafter.cache.capacity] if self.spec.k and drafter else [])]
+        if self.spec.prefill_chunk < min(rooms):  # (else no prompt ever crosses in chunks)
+            self.prefill_chunks([0] * (self.spec.prefill_chunk + 1), 0, slot=0, drafts=self.spec.k > 0)
             self.drafter.reset(0, 0.0, 0, slot=0)
 
     def prefill_chunks(self, prompt_ids: list[int], reuse: int, slot: int = 0, drafts: bool = True) -> list[int]:
