@@ -93,6 +93,7 @@ class Generation:
     error: str | None = None  # it ended because its grammar failed on the last rank (Reply.error): why
     predicted_ttft_s: float = 0.0  # the cost model's TTFT of its prompt's new part (0: no model)
     predicted_tokens_per_s: float = 0.0  # the cost model's decode tokens/s at its own acceptance (0: none; Session.end)
+    predicted_held_s: float = 0.0  # the cost model's wait of its decoding behind prompts admitted after it (held_s)
 
 
 class NonFiniteLogits(RuntimeError):

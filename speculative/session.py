@@ -175,6 +175,14 @@ class Session:
                                                                           ago_ms)
         for o, first_s in zip(before, firsts):
             o.gen.predicted_ttft_s = s.t_start - o.t_start + first_s
+        for o in self.live:  # its prefill holds back their decoding (held_s)
+            o.newcomers.append(s)
+
+    def held_s(self, s: Stream) -> float:
+        """The cost model's wait of `s`'s decoding behind the prompts admitted after it (cost_model.held_s), each from
+        its admission to its predicted first token as predicted last (a later burst's admission moves it)."""
+        prefills = [(n.t_start, n.t_start + n.gen.predicted_ttft_s) for n in s.newcomers]
+        return cost_model.held_s(s.t_start + s.gen.predicted_ttft_s, prefills)
 
     def restore(self, gen: Generation, reuse: int, slot: int) -> int:
         """cache.dir: the longest saved prefix of the prompt every rank holds, loaded on every rank when longer than
@@ -373,6 +381,9 @@ class Session:
             streams = max(1, round(sum(r.live for r in decode) / len(decode)))
             s.gen.predicted_tokens_per_s = self.predictor.for_rounds(
                 decode, streams, len(s.gen.prompt_ids) + s.gen.rounds[0].committed, before=s.gen.rounds[0])
+        if self.predictor is not None and s.gen.predicted_ttft_s:
+            s.gen.predicted_held_s = self.held_s(s)
+        s.newcomers = []
         holds = (s.gen.prompt_ids + s.output.tokens)[:-1] if s.gen.rounds else s.gen.prompt_ids[:s.gen.reused]
         self.scheduler.give_back(s.slot, holds if clean else None)
         if self.prefixes is not None:

@@ -50,7 +50,8 @@ def summarize(gen: Generation, k: int, drafter: str) -> dict:
         "tokens_per_s": (tokens - 1) / decode_s if decode_s > 0 and tokens > 1 else 0.0,
         # the cost model's (speculative.cost_model; 0: none): each decode round's prediction at its K with the
         # acceptance measured so far, over the run as the measured figure is (tokens over their predicted time)
-        "predicted_tokens_per_s": gen.predicted_tokens_per_s or predicted_rate(rounds),
+        "predicted_tokens_per_s": held_back(gen.predicted_tokens_per_s or predicted_rate(rounds), tokens - 1,
+                                            gen.predicted_held_s),
         "predicted_ttft_s": gen.predicted_ttft_s,
         "mean_ms": {
             "draft": mean(r.draft_ms for r in rounds),
@@ -71,6 +72,11 @@ def predicted_rate(rounds) -> float:
     timed = [r for r in rounds if r.predicted_tokens_per_s > 0]
     seconds = sum(r.committed / r.predicted_tokens_per_s for r in timed)
     return sum(r.committed for r in timed) / seconds if seconds > 0 else 0.0
+
+
+def held_back(rate: float, tokens: int, held_s: float) -> float:
+    """`tokens` decoded at `rate` tokens/s, and `held_s` more waiting behind prompts admitted later (no rate: 0)."""
+    return tokens / (tokens / rate + held_s) if rate > 0 and tokens > 0 else rate
 
 
 def lookup_acceptance(rounds) -> float:

@@ -58,6 +58,7 @@ class Stream:
     t_start: float = field(default_factory=time.perf_counter)
     t_round: float = 0.0  # when its current round began
     ahead: tuple[float, int] = (0.0, 0)  # ms and blocks prepared ahead in its current round's wait
+    newcomers: list = field(default_factory=list)  # the streams admitted after it while it was live (Session.held_s)
     ended: bool = False
 
     @property

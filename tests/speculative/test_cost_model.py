@@ -434,7 +434,7 @@ def test_a_session_predicts_the_ttft_of_prompts_admitted_together():
 
     def stream(tokens, t_start=0.0):
         return SimpleNamespace(gen=SimpleNamespace(rounds=[], prompt_ids=[1] * tokens, reused=0, predicted_ttft_s=0.0),
-                               chain=[], k_now=0, pending=[1] * min(tokens, 500), t_start=t_start)
+                               chain=[], k_now=0, pending=[1] * min(tokens, 500), t_start=t_start, newcomers=[])
     session = SimpleNamespace(live=[], predictor=Predictor(ring((0.0, 0.0), (0.0, 0.0), token_ms=0.1), chunk=500),
                               scheduler=SimpleNamespace(in_flight=SimpleNamespace(now=lambda: 1)),
                               spec=SimpleNamespace(prefill_chunk=500))
@@ -474,7 +474,7 @@ def test_prompts_admitted_together_reply_behind_every_first_round_and_the_drafte
     assert predictor.first_tokens_s(1000, (1000, 1000), ago_ms=(100.0, 50.0)) == pytest.approx((0.2, 0.2, 0.25))
     assert predictor.ttft_s(1000, (1000, 1000)) == pytest.approx(0.30)
     streams = [SimpleNamespace(gen=SimpleNamespace(rounds=[], prompt_ids=[1] * 1000, reused=0, predicted_ttft_s=0.0),
-                               chain=[], k_now=0, pending=[1] * 500, t_start=0.05 * i) for i in range(3)]
+                               chain=[], k_now=0, pending=[1] * 500, t_start=0.05 * i, newcomers=[]) for i in range(3)]
     session = SimpleNamespace(live=[], predictor=predictor, scheduler=SimpleNamespace(
         in_flight=SimpleNamespace(now=lambda: 1)))
     for s in streams:
@@ -487,6 +487,43 @@ def test_prompts_admitted_together_reply_behind_every_first_round_and_the_drafte
         Session.predict_ttft(session, s, 1000)
         session.live.append(s)
     assert [s.gen.predicted_ttft_s for s in streams] == pytest.approx([0.36, 0.30, 0.26])
+
+
+def test_a_stream_decoding_waits_for_the_prompts_admitted_after_it():
+    """The ring above (a 1,000-token prompt alone: its first token 0.15 s after its admission). A is decoding when B
+    comes at 1.0 s (its first token at 1.15) and C at 1.05, before B's first round went: B's first token moves to 1.2,
+    C's comes at 1.25. A's next replies wait for both prefills, once where they overlap: 1.0 to 1.25; B's for C's
+    from its own first token on: 0.05; C's for none. A's 10 tokens decoded at 10 tokens/s then read 8."""
+    from speculative.session import Session
+    from speculative.rounds import Generation, RoundRecord
+    from speculative.stats import held_back, summarize
+
+    def stream(t_start):
+        return SimpleNamespace(gen=SimpleNamespace(rounds=[], prompt_ids=[1] * 1000, reused=0, predicted_ttft_s=0.0,
+                                                   predicted_held_s=0.0, output=SimpleNamespace(tokens=[])),
+                               chain=[], k_now=0, pending=[1] * 500, t_start=t_start, newcomers=[], committed=[],
+                               output=SimpleNamespace(tokens=[]), slot=0, drop_chain=lambda: 0)
+    given_back = []
+    session = SimpleNamespace(live=[], predictor=Predictor(ring((0.0, 0.0), (0.0, 0.0), token_ms=0.1), chunk=500),
+                              scheduler=SimpleNamespace(in_flight=SimpleNamespace(now=lambda: 1),
+                                                        give_back=lambda slot, holds: given_back.append(slot)),
+                              prefixes=None)
+    session.held_s = lambda s: Session.held_s(session, s)
+    a, b, c = stream(0.0), stream(1.0), stream(1.05)
+    Session.predict_ttft(session, a, 1000)
+    session.live.append(a)
+    a.gen.rounds.append("answered")  # A decodes from 0.15 s on
+    for s in (b, c):
+        Session.predict_ttft(session, s, 1000)
+        session.live.append(s)
+    assert [s.t_start + s.gen.predicted_ttft_s for s in (a, b, c)] == pytest.approx([0.15, 1.2, 1.25])
+    for s, held in zip((a, b, c), (0.25, 0.05, 0.0)):
+        Session.end(session, s)
+        assert s.gen.predicted_held_s == pytest.approx(held)
+    assert held_back(10.0, 10, 0.25) == pytest.approx(8.0) and held_back(0.0, 10, 0.25) == 0.0
+    gen = Generation([1], SimpleNamespace(tokens=[5] * 11, stop_reason="length"), [RoundRecord(0, 0, 1, 0.0, 1.0, 1.0, 1.0)] * 11, ttft_s=0.1,
+                     total_s=1.5, predicted_tokens_per_s=10.0, predicted_held_s=0.25)
+    assert summarize(gen, 4, "model")["predicted_tokens_per_s"] == pytest.approx(8.0)  # what the API answers
 
 
 def test_the_predictor_counts_the_bets_that_held():
