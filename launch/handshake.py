@@ -101,7 +101,7 @@ def costs_of(h: Hello) -> RankCosts:
 
 # RankCosts' fields a Hello carries in prefill_ms
 PREFILL_MS = ("attend_ms", "draft_token_ms", "draft_attend_ms", "alone_layer_ms", "alone_draft_step_ms",
-              "alone_layer_token_ms", "alone_attend_ms", "alone_prefill_ms", "context_ms",
+              "alone_layer_token_ms", "alone_attend_ms", "alone_prefill_ms", "alone_draft_prefill_ms", "context_ms",
               "draft_context_ms", "context_row_ms", "draft_context_row_ms", "layer_row_ms", "head_row_ms",
               "draft_row_ms", "core_share", "host_rank")
 

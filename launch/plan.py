@@ -258,13 +258,14 @@ def rank_alone_ms(cfg: TandemConfig, models: Models, rank: int, ranks: int) -> d
     other: at 0 ms one stream's round is mostly rank 0 drafting while the others idle: on a 2-core host the tiny
     drafter's step read 1.69-2.05 ms timed at once, 1.47-1.71 alone (10th-90th percentiles of 66 launches' start-up
     lines), its real steps 1.6-1.7."""
-    from model_parallel.split import Timed, draft_step_ms, time_alone
+    from model_parallel.split import Timed, draft_step_ms, time_alone, time_intake
     alone = time_alone(Timed(models.target, cfg.spec.k + 1, this_device(), DTYPES[cfg.model.dtype],
                              quantizer(cfg, "model")), cfg.model.prefill_chunk)
     if models.drafter is not None:
         drafter = Timed(models.drafter, 1, draft_device(cfg), DTYPES[cfg.draft.dtype], models.draft_quant, head=True)
         steps, _ = draft_step_ms({"alone": (drafter, 1)})
         alone["alone_draft_step_ms"] = steps.get("alone", 0.0)
+        alone["alone_draft_prefill_ms"] = time_intake(drafter, cfg.model.prefill_chunk, alone["alone_draft_step_ms"])
     return alone
 
 
@@ -413,6 +414,9 @@ def describe(plan: Plan) -> str:
             alone += f" ({chunk_ms:.1f} over a {tokens}-token prompt chunk)"
         if mine.alone_draft_step_ms > 0:
             alone += f", a drafter step {mine.alone_draft_step_ms:.2f} ms alone, {mine.draft_step_ms:.2f} at once"
+        if mine.alone_draft_prefill_ms:  # the drafter taking a prompt in (TTFT at K > 0)
+            tokens, intake_ms = mine.alone_draft_prefill_ms[-1]
+            alone += f", taking in a {tokens}-token prompt chunk {intake_ms:.0f} ms"
         context = (f", {1000 * (cfg.spec.k + 1) * mine.context_ms:.2f} ms a layer more per 1k tokens cached beyond "
                    f"{CONTEXT}" if mine.context_ms > 0 else "")
         rows = (f", {n * mine.layer_row_ms + mine.head_row_ms:.2f} ms more per stream batched beside"

@@ -53,6 +53,8 @@ class RankCosts:
     alone_attend_ms: float = 0.0  # ... and attend_ms (0: not timed)
     alone_prefill_ms: list = field(default_factory=list)  # ... and [tokens, one layer's ms over a chunk of them]
     # at each of prefill_sizes (time_alone; empty: not timed)
+    alone_draft_prefill_ms: list = field(default_factory=list)  # rank 0: [tokens, the drafter's ms taking in a chunk
+    # of them] at each of prefill_sizes, alone (time_intake; empty: not timed)
     context_ms: float = 0.0  # a decode block: one layer's ms per token per cached token beyond CONTEXT (0: not timed)
     draft_context_ms: float = 0.0  # rank 0: a drafter step's ms per cached token beyond CONTEXT (the whole drafter)
     context_row_ms: float = 0.0  # context_ms for each row more in a batch (0: not timed)
@@ -580,6 +582,22 @@ def time_alone(target: Timed, chunk: int, window_s: float = WINDOW_S) -> dict:
     attend_ms = max(ms["chunk", "long"] - over[chunk], 0.0) / (depth * chunk * (LONG_CONTEXT - CONTEXT))
     return {"alone_layer_ms": layer_ms, "alone_layer_token_ms": token_ms, "alone_attend_ms": attend_ms,
             "alone_prefill_ms": [[n, layer_ms + (over[n] - block) / depth] for n in sizes]}
+
+
+def time_intake(drafter: Timed, chunk: int, step_ms: float, window_s: float = WINDOW_S) -> list:
+    """[tokens, ms] for the drafter taking in a prompt chunk of each of prefill_sizes after CONTEXT cached tokens, timed
+    by itself: a step (`step_ms`) and each layer's more over the chunk than over one token, through one stage of
+    STAGE_SIZES[-1] layers (chunk_runs). A line through a step and PROBE_TOKENS misses a quantized drafter's kernels,
+    which change at a size (INT8_KERNEL_MAX_ROWS): four 40-token prompts at once took the embedded pair's int8 drafter
+    1.13 s to take in where the line said 0.73."""
+    sizes = prefill_sizes(replace(drafter, tokens=1), chunk)
+    shapes = [(n, CONTEXT) for n in sorted({1, *sizes})]
+    runs = {n: run for (n, _), run in chunk_runs(drafter.model, shapes, drafter.device, drafter.dtype,
+                                                  drafter.quant).items()}
+    ms = median_ms(runs, window_s)
+    _release(drafter)
+    layers = drafter.model.config.num_hidden_layers
+    return [[n, step_ms + layers * max(ms[n] - ms[1], 0.0) / STAGE_SIZES[-1]] for n in sizes]
 
 
 def add_runs(runs: dict, name, model: Timed, rows: int = 1) -> float:

@@ -194,6 +194,8 @@ class DraftCost:
     context_ms: float = 0.0  # a step: ms per row per cached token beyond timed_context
     timed_context: int = 0
     context_row_ms: float | None = None  # the same for each row beyond the first (None: as the first's)
+    prefill_by_tokens: dict[int, float] = field(default_factory=dict)  # {chunk size: ms taking in a chunk of them
+    # after timed_context cached tokens}, timed alone: a prefill chunk's intake where given
 
     def round_ms(self, k: int, rows: int = 1, context: int | None = None) -> float:
         """A round of K drafts for `rows` streams (K = 0: no step), after `context` cached tokens (None: as timed)."""
@@ -204,9 +206,15 @@ class DraftCost:
     def prefill_ms(self, tokens: int, context: int = 0) -> float:
         """Taking in a chunk of `tokens` prompt tokens after `context` (the drafter's catch-up): one forward, a
         step's cost and each token's more. (Without the step, four 40-token prompts' first replies came 5-6 ms
-        after their predicted TTFT at K=4 over 0 ms: the drafter takes each in in a call of its own.)"""
+        after their predicted TTFT at K=4 over 0 ms: the drafter takes each in in a call of its own.) Where chunks
+        were timed (prefill_by_tokens), theirs, interpolated between the sizes timed, and attention over the cached
+        tokens beyond those they were timed after: no line through a step fits a quantized drafter, whose kernels
+        change at a size (int8 over more than 16 rows dequantizes each weight: the embedded 0.5B drafter's layer over
+        40 tokens took 8.4 ms where the line through one token and 128 said 5.8)."""
         if tokens <= 0:
             return 0.0
+        if self.prefill_by_tokens:
+            return _at(self.prefill_by_tokens, tokens) + self.attend_ms * tokens * (context - self.timed_context)
         return self.step_ms + tokens * self.token_ms + self.attend_ms * tokens * (context + tokens / 2)
 
 
@@ -750,7 +758,8 @@ def from_rank_costs(costs, layer_counts: list[int], links: list[LinkCost], block
         row = getattr(costs[0], "draft_row_ms", 0.0) / slow[0] or token
         draft = DraftCost(step / slow[0] + ENGINE_STEP_MS, row, token, 1 if overlap else 0, attend,
                           getattr(costs[0], "draft_context_ms", 0.0) / slow[0], timed_context,
-                          _timed(getattr(costs[0], "draft_context_row_ms", 0.0), slow[0]))
+                          _timed(getattr(costs[0], "draft_context_row_ms", 0.0), slow[0]),
+                          {int(n): ms for n, ms in getattr(costs[0], "alone_draft_prefill_ms", ())})
     return Pipeline(tuple(ranks), tuple(links), draft, acceptance, hidden_bytes, overlap, tuple(slow),
                     hosts=hosts_of([getattr(c, "host_rank", 0) for c in costs]),
                     cores=tuple(getattr(c, "core_share", 0.0) for c in costs))

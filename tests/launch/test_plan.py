@@ -58,6 +58,7 @@ def test_a_hello_carries_every_figure_its_ranks_timing_gives():
     assert (got.host_rank, got.slot_fixed_bytes, got.slot_layer_bytes) == (1, 10, 2)
     chunks = [[5, 1.0], [33, 1.8], [512, 7.5]]  # timed alone: each chunk size's [tokens, ms]
     assert through(replace(costs, alone_prefill_ms=chunks)).alone_prefill_ms == chunks
+    assert through(replace(costs, alone_draft_prefill_ms=chunks)).alone_draft_prefill_ms == chunks
 
 
 def test_the_start_up_line_says_what_a_whole_prompt_chunk_costs_alone(tiny_qwen, monkeypatch):
@@ -71,6 +72,22 @@ def test_the_start_up_line_says_what_a_whole_prompt_chunk_costs_alone(tiny_qwen,
     plan = plan_here(cfg, 0)
     costs = [replace(c, alone_layer_ms=1.0, alone_prefill_ms=[[5, 1.0], [512, 7.25]]) for c in plan.costs]
     assert "; 1.0 ms a layer alone (7.2 over a 512-token prompt chunk)" in describe(replace(plan, costs=costs))
+    costs[0] = replace(costs[0], alone_draft_step_ms=2.0, alone_draft_prefill_ms=[[1, 2.0], [512, 61.5]])
+    assert "taking in a 512-token prompt chunk 62 ms" in describe(replace(plan, costs=costs))
+
+
+def test_rank_0_times_its_drafter_taking_in_each_chunk_size_alone(tiny_qwen, tiny_qwen_draft, monkeypatch):
+    """The handshake's timing alone on rank 0 (rank_alone_ms) takes the drafter's intake of a prompt chunk at each
+    size a prompt's chunks come in (split.time_intake), the one-token size its step; a rank without a drafter none."""
+    import model_parallel.split as split
+    from launch.plan import rank_alone_ms, with_draft_format
+    monkeypatch.setattr(split, "WINDOW_S", 0.05)
+    cfg = load_config([f"model.target={tiny_qwen}", f"draft.model={tiny_qwen_draft}", "prompt_ids=[1]",
+                       "draft.quant=none", "model.prefill_chunk=64"])
+    alone = rank_alone_ms(cfg, with_draft_format(cfg, open_models(cfg, 0)), 0, 2)
+    intake = dict(alone["alone_draft_prefill_ms"])
+    assert sorted(intake) == [1, 32, 33, 48, 64] and intake[1] == alone["alone_draft_step_ms"] > 0
+    assert "alone_draft_prefill_ms" not in rank_alone_ms(cfg, open_models(cfg, 1), 1, 2)
 
 
 def run_ring(cfgs: list, ranks: int) -> dict:

@@ -359,6 +359,23 @@ def test_timing_alone_measures_each_chunk_size_and_attention_over_a_whole_chunk(
         (1.0, 0.01, 2e-5))
 
 
+def test_the_drafters_intake_is_timed_at_each_chunk_size(tiny_qwen, monkeypatch):
+    """time_intake (medians given): the drafter's three-layer chunk stage over 1, 32, 33, 48, 64, 128, 256 and 512
+    tokens after 128 cached: 3 ms, then 3 ms more by 1.5, 1.5, 3, 3, 6, 12 and 24. The tiny drafter has 4 layers: a
+    chunk's intake is the 2 ms step and each layer's third of its stage's more."""
+    import model_parallel.split as split
+    from model_parallel.loader import ModelSource
+    more = {1: 0.0, 32: 1.5, 33: 1.5, 48: 3.0, 64: 3.0, 128: 6.0, 256: 12.0, 512: 24.0}
+    timed = []
+    monkeypatch.setattr(split, "sample_ms", lambda runs, window_s: timed.append(sorted(runs)) or {
+        n: [3.0 + more[n]] for n in runs})
+    model = ModelSource.open(tiny_qwen, "float32")
+    intake = split.time_intake(split.Timed(model, 1, "cpu", torch.float32, head=True), 512, 2.0)
+    assert timed == [sorted(more)]
+    layers = model.config.num_hidden_layers
+    assert dict(intake) == pytest.approx({n: 2.0 + layers * ms / 3 for n, ms in more.items()})
+
+
 def test_chunks_are_timed_through_one_stage_as_deep_as_the_blocks(tiny_qwen, monkeypatch):
     """chunk_runs: every shape through one stage of STAGE_SIZES[-1] layers (a stage of many streams its weights on
     every call; one layer called again and again keeps part of it in the CPU's caches), its cache as long as the

@@ -611,6 +611,22 @@ def test_a_prefill_chunk_costs_what_chunks_of_its_size_timed_alone_cost():
     assert line.ranks[1].chunk_ms(512, 0) == pytest.approx(ENGINE_LAST_MS + 2 * (1.0 + 511 * 0.01) + attend * 512 * 256)
 
 
+def test_the_drafter_takes_a_chunk_in_at_what_chunks_of_its_size_timed_alone_cost():
+    """Rank 0's drafter timed alone taking in chunks of 1, 32 and 512 tokens after 128 cached: 2, 10 and 30 ms (its
+    line, a step and 0.02 ms a token, says 2.6 at 32), attention 1e-4 ms a token per earlier token. A 40-token chunk
+    after none costs 10 + 8 x 20 / 480 less the attention over the 128 it was timed after; a 512-token chunk after
+    1,024, 30 and attention over 896 more; the line where no chunk was timed."""
+    timed = SimpleNamespace(layer_ms=1.0, fixed_ms=5 * 2.0, draft_step_ms=2.0, draft_token_ms=0.02,
+                            draft_attend_ms=1e-4, alone_draft_prefill_ms=[[1, 2.0], [32, 10.0], [512, 30.0]])
+    last = SimpleNamespace(layer_ms=1.0, fixed_ms=0.0)
+    p = from_rank_costs([timed, last], [1, 1], [LinkCost(), LinkCost()], 5, draft_steps=5, timed_context=128)
+    assert p.draft.prefill_ms(40, 0) == pytest.approx(10.0 + 8 * 20 / 480 - 1e-4 * 40 * 128)
+    assert p.draft.prefill_ms(512, 1024) == pytest.approx(30.0 + 1e-4 * 512 * (1024 - 128))
+    line = from_rank_costs([SimpleNamespace(**{**vars(timed), "alone_draft_prefill_ms": []}), last], [1, 1],
+                           [LinkCost(), LinkCost()], 5, draft_steps=5, timed_context=128)
+    assert line.draft.prefill_ms(40, 0) == pytest.approx(line.draft.step_ms + 40 * 0.02 + 1e-4 * 40 * 20)
+
+
 def test_rank_0s_drafter_step_timed_alone_gives_its_step_and_its_slowdown():
     """Rank 0's five drafter steps of 2 ms (at once) in its 12 ms besides its layers, the step 1.6 ms alone, its layer
     the same both ways (too coarse to tell): its slowdown is the step's 1.25, a step costs 1.6 alone (and the
