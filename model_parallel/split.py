@@ -588,8 +588,8 @@ def time_intake(drafter: Timed, chunk: int, step_ms: float, window_s: float = WI
     """[tokens, ms] for the drafter taking in a prompt chunk of each of prefill_sizes after CONTEXT cached tokens, timed
     by itself: a step (`step_ms`) and each layer's more over the chunk than over one token, through one stage of
     STAGE_SIZES[-1] layers (chunk_runs). A line through a step and PROBE_TOKENS misses a quantized drafter's kernels,
-    which change at a size (INT8_KERNEL_MAX_ROWS): four 40-token prompts at once took the embedded pair's int8 drafter
-    1.13 s to take in where the line said 0.73."""
+    which change at a size (INT8_KERNEL_MAX_ROWS): the embedded pair's int8 drafter, one layer over 40 tokens, 8.4 ms
+    where the line through 1 and 128 tokens said 5.8."""
     sizes = prefill_sizes(replace(drafter, tokens=1), chunk)
     shapes = [(n, CONTEXT) for n in sorted({1, *sizes})]
     runs = {n: run for (n, _), run in chunk_runs(drafter.model, shapes, drafter.device, drafter.dtype,
