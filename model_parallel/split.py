@@ -590,10 +590,9 @@ def time_intake(drafter: Timed, chunk: int, step_ms: float, window_s: float = WI
     STAGE_SIZES[-1] layers (chunk_runs). A line through a step and PROBE_TOKENS misses a quantized drafter's kernels,
     which change at a size (INT8_KERNEL_MAX_ROWS): the embedded pair's int8 drafter, one layer over 40 tokens, 8.4 ms
     where the line through 1 and 128 tokens said 5.8."""
-    sizes = prefill_sizes(replace(drafter, tokens=1), chunk)
-    shapes = [(n, CONTEXT) for n in sorted({1, *sizes})]
-    runs = {n: run for (n, _), run in chunk_runs(drafter.model, shapes, drafter.device, drafter.dtype,
-                                                  drafter.quant).items()}
+    sizes = prefill_sizes(drafter, chunk)  # a step's one token (drafter.tokens), then the chunks'
+    runs = {n: run for (n, _), run in chunk_runs(drafter.model, [(n, CONTEXT) for n in sizes], drafter.device,
+                                                  drafter.dtype, drafter.quant).items()}
     ms = median_ms(runs, window_s)
     _release(drafter)
     layers = drafter.model.config.num_hidden_layers
