@@ -189,7 +189,7 @@ def measure(cells: list[Cell], a, root: Path, run: int = 0) -> list[dict]:
     rows = []
     for launch in dict.fromkeys(c.launch for c in cells):
         mine = [c for c in cells if c.launch == launch]
-        overrides = [*FIXED, *SETTINGS[launch.setting], *model_overrides(launch.model, root),
+        overrides = [*FIXED, *a.set, *SETTINGS[launch.setting], *model_overrides(launch.model, root),
                      f"transport.emulate_mbps={launch.mbps:g}"]  # (Served gives the delay)
         log = root / (f"{launch.model}-{launch.ranks}r-{launch.delay_ms:g}ms-{launch.mbps:g}mbps-"
                       f"{launch.setting.replace(' ', '')}{f'-run{run}' if run else ''}.log")
@@ -343,6 +343,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--launch-timeout", type=float, default=600)
     ap.add_argument("--request-timeout", type=float, default=600)
     ap.add_argument("--repeat", type=int, default=1, help="run every launch this many times, in turns")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="config overrides every launch adds (e.g. log.dir=/tmp/runs for each round's trace)")
     a = ap.parse_args(argv)
     out = Path(a.out or tempfile.mkdtemp(prefix="cost-grid-"))
     out.mkdir(parents=True, exist_ok=True)
