@@ -471,17 +471,18 @@ def first_round_batches(lengths: list[int], chunk: int) -> list[list[int]]:
     return batches
 
 
-def held_s(first_s: float, prefills: list[tuple[float, float]]) -> float:
+def held_s(first_s: float, prefills: list[tuple[float, float]], trip_s: float = 0.0) -> float:
     """The time a stream whose first token comes at `first_s` waits behind the prompts admitted after it, each
     (admitted at, its first token at) on one clock: from its admission, or the stream's first token if later, to
-    its first token; prompts prefilled over the same time hold it once. (Four 2,000-token prompts admitted together
-    over the embedded pair at K=4: their first tokens came over 7 s, and the first to have its token waited those 7 s
-    for its next reply; priced as decode rounds, its tokens/s read 19% above the measured.)"""
+    its first token less `trip_s`, the links' latency around the ring (the stream's own round crosses them too, as
+    priced); prompts prefilled over the same time hold it once. (Four 2,000-token prompts admitted together over the
+    embedded pair at K=4: their first tokens came over 7 s, and the first to have its token waited those 7 s for its
+    next reply; priced as decode rounds, its tokens/s read 19% above the measured.)"""
     held, until = 0.0, first_s
     for admitted, first in sorted(prefills):
-        start = max(admitted, until)
-        if first > start:
-            held, until = held + first - start, first
+        start, end = max(admitted, until), first - trip_s
+        if end > start:
+            held, until = held + end - start, end
     return held
 
 

@@ -180,9 +180,11 @@ class Session:
 
     def held_s(self, s: Stream) -> float:
         """The cost model's wait of `s`'s decoding behind the prompts admitted after it (cost_model.held_s), each from
-        its admission to its predicted first token as predicted last (a later burst's admission moves it)."""
+        its admission to its predicted first token as predicted last (a later burst's admission moves it), less the
+        ring's latency."""
         prefills = [(n.t_start, n.t_start + n.gen.predicted_ttft_s) for n in s.newcomers]
-        return cost_model.held_s(s.t_start + s.gen.predicted_ttft_s, prefills)
+        trip_s = sum(link.one_way_ms for link in self.predictor.start.links) / 1000
+        return cost_model.held_s(s.t_start + s.gen.predicted_ttft_s, prefills, trip_s)
 
     def restore(self, gen: Generation, reuse: int, slot: int) -> int:
         """cache.dir: the longest saved prefix of the prompt every rank holds, loaded on every rank when longer than

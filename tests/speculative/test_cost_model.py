@@ -493,7 +493,9 @@ def test_a_stream_decoding_waits_for_the_prompts_admitted_after_it():
     """The ring above (a 1,000-token prompt alone: its first token 0.15 s after its admission). A is decoding when B
     comes at 1.0 s (its first token at 1.15) and C at 1.05, before B's first round went: B's first token moves to 1.2,
     C's comes at 1.25. A's next replies wait for both prefills, once where they overlap: 1.0 to 1.25; B's for C's
-    from its own first token on: 0.05; C's for none. A's 10 tokens decoded at 10 tokens/s then read 8."""
+    from its own first token on: 0.05; C's for none. A's 10 tokens decoded at 10 tokens/s then read 8. Over links of
+    50 ms each way every first token comes 0.1 s later, which is wire, not a wait: A's hold is the same, and B's round
+    sent at its first token (1.3) reaches rank 1 as C's chunks leave it (C's token at 1.35): none."""
     from speculative.session import Session
     from speculative.rounds import Generation, RoundRecord
     from speculative.stats import held_back, summarize
@@ -503,21 +505,27 @@ def test_a_stream_decoding_waits_for_the_prompts_admitted_after_it():
                                                    predicted_held_s=0.0, output=SimpleNamespace(tokens=[])),
                                chain=[], k_now=0, pending=[1] * 500, t_start=t_start, newcomers=[], committed=[],
                                output=SimpleNamespace(tokens=[]), slot=0, drop_chain=lambda: 0)
-    session = SimpleNamespace(live=[], predictor=Predictor(ring((0.0, 0.0), (0.0, 0.0), token_ms=0.1), chunk=500),
-                              scheduler=SimpleNamespace(in_flight=SimpleNamespace(now=lambda: 1),
-                                                        give_back=lambda slot, holds: None), prefixes=None)
-    session.held_s = lambda s: Session.held_s(session, s)
-    a, b, c = stream(0.0), stream(1.0), stream(1.05)
-    Session.predict_ttft(session, a, 1000)
-    session.live.append(a)
-    a.gen.rounds.append("answered")  # A decodes from 0.15 s on
-    for s in (b, c):
-        Session.predict_ttft(session, s, 1000)
-        session.live.append(s)
-    assert [s.t_start + s.gen.predicted_ttft_s for s in (a, b, c)] == pytest.approx([0.15, 1.2, 1.25])
-    for s, held in zip((a, b, c), (0.25, 0.05, 0.0)):
-        Session.end(session, s)
-        assert s.gen.predicted_held_s == pytest.approx(held)
+    def admitted(one_way_ms):
+        session = SimpleNamespace(live=[], predictor=Predictor(ring((0.0, 0.0), (one_way_ms,) * 2, token_ms=0.1),
+                                                               chunk=500),
+                                  scheduler=SimpleNamespace(in_flight=SimpleNamespace(now=lambda: 1),
+                                                            give_back=lambda slot, holds: None), prefixes=None)
+        session.held_s = lambda s: Session.held_s(session, s)
+        streams = stream(0.0), stream(1.0), stream(1.05)
+        Session.predict_ttft(session, streams[0], 1000)
+        session.live.append(streams[0])
+        streams[0].gen.rounds.append("answered")  # A decodes from its first token on
+        for s in streams[1:]:
+            Session.predict_ttft(session, s, 1000)
+            session.live.append(s)
+        return session, streams
+    for one_way_ms, firsts, holds in ((0.0, (0.15, 1.2, 1.25), (0.25, 0.05, 0.0)),
+                                      (50.0, (0.25, 1.3, 1.35), (0.25, 0.0, 0.0))):
+        session, streams = admitted(one_way_ms)
+        assert [s.t_start + s.gen.predicted_ttft_s for s in streams] == pytest.approx(firsts)
+        for s, held in zip(streams, holds):
+            Session.end(session, s)
+            assert s.gen.predicted_held_s == pytest.approx(held)
     assert held_back(10.0, 10, 0.25) == pytest.approx(8.0) and held_back(0.0, 10, 0.25) == 0.0
     gen = Generation([1], SimpleNamespace(tokens=[5] * 11, stop_reason="length"),
                      [RoundRecord(0, 0, 1, 0.0, 1.0, 1.0, 1.0)] * 11, ttft_s=0.1, total_s=1.5,
