@@ -207,15 +207,19 @@ class DraftCost:
         """Taking in a chunk of `tokens` prompt tokens after `context` (the drafter's catch-up): one forward, a
         step's cost and each token's more. (Without the step, four 40-token prompts' first replies came 5-6 ms
         after their predicted TTFT at K=4 over 0 ms: the drafter takes each in in a call of its own.) Where chunks
-        were timed (prefill_by_tokens), theirs, interpolated between the sizes timed, and attention over the cached
-        tokens beyond those they were timed after: no line through a step fits a quantized drafter, whose kernels
-        change at a size (int8 over more than 16 rows dequantizes each weight: the embedded 0.5B drafter's layer over
-        40 tokens took 8.4 ms where the line through one token and 128 said 5.8)."""
+        were timed (prefill_by_tokens), theirs less the attention in them, interpolated between the sizes timed (and
+        beyond them: a lagging drafter takes in all it lacks at once), and the attention of these tokens: no line
+        through a step fits a quantized drafter, whose kernels change at a size (int8 over more than 16 rows
+        dequantizes each weight: the embedded 0.5B drafter's layer over 40 tokens took 8.4 ms where the line through
+        one token and 128 said 5.8)."""
         if tokens <= 0:
             return 0.0
+        attention = self.attend_ms * tokens * (context + tokens / 2)
         if self.prefill_by_tokens:
-            return _at(self.prefill_by_tokens, tokens) + self.attend_ms * tokens * (context - self.timed_context)
-        return self.step_ms + tokens * self.token_ms + self.attend_ms * tokens * (context + tokens / 2)
+            timed = self.prefill_by_tokens
+            return _at({n: ms - self.attend_ms * n * (self.timed_context + n / 2) for n, ms in timed.items()},
+                       tokens) + attention
+        return self.step_ms + tokens * self.token_ms + attention
 
 
 @dataclass(frozen=True)

@@ -620,15 +620,20 @@ def test_a_prefill_chunk_costs_what_chunks_of_its_size_timed_alone_cost():
 
 def test_the_drafter_takes_a_chunk_in_at_what_chunks_of_its_size_timed_alone_cost():
     """Rank 0's drafter timed alone taking in chunks of 1, 32 and 512 tokens after 128 cached: 2, 10 and 30 ms (its
-    line, a step and 0.02 ms a token, says under 3 at 32), attention 1e-4 ms a token per earlier token. A 40-token chunk
-    after none costs 10 + 8 x 20 / 480 less the attention over the 128 it was timed after; a 512-token chunk after
-    1,024, 30 and attention over 896 more; the line where no chunk was timed."""
+    line, a step and 0.02 ms a token, says under 3 at 32), attention 1e-4 ms a token per earlier token. Less the
+    attention timed in them (over the 128 and half the chunk), 40 tokens after none cost what is 8 / 480 of the way
+    from 32's to 512's, and their own attention (over half of them); 512 after 1,024, 30 and attention over 896 more;
+    2,000 at once (a lagging drafter), 512's and the slope from 32's on, and attention over 1,024 and 1,000 of
+    them; the line where no chunk was timed."""
     timed = SimpleNamespace(layer_ms=1.0, fixed_ms=5 * 2.0, draft_step_ms=2.0, draft_token_ms=0.02,
                             draft_attend_ms=1e-4, alone_draft_prefill_ms=[[1, 2.0], [32, 10.0], [512, 30.0]])
     last = SimpleNamespace(layer_ms=1.0, fixed_ms=0.0)
     p = from_rank_costs([timed, last], [1, 1], [LinkCost(), LinkCost()], 5, draft_steps=5, timed_context=128)
-    assert p.draft.prefill_ms(40, 0) == pytest.approx(10.0 + 8 * 20 / 480 - 1e-4 * 40 * 128)
+    bare32, bare512 = 10.0 - 1e-4 * 32 * (128 + 16), 30.0 - 1e-4 * 512 * (128 + 256)
+    assert p.draft.prefill_ms(40, 0) == pytest.approx(bare32 + 8 * (bare512 - bare32) / 480 + 1e-4 * 40 * 20)
     assert p.draft.prefill_ms(512, 1024) == pytest.approx(30.0 + 1e-4 * 512 * (1024 - 128))
+    assert p.draft.prefill_ms(2000, 1024) == pytest.approx(
+        bare512 + 1488 * (bare512 - bare32) / 480 + 1e-4 * 2000 * (1024 + 1000))
     line = from_rank_costs([SimpleNamespace(**{**vars(timed), "alone_draft_prefill_ms": []}), last], [1, 1],
                            [LinkCost(), LinkCost()], 5, draft_steps=5, timed_context=128)
     assert line.draft.prefill_ms(40, 0) == pytest.approx(line.draft.step_ms + 40 * 0.02 + 1e-4 * 40 * 20)
