@@ -144,6 +144,15 @@ def _rows_context(first_ms: float, row_ms: float | None, rows: int) -> float:
     return first_ms + (rows - 1) * (first_ms if row_ms is None else row_ms)
 
 
+def timed_chunk_ms(timed: dict[int, float], tokens: int, attend_ms: float, timed_context: int) -> float:
+    """A chunk of `tokens` from chunks timed after `timed_context` cached tokens ({size: ms}), less the attention
+    timed in them (over the cache and, causal, half the chunk): each size's less its own, interpolated between the
+    sizes timed and extended beyond them (_at). Attention grows with the square of a chunk's tokens, the rest about
+    linearly: the line through what is left holds beyond the largest size timed, where a line through the whole
+    costs reads low (2,000 tokens at once against chunks timed up to 512)."""
+    return _at({n: ms - attend_ms * n * (timed_context + n / 2) for n, ms in timed.items()}, tokens)
+
+
 @dataclass(frozen=True)
 class RankCost:
     """A stage's ms over a block of rows x tokens: fixed_ms + row_ms x rows + token_ms x rows x tokens.
@@ -173,12 +182,12 @@ class RankCost:
     def chunk_ms(self, tokens: int, context: int, rows: int = 1) -> float:
         """A prefill chunk of `tokens` after `context` cached ones (`rows` of them: first rounds sent as one
         batch): the block's cost, and attention over the cache and within the chunk (causal: half of it). Where
-        chunks were timed (prefill_by_tokens), the block's at one row is theirs, interpolated between the sizes
-        timed, less the attention in it (its chunk was timed after timed_context cached tokens)."""
+        chunks were timed (prefill_by_tokens), the block's at one row is theirs less the attention in them
+        (timed_chunk_ms)."""
         attention = rows * self.attend_ms * tokens * (context + tokens / 2)
         if not self.prefill_by_tokens:
             return self.ms(rows, tokens) + attention
-        timed = _at(self.prefill_by_tokens, tokens) - self.attend_ms * tokens * (self.timed_context + tokens / 2)
+        timed = timed_chunk_ms(self.prefill_by_tokens, tokens, self.attend_ms, self.timed_context)
         return max(timed + (rows - 1) * (self.row_ms + self.token_ms * tokens) + attention, 0.0)
 
 
@@ -207,8 +216,8 @@ class DraftCost:
         """Taking in a chunk of `tokens` prompt tokens after `context` (the drafter's catch-up): one forward, a
         step's cost and each token's more. (Without the step, four 40-token prompts' first replies came 5-6 ms
         after their predicted TTFT at K=4 over 0 ms: the drafter takes each in in a call of its own.) Where chunks
-        were timed (prefill_by_tokens), theirs less the attention in them, interpolated between the sizes timed (and
-        beyond them: a lagging drafter takes in all it lacks at once), and the attention of these tokens: no line
+        were timed (prefill_by_tokens), theirs less the attention in them (timed_chunk_ms; beyond the sizes timed too:
+        a lagging drafter takes in all it lacks at once), and the attention of these tokens: no line
         through a step fits a quantized drafter, whose kernels change at a size (int8 over more than 16 rows
         dequantizes each weight: the embedded 0.5B drafter's layer over 40 tokens took 8.4 ms where the line through
         one token and 128 said 5.8)."""
@@ -216,9 +225,7 @@ class DraftCost:
             return 0.0
         attention = self.attend_ms * tokens * (context + tokens / 2)
         if self.prefill_by_tokens:
-            timed = self.prefill_by_tokens
-            return _at({n: ms - self.attend_ms * n * (self.timed_context + n / 2) for n, ms in timed.items()},
-                       tokens) + attention
+            return timed_chunk_ms(self.prefill_by_tokens, tokens, self.attend_ms, self.timed_context) + attention
         return self.step_ms + tokens * self.token_ms + attention
 
 

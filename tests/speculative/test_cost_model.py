@@ -600,19 +600,20 @@ def test_a_prefill_chunk_costs_its_slopes_timed_alone_where_they_were():
 
 def test_a_prefill_chunk_costs_what_chunks_of_its_size_timed_alone_cost():
     """Rank 1, 2 layers, timed alone over chunks of 1, 33 and 512 tokens after 128 cached: 1, 3 and 20 ms a layer
-    (no line: its slope 0.01 ms a token says 6.1 at 512), attention 1e-4 ms a token per earlier token a layer. A
+    (no line: its slope 0.01 ms a token says 6.1 at 512), attention 1e-5 ms a token per earlier token a layer. A
     512-token chunk after 1,024 cached costs its two layers' 20 less the attention timed in them (after 128, and
-    half the chunk) and more over 1,024 and half the chunk; a 40-token chunk after none, the layers' 3 + 7 x 17 / 479
-    less the attention timed, more its own; the line where no chunk was timed."""
-    table = SimpleNamespace(layer_ms=1.0, fixed_ms=0.0, alone_layer_token_ms=0.01, alone_attend_ms=1e-4,
+    half the chunk) and more over 1,024 and half the chunk; a 40-token chunk after none, 7 / 479 of the way from
+    33's to 512's, each less the attention timed in it, more its own; the line where no chunk was timed."""
+    table = SimpleNamespace(layer_ms=1.0, fixed_ms=0.0, alone_layer_token_ms=0.01, alone_attend_ms=1e-5,
                             alone_prefill_ms=[[1, 1.0], [33, 3.0], [512, 20.0]])
     first = SimpleNamespace(layer_ms=1.0, fixed_ms=0.0)
     p = from_rank_costs([first, table], [1, 2], [LinkCost(), LinkCost()], block_tokens=1, timed_context=128)
-    attend = 2 * 1e-4
+    attend = 2 * 1e-5
     assert p.ranks[1].chunk_ms(512, 1024) == pytest.approx(
         ENGINE_LAST_MS + 2 * 20.0 - attend * 512 * (128 + 256) + attend * 512 * (1024 + 256))
+    bare33, bare512 = 2 * 3.0 - attend * 33 * (128 + 16.5), 2 * 20.0 - attend * 512 * (128 + 256)
     assert p.ranks[1].chunk_ms(40, 0) == pytest.approx(
-        ENGINE_LAST_MS + 2 * (3.0 + 7 * 17 / 479) - attend * 40 * (128 + 20) + attend * 40 * 20)
+        ENGINE_LAST_MS + bare33 + 7 * (bare512 - bare33) / 479 + attend * 40 * 20)
     line = from_rank_costs([first, SimpleNamespace(**{**vars(table), "alone_prefill_ms": []})], [1, 2],
                            [LinkCost(), LinkCost()], block_tokens=1, timed_context=128)
     assert line.ranks[1].chunk_ms(512, 0) == pytest.approx(ENGINE_LAST_MS + 2 * (1.0 + 511 * 0.01) + attend * 512 * 256)
