@@ -11,7 +11,8 @@ Axes: the model (`tiny`: an 8-layer random fp32 model drafting for itself, every
 1.5B target + 0.5B drafter, bf16, the README's quick start), ranks 2 / 3 (torchrun on this host), the EMULATED link
 (transport.emulate_delay_ms one way: 0 / 40 / 150; transport.emulate_mbps: unlimited / 20), the setting (K 0 / 4
 with spec.adaptive=false, rounds in flight 1 / 3; and `auto`: spec.k=4 with spec.k_from_costs=true and
-spec.in_flight=auto, the model's own choice), clients 1 / 4, prompts of ~40 and ~2,000 tokens.
+spec.in_flight=auto, the model's own choice; `planned`: `auto` with the split planned for the cell's workload,
+workload.streams / prompt_tokens / answer_tokens, a launch per cell), clients 1 / 4, prompts of ~40 and ~2,000 tokens.
 
 One launch per (model, ranks, delay, bandwidth, setting), served (serve.max_concurrent=4), measures its four cells
 (clients x prompt) with /v1/completions requests, each prompt new (no prefix of another's in the slots' caches),
@@ -31,7 +32,8 @@ pair's acceptance depends on the prompt, 0.42 to 0.83 at K=4 on two of them). Pe
                   where BatchCount, from costs measured online, may settle on another; at K > 0 a stream whose
                   drafts are kept less often ends later), and the p50 of their predicted TTFTs
     err           predicted / measured - 1 (the goal: within 15% in every cell)
-    choice        the `auto` launch's measured figure over the best fixed setting's in the same cell (goal: >= 0.95);
+    choice        the `auto` (or `planned`) launch's measured figure over the best fixed setting's in the same cell
+                  (goal: >= 0.95);
                   and the same of the whole requests: every token over the time from the first request sent to the
                   last answer (TTFT and decode: a chain drafted in the first round's wait moves rank 0's work out
                   of the decode's tokens/s into the TTFT)
@@ -70,6 +72,8 @@ SETTINGS = {  # name: overrides
     "K4 D1": ["spec.k=4", "spec.in_flight=1"],
     "K4 D3": ["spec.k=4", "spec.in_flight=3"],
     "auto": ["spec.k=4", "spec.k_from_costs=true", "spec.in_flight=auto"],
+    # `auto` with the split planned for the cell's workload (workload.*): a launch per cell
+    "planned": ["spec.k=4", "spec.k_from_costs=true", "spec.in_flight=auto"],
 }
 FIXED = ["spec.adaptive=false", "spec.overlap=true", "serve.max_concurrent=4"]
 PROMPTS = (40, 2000)
@@ -187,14 +191,14 @@ def startup_prediction(log: Path) -> dict:
 def measure(cells: list[Cell], a, root: Path, run: int = 0) -> list[dict]:
     """Every cell, one launch per Launch (`run`: which of the --repeat runs, kept in each row)."""
     rows = []
-    for launch in dict.fromkeys(c.launch for c in cells):
-        mine = [c for c in cells if c.launch == launch]
-        overrides = [*FIXED, *a.set, *SETTINGS[launch.setting], *model_overrides(launch.model, root),
-                     f"transport.emulate_mbps={launch.mbps:g}"]  # (Served gives the delay)
-        log = root / (f"{launch.model}-{launch.ranks}r-{launch.delay_ms:g}ms-{launch.mbps:g}mbps-"
-                      f"{launch.setting.replace(' ', '')}{f'-run{run}' if run else ''}.log")
-        folder = str(tiny_model(root)) if launch.model == "tiny" else None
+    for launch, mine in launch_groups(cells):
         max_tokens = a.max_tokens if launch.model == "tiny" else a.pair_max_tokens
+        overrides = [*FIXED, *a.set, *SETTINGS[launch.setting], *model_overrides(launch.model, root),
+                     f"transport.emulate_mbps={launch.mbps:g}", *workload(launch, mine, max_tokens)]
+        planned = f"-{mine[0].clients}x{mine[0].prompt}" if launch.setting == "planned" else ""
+        log = root / (f"{launch.model}-{launch.ranks}r-{launch.delay_ms:g}ms-{launch.mbps:g}mbps-"
+                      f"{launch.setting.replace(' ', '')}{planned}{f'-run{run}' if run else ''}.log")
+        folder = str(tiny_model(root)) if launch.model == "tiny" else None
         started = time.perf_counter()
         with Served(launch.delay_ms, overrides, a.launch_timeout, log, nproc=launch.ranks) as served:
             # warm-up: long enough for the online choices (K, depth, batches) to leave their first rounds'
@@ -209,6 +213,24 @@ def measure(cells: list[Cell], a, root: Path, run: int = 0) -> list[dict]:
                 print(line(rows[-1]), flush=True)
         print(f"  (launch {launch}: {time.perf_counter() - started:.0f} s)", flush=True)
     return rows
+
+
+def launch_groups(cells: list[Cell]) -> list[tuple[Launch, list[Cell]]]:
+    """The launches and each one's cells: one per Launch; `planned`, one per cell (its split is the cell's)."""
+    groups = []
+    for launch in dict.fromkeys(c.launch for c in cells):
+        mine = [c for c in cells if c.launch == launch]
+        groups += [(launch, [c]) for c in mine] if launch.setting == "planned" else [(launch, mine)]
+    return groups
+
+
+def workload(launch: Launch, cells: list[Cell], max_tokens: int) -> list[str]:
+    """`planned`'s workload.* overrides: the cell's clients, prompt and answer."""
+    if launch.setting != "planned":
+        return []
+    cell = cells[0]
+    return [f"workload.streams={cell.clients}", f"workload.prompt_tokens={cell.prompt}",
+            f"workload.answer_tokens={max_tokens}"]
 
 
 def figures(results: list[dict], cell: Cell, startup: dict) -> dict:
@@ -305,17 +327,20 @@ def repeatability(rows: list[dict], metric: str) -> list[str]:
     return out
 
 
+CHOSEN = ("auto", "planned")  # the settings the model chooses
+
+
 def choices(rows: list[dict]) -> list[str]:
-    """Per cell with an `auto` run: its measured tokens/s over the best fixed setting's."""
+    """Per cell with an `auto` or `planned` run: its measured tokens/s over the best fixed setting's."""
     out = []
     key = lambda r: (r["cell"]["launch"]["model"], r["cell"]["launch"]["ranks"], r["cell"]["launch"]["delay_ms"],
                      r["cell"]["launch"]["mbps"], r["cell"]["clients"], r["cell"]["prompt"], r.get("run", 0))
     ok = [r for r in rows if "error" not in r]
-    for auto in (r for r in ok if r["cell"]["launch"]["setting"] == "auto"):
-        fixed = [r for r in ok if key(r) == key(auto) and r["cell"]["launch"]["setting"] != "auto"]
+    for auto in (r for r in ok if r["cell"]["launch"]["setting"] in CHOSEN):
+        fixed = [r for r in ok if key(r) == key(auto) and r["cell"]["launch"]["setting"] not in CHOSEN]
         if fixed:
             best = max(fixed, key=lambda r: r["measured_tokens_per_s"])
-            text = (f"{key(auto)}: auto {auto['measured_tokens_per_s']:.2f} tok/s = "
+            text = (f"{key(auto)}: {auto['cell']['launch']['setting']} {auto['measured_tokens_per_s']:.2f} tok/s = "
                     f"{auto['measured_tokens_per_s'] / best['measured_tokens_per_s']:.2f} x the best fixed "
                     f"({best['cell']['launch']['setting']}, {best['measured_tokens_per_s']:.2f})")
             if "whole_tokens_per_s" in auto:
@@ -349,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(a.out or tempfile.mkdtemp(prefix="cost-grid-"))
     out.mkdir(parents=True, exist_ok=True)
     cells = quick() if a.quick else grid(a)
-    launches = len(dict.fromkeys(c.launch for c in cells))
+    launches = len(launch_groups(cells))
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; {len(cells)} cells in {launches} "
           f"launches; out {out}\n{HEADER}", flush=True)
     rows = [row for run in range(a.repeat) for row in measure(cells, a, out, run)]

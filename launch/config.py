@@ -147,6 +147,13 @@ class CacheConfig:
 
 
 @dataclass
+class WorkloadConfig:
+    streams: int | None = None  # model.split=auto plans the split for this many requests admitted at once (each a prompt_tokens prompt and an answer_tokens answer), to end them soonest by the cost model; null = for one stream's decode round (the busiest rank least busy)
+    prompt_tokens: int = 2048  # ... each request's prompt
+    answer_tokens: int = 256  # ... and its answer
+
+
+@dataclass
 class TandemConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
@@ -157,6 +164,7 @@ class TandemConfig:
     log: LogConfig = field(default_factory=LogConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     prompt: str | None = None  # plain text, taken as typed (no YAML on the command line); the chat template is applied when the model has one
     prompt_file: str | None = None  # the prompt from this UTF-8 file, as it is (- = stdin, read by rank 0)
     prompt_ids: list[int] | None = None  # token ids, used as they are: a JSON list [1,2,3]
@@ -370,6 +378,7 @@ def validate(cfg: TandemConfig) -> None:
     if not in_range("seed", cfg.gen.seed):
         raise ConfigError(f"gen.seed={cfg.gen.seed} does not fit in 64 bits")
     split_cuts(cfg.model.split)
+    _check_workload(cfg)
     _check_prompt(cfg)
     if cfg.serve.port is not None and not 0 <= cfg.serve.port <= 65535:
         raise ConfigError(f"serve.port={cfg.serve.port} is not a TCP port (0..65535)")
@@ -377,6 +386,13 @@ def validate(cfg: TandemConfig) -> None:
         raise ConfigError("give serve.api_key_file or serve.api_key, not both")
     _check_exposed_api(cfg.serve)
     _check_room(cfg)
+
+
+def _check_workload(cfg: TandemConfig) -> None:
+    """workload.* plans model.split=auto's split: a given split leaves nothing to plan."""
+    if cfg.workload.streams is not None and cfg.model.split != "auto":
+        raise ConfigError(f"workload.streams={cfg.workload.streams} plans model.split=auto's split, but "
+                          f"model.split={cfg.model.split} fixes it: leave one of the two out")
 
 
 def _check_exposed_api(serve: ServeConfig) -> None:
@@ -490,7 +506,8 @@ BOUNDS = [("model.max_len", 1, MAX_TOKENS), ("draft.max_len", 1, MAX_TOKENS), ("
           ("serve.max_body_bytes", 1, 2**31), ("serve.retry_window_s", 0, 3600),
           ("transport.timeout_s", 0.001, 7 * 86400), ("transport.reconnect_s", 0, 7 * 86400),
           ("transport.emulate_delay_ms", 0, 3600_000), ("transport.emulate_mbps", 0, 10**9),
-          ("cache.min_tokens", 1, MAX_TOKENS), ("cache.block_tokens", 1, MAX_TOKENS)]
+          ("cache.min_tokens", 1, MAX_TOKENS), ("cache.block_tokens", 1, MAX_TOKENS), ("workload.streams", 1, 64),
+          ("workload.prompt_tokens", 1, MAX_TOKENS), ("workload.answer_tokens", 1, MAX_TOKENS)]
 
 
 def _bounded(cfg: TandemConfig, key: str, low, high) -> None:

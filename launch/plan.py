@@ -371,13 +371,18 @@ def settle_slots(cfg: TandemConfig, num_layers: int, costs: list[RankCosts], giv
 def settle(cfg: TandemConfig, models: Models, rank: int, costs: list[RankCosts], source: str,
            given: list[int] | None, asked: list[int], links: tuple[LinkProbe, ...] = ()) -> Plan:
     """The Plan, once every rank's costs (at one KV slot) and asked slots are known (and the cuts given on any
-    rank, if any): the slots first, then the cuts that hold them."""
+    rank, if any): the slots first, then the cuts that hold them; workload.streams: of those, the cuts that end
+    that workload soonest by the cost model."""
+    from launch.prediction import timed_everywhere, workload_cuts
     num_layers = models.target.num_layers
     slots = settle_slots(cfg, num_layers, costs, given, asked)
     costs = [c.at(slots) for c in costs]
     cuts = settle_cuts(num_layers, costs, given)
-    return Plan(cfg, rank, len(costs), models, cuts, costs, source, this_device(), draft_device(cfg),
+    plan = Plan(cfg, rank, len(costs), models, cuts, costs, source, this_device(), draft_device(cfg),
                 spec_settings(cfg), slots, tuple(links))
+    if given is None and cfg.workload.streams is not None and timed_everywhere(plan):
+        plan = replace(plan, cuts=workload_cuts(plan))
+    return plan
 
 
 def plan_here(cfg: TandemConfig, rank: int, ranks: int = 2) -> Plan:

@@ -5,16 +5,22 @@ every link's probe, the settings it would run, and the start-up line.
     s = planned_settings(plan, p)      # K, depth, batches: as given, or ('auto') from the model
     planned_depth(plan)                # the depth a lone stream starts at (spec.in_flight=auto: the model's)
     prediction_line(plan)              # "predicted: X tokens/s one stream, Y for N at once, TTFT of 2k: Z s"
+    workload_cuts(plan)                # workload.streams: the split that ends that workload soonest
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
 from speculative import cost_model
-from speculative.cost_model import Acceptance, LinkCost, Pipeline, Prediction, Settings
+from speculative.cost_model import Acceptance, LinkCost, Pipeline, Prediction, Settings, Workload
 
 PROMPT_TOKENS = 2048  # the start-up line's TTFT: a 2k-token prompt, nothing cached
 PRIOR_ACCEPTANCE = 0.7  # a model drafter's chance per draft before any is measured (the embedded pair: 0.78-0.83)
+# workload.*: a split other than one stream's only when the model ends the workload this much sooner on it. The
+# model's figures aim within 15% of what runs, and before rounds measure acceptance it prices one stream's
+# chained bets at a flat prior, where the pair's kept drafts rise with position (0.83, 0.95, 1.0 for drafts 1-3,
+# its bets held 0.69 of the time, against 0.7^(K+1)): a nearer call favours a split that may not be faster.
+WORKLOAD_MARGIN = 0.15
 
 
 def link_costs(plan) -> tuple[LinkCost, ...]:
@@ -86,6 +92,49 @@ def plan_predictor(plan) -> cost_model.Predictor | None:
     return cost_model.Predictor(plan_pipeline(plan), plan.settings.model.prefill_chunk)
 
 
+def planned_workload(plan) -> Workload | None:
+    """workload.*, its streams at most the KV slots (the rest would wait), or None (none given)."""
+    w = plan.settings.workload
+    return None if w.streams is None else Workload(min(w.streams, plan.slots), w.prompt_tokens, w.answer_tokens)
+
+
+def workload_seconds(plan) -> tuple[float, int]:
+    """(seconds, K): when the planned workload ends on `plan`'s split at its best K (spec.k_from_costs: any in
+    0..spec.k; else spec.k) and depths (spec.in_flight)."""
+    spec, p = plan.settings.spec, plan_pipeline(plan)
+    ks = range(spec.k + 1) if spec.k_from_costs else (spec.k,)
+    return cost_model.best_for_workload(p, planned_workload(plan), ks, plan.settings.model.prefill_chunk,
+                                        cost_model.depths_allowed(spec.in_flight))
+
+
+def workload_cuts(plan) -> list[int]:
+    """The split that ends workload.* soonest by the cost model (model_parallel.split.best_split), where it ends
+    it more than WORKLOAD_MARGIN sooner than `plan`'s (one stream's decode round balanced) would: one split cannot
+    serve every workload best (the embedded pair over two ranks: one stream runs fastest with 1 of 28 layers on
+    rank 0, whose drafting hides behind the other 27; four 2,000-token prompts at once with 16, at K=0, their
+    prefill pipelined)."""
+    from model_parallel.split import best_split
+    seconds = lambda cuts: workload_seconds(replace(plan, cuts=list(cuts)))[0]
+    best = best_split(plan.num_layers, plan.costs, list(plan.cuts), seconds)
+    return best if seconds(best) * (1 + WORKLOAD_MARGIN) < seconds(plan.cuts) else list(plan.cuts)
+
+
+def workload_line(plan) -> str:
+    """What the plan predicts for workload.* (empty when none was given)."""
+    w = planned_workload(plan)
+    if w is None or not timed_everywhere(plan):
+        return ""
+    from launch.plan import split_text
+    from model_parallel.split import place_layers
+    seconds, k = workload_seconds(plan)
+    one = place_layers(plan.num_layers, plan.costs)
+    other = (f"; the one-stream split ({split_text(one)}): {workload_seconds(replace(plan, cuts=one))[0]:.1f} s"
+             if one != plan.cuts else "")
+    return (f"; planned for workload.streams={w.streams} at once, {w.prompt_tokens}-token prompts and "
+            f"{w.answer_tokens}-token answers: model.split={split_text(plan.cuts)} ends them in {seconds:.1f} s "
+            f"(K={k}){other}")
+
+
 def timed_everywhere(plan) -> bool:
     return all(c.layer_ms > 0 for c in plan.costs)
 
@@ -104,5 +153,5 @@ def prediction_line(plan) -> str:
                                                        if pred.streams > 1 else ""))
     return (f"predicted: {pred.stream_tokens_per_s:.1f} tokens/s for one stream (K={s.k}, {s.depth} round"
             f"{'s' if s.depth > 1 else ''} on the way{drafts}){together}, {CONTEXT} tokens cached; {long} after "
-            f"{pred.prompt_tokens}; TTFT of a {pred.prompt_tokens}-token prompt {pred.ttft_s:.2f} s "
-            f"(speculative.cost_model)")
+            f"{pred.prompt_tokens}; TTFT of a {pred.prompt_tokens}-token prompt {pred.ttft_s:.2f} s"
+            f"{workload_line(plan)} (speculative.cost_model)")

@@ -17,6 +17,7 @@ one drafter step the same way, for several formats and batch rows at once (model
 """
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -113,6 +114,27 @@ def place_layers(num_layers: int, ranks: list[RankCosts]) -> list[int]:
             low = mid + 1
     counts = _most_even(_caps(ranks, memory_caps, candidates[low]), num_layers)
     return [sum(counts[:i + 1]) for i in range(n - 1)]
+
+
+MAX_SPLITS = 4000  # best_split tries every split that fits up to this many (two or three ranks); past it, steps
+
+
+def best_split(num_layers: int, ranks: list[RankCosts], start: list[int], seconds) -> list[int]:
+    """The cuts that fit every budget with the fewest `seconds(cuts)` (a workload's, from the cost model): every
+    split when there are at most MAX_SPLITS, else from `start` (a split that fits) one cut one layer at a time while
+    that ends sooner. Ties go to the earlier split tried (`start` first)."""
+    fits = lambda cuts: all(a < b for a, b in zip([0, *cuts], [*cuts, num_layers])) and \
+        not over_budget(num_layers, ranks, cuts)
+    if math.comb(num_layers - 1, len(ranks) - 1) <= MAX_SPLITS:
+        every = [list(c) for c in itertools.combinations(range(1, num_layers), len(ranks) - 1)]
+        return min([start, *(c for c in every if c != start and fits(c))], key=seconds)
+    best, best_s = list(start), seconds(start)
+    while True:
+        steps = [best[:i] + [best[i] + d] + best[i + 1:] for i in range(len(best)) for d in (-1, 1)]
+        timed = [(seconds(c), c) for c in steps if fits(c)]
+        if not timed or min(timed)[0] >= best_s:
+            return best
+        best_s, best = min(timed)
 
 
 def _caps(ranks: list[RankCosts], memory_caps: list[int], bound_ms: float) -> list[int]:

@@ -675,6 +675,37 @@ def best_settings(p: Pipeline, k_max: int, depth_max: int = DEPTH_MAX, streams: 
     return Settings(k, best_depth(p, k, depth_max), best_batches(p, k, streams, batches_max) if streams > 1 else 1)
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What a placement is planned for (workload.*): `streams` requests admitted at once, each a `prompt_tokens`
+    prompt and an `answer_tokens` answer."""
+    streams: int
+    prompt_tokens: int
+    answer_tokens: int
+
+
+def workload_s(p: Pipeline, w: Workload, k: int, chunk: int, depths=(1,), batches_max: int = 8) -> float:
+    """Seconds from a workload's admission to its answers' end at K drafts a round: the last prompt's first token
+    (every prompt taken in on admission, its chunks pipelined; a stream that has its token first waits behind the
+    later prompts' chunks, held_s), then the answer at the streams' rate halfway through it (one stream at its best
+    of `depths`; several in their best batches). K = 0 takes no prompt into the drafter (spec.k_from_costs admits
+    a stream at K=0 without it)."""
+    halfway = at_context(p, w.prompt_tokens + w.answer_tokens // 2)
+    if w.streams <= 1:
+        depth = max(depths, key=lambda d: stream_tokens_per_s(halfway, k, d))
+        rate = stream_tokens_per_s(halfway, k, depth)
+    else:
+        depth = 0
+        rate = aggregate_tokens_per_s(halfway, k, w.streams, best_batches(halfway, k, w.streams, batches_max)) / w.streams
+    first = first_tokens_s(p, w.prompt_tokens, chunk, (), k, depth, k > 0, after=(w.prompt_tokens,) * (w.streams - 1))
+    return max(first) + w.answer_tokens / max(rate, 1e-9)
+
+
+def best_for_workload(p: Pipeline, w: Workload, ks, chunk: int, depths=(1,), batches_max: int = 8) -> tuple[float, int]:
+    """(seconds, K): the K of `ks` that ends the workload soonest (workload_s), and when."""
+    return min((workload_s(p, w, k, chunk, depths, batches_max), k) for k in ks)
+
+
 def predict(p: Pipeline, settings: Settings, streams: int = 1, prompt_tokens: int = 2048,
             chunk: int = 512) -> Prediction:
     """The figures at `settings`: one stream, `streams` streams together (as timed, and after the prompt's tokens

@@ -2,6 +2,7 @@
 config.json parsed and the meta-device model built once per model per rank, one range table for the
 sampling fields of the config and the API."""
 import copy
+import re
 
 import pytest
 
@@ -152,3 +153,44 @@ def test_the_config_and_the_api_take_the_same_seeds(seed, ok):
     except ApiError:
         api_ok = False
     assert config_ok == api_ok == ok
+
+
+def planned(tiny_qwen, tiny_qwen_draft, *workload: str):
+    """settle's Plan of a server over two ranks of the tiny model, from given costs: rank 0's drafter takes 50 ms a
+    round (5 steps of 10), each rank 1 ms a layer over a round's block and 0.2 ms a layer per token of a prompt."""
+    from launch.plan import settle, with_draft_format
+    from model_parallel.split import RankCosts
+    big = 10 ** 12
+    costs = [RankCosts(big, 0, 100, layer_ms=1.0, fixed_ms=50.0, layer_token_ms=0.2, draft_step_ms=10.0,
+                       draft_token_ms=0.5),
+             RankCosts(big, 0, 100, layer_ms=1.0, fixed_ms=0.0, layer_token_ms=0.2)]
+    cfg = load_config([f"model.target={tiny_qwen}", f"draft.model={tiny_qwen_draft}", "draft.quant=none", "spec.k=4",
+                       "spec.k_from_costs=true", "spec.in_flight=auto", "serve.port=0", "serve.max_concurrent=4",
+                       *workload])
+    return settle(cfg, with_draft_format(cfg, open_models(cfg, 0)), 0, costs, "given", None, [4, 4])
+
+
+def test_the_split_is_planned_for_the_workload_given(tiny_qwen, tiny_qwen_draft, monkeypatch):
+    """One stream's round puts 1 of the 4 layers on rank 0 (its drafting outweighs the rest); four 2,000-token
+    prompts at once end sooner with 2, their chunks pipelined over two even stages at K=0, and the start-up line
+    says so; four 40-token prompts gain too little to leave one stream's split. A nearer call than WORKLOAD_MARGIN
+    keeps one stream's split."""
+    import launch.prediction as prediction
+    long = ["workload.streams=4", "workload.prompt_tokens=2000", "workload.answer_tokens=64"]
+    assert planned(tiny_qwen, tiny_qwen_draft).cuts == [1]
+    plan = planned(tiny_qwen, tiny_qwen_draft, *long)
+    assert plan.cuts == [2]
+    line = prediction.prediction_line(plan)
+    assert re.search(r"planned for workload.streams=4 at once, 2000-token prompts and 64-token answers: "
+                     r"model.split=2 ends them in [\d.]+ s \(K=0\); the one-stream split \(1\): [\d.]+ s", line), line
+    assert planned(tiny_qwen, tiny_qwen_draft, "workload.streams=4", "workload.prompt_tokens=40").cuts == [1]
+    monkeypatch.setattr(prediction, "WORKLOAD_MARGIN", 0.5)  # 2 ends them in 3.6 s, 1 in 5.1
+    assert planned(tiny_qwen, tiny_qwen_draft, *long).cuts == [1]
+
+
+def test_a_workload_with_a_given_split_is_one_line():
+    with pytest.raises(ConfigError, match=r"^workload.streams=4 plans model.split=auto's split, but model.split=2 "
+                                          r"fixes it: leave one of the two out$"):
+        load_config(["prompt_ids=[1]", "workload.streams=4", "model.split=2"])
+    with pytest.raises(ConfigError, match=r"^workload.streams=0 must be between 1 and 64$"):
+        load_config(["prompt_ids=[1]", "workload.streams=0"])

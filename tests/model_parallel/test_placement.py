@@ -25,7 +25,7 @@ from model_parallel.lines import human
 from model_parallel.loader import ModelSource, load_stage
 from model_parallel.memory import model_bytes, nf4_bytes, parse_size
 from model_parallel.quant import NF4Settings, nf4_linear, weight_bytes
-from model_parallel.split import NoFit, RankCosts, layer_counts, place_layers
+from model_parallel.split import NoFit, RankCosts, best_split, layer_counts, place_layers
 from tests.support.tiny_models import ids_arg, reference_greedy, run_pair
 
 PROMPT = [11, 42, 7, 250, 3, 99, 180, 5]
@@ -75,6 +75,32 @@ def test_two_ranks_memory_first_then_speed():
     rank0_small = [RankCosts(300 + 2 * 100, 300, 100, 1.0), RankCosts(BIG, 0, 100, 100.0)]
     assert place_layers(28, rank0_small) == [2]  # rank 0 is 100x faster but holds 2 layers
     assert place_layers(2, fast) == [1]
+
+
+def test_a_workloads_split_is_the_soonest_of_those_that_fit():
+    """best_split over every split of 10 layers on two ranks: the one the seconds favour (7), the nearest that fits
+    when rank 1 holds at most 2 layers (8), `start` on a tie."""
+    two = [RankCosts(BIG, 0, 100), RankCosts(BIG, 0, 100)]
+    seconds = lambda cuts: abs(cuts[0] - 7) + 1.0
+    assert best_split(10, two, [1], seconds) == [7]
+    assert best_split(10, [two[0], RankCosts(250, 50, 100)], [9], seconds) == [8]
+    assert best_split(10, two, [4], lambda cuts: 1.0) == [4]
+
+
+def test_a_workloads_split_past_max_splits_steps_a_cut_at_a_time(monkeypatch):
+    """Past MAX_SPLITS, from `start` one cut a layer at a time while it ends sooner: three ranks of 12 layers, from
+    [5, 6] to the seconds' least [3, 9], each step keeping the cuts increasing and within the budgets."""
+    import model_parallel.split as split
+    monkeypatch.setattr(split, "MAX_SPLITS", 0)
+    three = [RankCosts(BIG, 0, 100)] * 3
+    tried = []
+    def seconds(cuts):
+        tried.append(list(cuts))
+        return (cuts[0] - 3) ** 2 + (cuts[1] - 9) ** 2
+    assert best_split(12, three, [5, 6], seconds) == [3, 9]
+    assert all(0 < a < b < 12 for a, b in tried) and len(tried) < 60
+    rank_2_small = [*three[:2], RankCosts(200, 0, 100)]  # at most 2 layers: rank 2 from layer 10 on
+    assert best_split(12, rank_2_small, [5, 10], seconds) == [3, 10]
 
 
 def test_no_fit_names_the_budgets_and_the_bytes():

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 from speculative.cost_model import (ENGINE_LAST_MS, ENGINE_LATER_ROW_MS, ENGINE_MIDDLE_MS, ENGINE_RANK0_MS,
                                     ENGINE_RANK0_ROW_MS, ENGINE_STEP_MS, Acceptance, DraftCost, LinkCost,
-                                    Pipeline, Predictor, RankCost, aggregate_tokens_per_s, best_batches, best_depth,
+                                    Pipeline, Predictor, RankCost, Workload, aggregate_tokens_per_s, best_batches,
+                                    best_depth, best_for_workload, workload_s,
                                     at_context, batches_run, best_k, best_settings, chain_step_ms, deepening_ms,
                                     depths_sent, drain_ms, drained, first_tokens_s, from_rank_costs, round_parts,
                                     round_ms, stream_tokens_per_s, tokens_per_round, ttft_s)
@@ -117,6 +118,28 @@ def test_prompts_admitted_together_queue_on_rank_0():
     # holds the wire for 100 ms after B's admission, then B's chunk, A's first round and B's: B's token at ~405 ms
     wire = Pipeline((RankCost(0.0, 0.01), RankCost(0.0, 0.01)), (LinkCost(0.0, 40.0), LinkCost()), hidden_bytes=1000)
     assert ttft_s(wire, 1000, 500, ahead=(1000,)) == pytest.approx(0.405, rel=1e-3)
+
+
+def test_a_workload_ends_at_its_last_first_token_then_its_answer():
+    """Two ranks of 10 ms + 0.1 ms a token, free links, K=0. One 1,000-token prompt in chunks of 500: rank 0's
+    chunks 0-60 and 60-120 ms, rank 1's 60-120 and 120-180, so its first token at 180 ms; then 10 tokens a round of
+    10.1 + 10.1 ms each. Two such prompts at once: rank 0 takes both in, then each first round alone (two of 500
+    tokens exceed a 500-token batch), so rank 1's last block ends at 300 ms; then their 10 tokens each in two
+    batches taking turns, a cycle of 20.2 ms (one batch of two rows: 20.4)."""
+    p = ring((10.0, 10.0), token_ms=0.1)
+    assert workload_s(p, Workload(1, 1000, 10), 0, 500) == pytest.approx(0.180 + 10 * 0.0202)
+    assert workload_s(p, Workload(2, 1000, 10), 0, 500) == pytest.approx(0.300 + 10 * 0.0202)
+
+
+def test_a_workloads_k_weighs_the_drafters_intake_against_its_rounds():
+    """A drafter of 1 ms a step that takes a prompt in at 0.5 ms a token, drafts kept 0.9 of the time: one stream of
+    a 40-token prompt ends soonest at K=4 (20 ms of intake, 4.1 tokens a round); four 2,000-token prompts at K=0,
+    where K>0 would take 4 s to take them in for 64 tokens each."""
+    p = replace(ring((10.0, 10.0), token_ms=0.1, step=1.0, rate=0.9), draft=DraftCost(1.0, 0.5, 0.5))
+    assert best_for_workload(p, Workload(1, 40, 64), range(5), 500)[1] == 4
+    seconds, k = best_for_workload(p, Workload(4, 2000, 64), range(5), 500)
+    assert k == 0 and seconds == pytest.approx(workload_s(p, Workload(4, 2000, 64), 0, 500))
+    assert workload_s(p, Workload(4, 2000, 64), 4, 500) > seconds + 3.0  # 4 s of intake, less what K=4 saves
 
 
 def test_the_measured_acceptance_counts_a_draft_only_when_it_was_verified():
