@@ -40,8 +40,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class BatchCount:
     """G, the batches on the way (see above): given, or (None) from measured costs, 1 until there are some.
 
-    Each rank's work per batch is measured at every batch size seen (a moving average per size) and read as a line
-    in the rows, fixed + row_ms x rows: a batched forward reads the weights once, but its compute grows with the
+    Each rank's work per batch is measured at every batch size seen (a moving average per size and K) and read, at
+    the K of the last round, as a line in the rows, fixed + row_ms x rows: a batched forward reads the weights once, but its compute grows with the
     rows (on a CPU a quantized drafter's step over 8 rows costs ~1.8x one row's), so G batches of 1/G of the
     streams each cost less than G whole ones. Sizes come and go as streams start and end; while one size is seen,
     a row more costs what the start-up model (`prior`) says it does at the K measured (without one: nothing, a
@@ -51,17 +51,25 @@ class BatchCount:
     def __init__(self, given: int | None = None, smoothing: float = 0.2, most: int = 8,
                  prior: cost_model.Pipeline | None = None):
         self.given, self.smoothing, self.most, self.prior = given, smoothing, most, prior
-        self.k = 0  # the K of the rounds measured (the prior's row costs are at it)
+        self.k = 0  # the K of the last round measured: the costs read are those measured at it
         self.trip = None  # ms, moving average: the wire's part of a round
-        self.rank0: dict[int, float] = {}  # rows -> rank 0's work per batch of that many rows (moving averages)
-        self.stages: dict[int, list[float]] = {}  # rows -> each later rank's work per batch (middle ranks', the last's)
+        # (K, rows) -> rank 0's work per batch of that many rows of K drafts each (moving averages), and each later
+        # rank's (middle ranks', the last's): a block of K + 1 tokens a row costs by its K as much as by its rows,
+        # so sizes are compared at one K (spec.k_from_costs moving K between 3 and 0 over three ranks on two cores:
+        # four-row batches at K=3 read 380 / 419 ms beside two-row batches at K=0's 155 / 190, a row "costing" 112
+        # ms, and four batches of one row were taken, halving the streams' tokens/s)
+        self.rank0: dict[tuple[int, int], float] = {}
+        self.stages: dict[tuple[int, int], list[float]] = {}
 
     def pipeline(self) -> cost_model.Pipeline:
-        """The cost model of what was measured: rank 0's work, each later rank's, the wire as one link."""
-        n = len(next(iter(self.stages.values())))
+        """The cost model of what was measured at the current K: rank 0's work, each later rank's, the wire as one
+        link."""
+        rank0 = {rows: ms for (k, rows), ms in self.rank0.items() if k == self.k}
+        stages = {rows: ms for (k, rows), ms in self.stages.items() if k == self.k}
+        n = len(next(iter(stages.values())))
         row_ms = self.prior_row_ms(n + 1)
-        ranks = (rows_line(self.rank0, row_ms[0]),
-                 *(rows_line({b: ms[i] for b, ms in self.stages.items()}, row_ms[i + 1]) for i in range(n)))
+        ranks = (rows_line(rank0, row_ms[0]),
+                 *(rows_line({b: ms[i] for b, ms in stages.items()}, row_ms[i + 1]) for i in range(n)))
         links = (cost_model.LinkCost(self.trip), *(cost_model.LinkCost() for _ in range(n)))
         # ranks that share a host's cores slow each other once several batches keep them all at work (the start-up
         # timing at once and alone): what one batch measured does not show it, and more batches were taken where
@@ -97,14 +105,15 @@ class BatchCount:
         rank busy with it, and that wait read as trip makes more batches look free, which lengthens the wait."""
         if record.from_ahead:
             return
-        s, rows, self.k = self.smoothing, record.batch, record.drafted
+        s, self.k = self.smoothing, record.drafted
+        key = (record.drafted, record.batch)
         work = max(record.draft_ms + record.stage0_ms, busy_ms or 0.0)
-        self.rank0[rows] = ema(self.rank0.get(rows), work, s)
+        self.rank0[key] = ema(self.rank0.get(key), work, s)
         stages = [*record.middle_ms, record.last_ms]
         if any(len(old) != len(stages) for old in self.stages.values()):
             self.stages = {}
-        old = self.stages.get(rows, stages)
-        self.stages[rows] = [ema(o, new, s) for o, new in zip(old, stages)]
+        old = self.stages.get(key, stages)
+        self.stages[key] = [ema(o, new, s) for o, new in zip(old, stages)]
         if waited_ms > 1.0 and alone:
             self.trip = ema(self.trip, record.network_ms, s)
 

@@ -263,6 +263,21 @@ def test_the_batch_count_takes_a_rows_cost_from_the_start_up_model_while_one_siz
     assert flat.now(8) == 1
 
 
+def test_the_batch_count_compares_batch_sizes_at_one_k():
+    """Four-row batches at K=3 (rank 0 400 ms with its drafting, rank 1 420 over blocks of 4 tokens), then two-row
+    batches at K=0 (15 and 190): at K=0 a batch costs 190 at any size measured so far, so one batch of four cycles in
+    15 + 190 + 20 = 225 ms and more batches only lengthen it. Read beside the K=3 batches, a row would cost 115 ms
+    and four batches of one row (300 ms for four tokens, against 455 for one batch of four) would win."""
+    count = BatchCount()
+    for _ in range(20):
+        count.observe(RoundRecord(3, 1, 2, draft_ms=360.0, stage0_ms=40.0, round_ms=425.0, last_ms=420.0, batch=4),
+                      waited_ms=5.0)
+    for _ in range(20):
+        count.observe(RoundRecord(0, 0, 1, draft_ms=0.0, stage0_ms=15.0, round_ms=210.0, last_ms=190.0, batch=2),
+                      waited_ms=5.0)
+    assert count.now(4) == 1
+
+
 def test_the_batch_count_charges_more_batches_what_ranks_sharing_cores_cost_each_other():
     """Rank 0 30 ms a batch, rank 1 20, 40 ms of wire: three batches cycle in max(3 x 30, 30 + 20 + 40) = 90 ms,
     what one takes, so three. Where the start-up timing read each rank twice as slow with the other at work (one
