@@ -148,7 +148,7 @@ class CacheConfig:
 
 @dataclass
 class WorkloadConfig:
-    streams: int | None = None  # model.split=auto plans the split for this many requests admitted at once (each a prompt_tokens prompt and an answer_tokens answer), to end them soonest by the cost model; null = for one stream's decode round (the busiest rank least busy)
+    streams: int | None = None  # requests admitted at once (each a prompt_tokens prompt and an answer_tokens answer) that the split of model.split=auto is planned to end soonest, by the cost model; null = one stream's decode round (the busiest rank least busy)
     prompt_tokens: int = 2048  # ... each request's prompt
     answer_tokens: int = 256  # ... and its answer
 
