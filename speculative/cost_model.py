@@ -696,7 +696,8 @@ def workload_s(p: Pipeline, w: Workload, k: int, chunk: int, depths=(1,), batche
         rate = stream_tokens_per_s(halfway, k, depth)
     else:
         depth = 0
-        rate = aggregate_tokens_per_s(halfway, k, w.streams, best_batches(halfway, k, w.streams, batches_max)) / w.streams
+        batches = best_batches(halfway, k, w.streams, batches_max)
+        rate = aggregate_tokens_per_s(halfway, k, w.streams, batches) / w.streams
     first = first_tokens_s(p, w.prompt_tokens, chunk, (), k, depth, k > 0, after=(w.prompt_tokens,) * (w.streams - 1))
     return max(first) + w.answer_tokens / max(rate, 1e-9)
 

@@ -41,12 +41,13 @@ class BatchCount:
     """G, the batches on the way (see above): given, or (None) from measured costs, 1 until there are some.
 
     Each rank's work per batch is measured at every batch size seen (a moving average per size and K) and read, at
-    the K of the last round, as a line in the rows, fixed + row_ms x rows: a batched forward reads the weights once, but its compute grows with the
-    rows (on a CPU a quantized drafter's step over 8 rows costs ~1.8x one row's), so G batches of 1/G of the
-    streams each cost less than G whole ones. Sizes come and go as streams start and end; while one size is seen,
-    a row more costs what the start-up model (`prior`) says it does at the K measured (without one: nothing, a
-    flat line, with which the embedded pair's four streams, always one batch of 4 rows, never tried two batches of
-    2: 16.0 tokens/s where two measured 19.1; its drafting and rank 1's forward grow ~30 and ~60 ms a row)."""
+    the K of the last round, as a line in the rows, fixed + row_ms x rows: a batched forward reads the weights once,
+    but its compute grows with the rows (on a CPU a quantized drafter's step over 8 rows costs ~1.8x one row's), so
+    G batches of 1/G of the streams each cost less than G whole ones. Sizes come and go as streams start and end;
+    while one size is seen, a row more costs what the start-up model (`prior`) says it does at the K measured
+    (without one: nothing, a flat line, with which the embedded pair's four streams, always one batch of 4 rows,
+    never tried two batches of 2: 16.0 tokens/s where two measured 19.1; its drafting and rank 1's forward grow ~30
+    and ~60 ms a row)."""
 
     def __init__(self, given: int | None = None, smoothing: float = 0.2, most: int = 8,
                  prior: cost_model.Pipeline | None = None):
