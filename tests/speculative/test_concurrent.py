@@ -267,7 +267,7 @@ def test_the_batch_count_compares_batch_sizes_at_one_k():
     """Four-row batches at K=3 (rank 0 400 ms with its drafting, rank 1 420 over blocks of 4 tokens), then two-row
     batches at K=0 (15 and 190): at K=0 a batch costs 190 at any size measured so far, so one batch of four cycles in
     15 + 190 + 20 = 225 ms and more batches only lengthen it. Read beside the K=3 batches, a row would cost rank 1
-    115 ms and rank 0 193, and batches of fewer rows would look cheaper."""
+    115 ms and rank 0 193, and four batches of one row would be taken."""
     count = BatchCount()
     for _ in range(20):
         count.observe(RoundRecord(3, 1, 2, draft_ms=360.0, stage0_ms=40.0, round_ms=425.0, last_ms=420.0, batch=4),
