@@ -687,7 +687,7 @@ class Workload:
 def workload_s(p: Pipeline, w: Workload, k: int, chunk: int, depths=(1,), batches_max: int = 8) -> float:
     """Seconds from a workload's admission to its answers' end at K drafts a round: the last prompt's first token
     (every prompt taken in on admission, its chunks pipelined; a stream that has its token first waits behind the
-    later prompts' chunks, held_s), then the answer at the streams' rate halfway through it (one stream at its best
+    later prompts' chunks, as held_s prices it), then the answer at the streams' rate halfway through it (one stream at its best
     of `depths`; several in their best batches). K = 0 takes no prompt into the drafter (spec.k_from_costs admits
     a stream at K=0 without it)."""
     halfway = at_context(p, w.prompt_tokens + w.answer_tokens // 2)
