@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 
 from speculative import cost_model
 from speculative.in_flight import FixedDepth
 from speculative.k_choice import ema
+
+TRIP_WINDOW = 8  # rounds into a full pipe whose least trip reading bounds the trip (BatchCount.observe)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -54,6 +57,7 @@ class BatchCount:
         self.given, self.smoothing, self.most, self.prior = given, smoothing, most, prior
         self.k = 0  # the K of the last round measured: the costs read are those measured at it
         self.trip = None  # ms, moving average: the wire's part of a round
+        self.queued_trips: deque[float] = deque(maxlen=TRIP_WINDOW)  # the last readings of rounds into a full pipe
         # (K, rows) -> rank 0's work per batch of that many rows of K drafts each (moving averages), and each later
         # rank's (middle ranks', the last's): a block of K + 1 tokens a row costs by its K as much as by its rows,
         # so sizes are compared at one K (spec.k_from_costs moving K between 3 and 0 over three ranks on two cores:
@@ -103,7 +107,10 @@ class BatchCount:
         read 183 tokens/s, 248 counting it all: bench/README). The trip is read only from rounds whose reply
         rank 0 waited for: one read late (rank 0 busy with another batch) holds rank 0's work besides the trip;
         and only from rounds sent into an empty pipe (`alone`): one sent behind another batch may wait at a later
-        rank busy with it, and that wait read as trip makes more batches look free, which lengthens the wait."""
+        rank busy with it, and that wait read as trip makes more batches look free, which lengthens the wait.
+        Such a reading is never below the trip, though, so the least of the last TRIP_WINDOW bounds it: while
+        several batches take turns no round goes into an empty pipe, and a trip read high before (a link or a
+        host slower for a while) would stay, and with it the batches it made look free."""
         if record.from_ahead:
             return
         s, self.k = self.smoothing, record.drafted
@@ -117,6 +124,9 @@ class BatchCount:
         self.stages[key] = [ema(o, new, s) for o, new in zip(old, stages)]
         if waited_ms > 1.0 and alone:
             self.trip = ema(self.trip, record.network_ms, s)
+        elif waited_ms > 1.0 and self.trip is not None:
+            self.queued_trips.append(record.network_ms)
+            self.trip = min(self.trip, min(self.queued_trips))
 
 
 def rows_line(by_rows: dict[int, float], prior_row_ms: float = 0.0) -> cost_model.RankCost:

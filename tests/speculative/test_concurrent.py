@@ -10,7 +10,7 @@ from netbridge.protocol import SamplingParams
 from speculative.k_choice import AdaptiveK, FixedK
 from speculative.rounds import RoundRecord
 from speculative.cost_model import DraftCost, LinkCost, Pipeline, RankCost
-from speculative.scheduler import BatchCount, Scheduler
+from speculative.scheduler import TRIP_WINDOW, BatchCount, Scheduler
 from speculative.output import Output
 from tests.support.session_harness import serve, serve_together, session_args, with_ranks
 from tests.support.tiny_models import reference_greedy
@@ -312,6 +312,19 @@ def test_the_batch_count_reads_the_trip_only_from_rounds_sent_into_an_empty_pipe
     for _ in range(50):
         count.observe(record(630, 190, 80 + 800), waited_ms=5.0, alone=False)
     assert count.now() == 1
+
+
+def test_the_batch_count_lowers_a_trip_read_high_by_rounds_sent_into_a_full_pipe():
+    """Rank 0 30 ms a batch, rank 1 20: over a trip read at 1,000 ms (a slow spell) eight batches fill it. Then
+    eight batches are on the way and no round goes into an empty pipe: rounds behind other batches read 90 ms of
+    trip, which the trip cannot exceed (a wait behind another batch only adds), so it is 90 ms now: four batches."""
+    count = BatchCount()
+    for _ in range(20):
+        count.observe(record(30, 20, 1000), waited_ms=5.0)
+    assert count.now() == 8
+    for _ in range(TRIP_WINDOW):
+        count.observe(record(30, 20, 90), waited_ms=5.0, alone=False)
+    assert count.now() == 4
 
 
 def test_newcomers_first_rounds_go_out_together_and_their_prompts_reach_the_drafter_in_the_wait(tiny_qwen,
