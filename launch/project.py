@@ -263,13 +263,44 @@ def project(args) -> Projection:
     except NoFit:
         lines.append(f"fit: NO. {no_fit_message(t.layers, costs)}; {args.streams} KV slot(s) of {args.max_len} tokens")
         return Projection(lines, False)
+    links = ring_links(ranks, args.rtt_ms, args.mbps)
+    if args.workload:
+        cuts, line = workload_split(t, devices, costs, cuts, links, step, args)
+        lines.append(line)
     counts = layer_counts(t.layers, cuts)
     bounds = [0, *cuts, t.layers]
     lines.append("fit: yes; split " + "; ".join(
         f"rank {r} layers {bounds[r]}-{bounds[r + 1] - 1}: {human(c.bytes_for(m))} of {human(c.budget)}"
         for r, (c, m) in enumerate(zip(costs, counts))) + f" ({args.streams} KV slot(s) of {args.max_len} tokens)")
-    pipe = pipeline(t, devices, counts, ring_links(ranks, args.rtt_ms, args.mbps), step, args)
+    pipe = pipeline(t, devices, counts, links, step, args)
     return predictions(pipe, lines, args)
+
+
+def workload_split(t: Shape, devices: list[Device], costs, one_stream: list[int], links, step, args):
+    """(cuts, the line that says why) for --workload, as workload.* plans a launch's split
+    (launch.prediction.workload_cuts): of the splits that fit, the one the model ends --streams prompts of
+    --prompt-tokens admitted at once, and their --answer-tokens answers, soonest on (at its best K and depth), where
+    that is more than WORKLOAD_MARGIN sooner than on one stream's split (`one_stream`); else that one."""
+    from launch.plan import split_text
+    from launch.prediction import WORKLOAD_MARGIN
+    from model_parallel.split import best_split, layer_counts
+    from speculative import cost_model as cm
+    w = cm.Workload(args.streams, args.prompt_tokens, args.answer_tokens)
+    ks = range(args.k + 1) if step else (0,)
+
+    def ends(cuts: list[int]) -> tuple[float, int]:
+        pipe = pipeline(t, devices, layer_counts(t.layers, cuts), links, step, args)
+        return cm.best_for_workload(pipe, w, ks, args.chunk, cm.depths_allowed("auto"))
+
+    best = best_split(t.layers, costs, one_stream, lambda cuts: ends(cuts)[0])
+    (best_s, best_k), (one_s, one_k) = ends(best), ends(one_stream)
+    head = (f"planned for {w.streams} stream(s) at once, {w.prompt_tokens}-token prompts and {w.answer_tokens}-token "
+            f"answers")
+    if best_s * (1 + WORKLOAD_MARGIN) < one_s:
+        return best, (f"{head}: split {split_text(best)} ends them in {best_s:.1f} s (K={best_k}); one stream's split "
+                      f"({split_text(one_stream)}): {one_s:.1f} s")
+    return one_stream, (f"{head}: one stream's split ({split_text(one_stream)}) kept, {one_s:.1f} s (K={one_k}); the "
+                        f"soonest ({split_text(best)}, {best_s:.1f} s) is not {WORKLOAD_MARGIN:.0%} sooner")
 
 
 def heading(args, t: Shape, ranks, devices: list[Device], draft_device: Device) -> list[str]:
@@ -368,7 +399,7 @@ def check(args) -> None:
         raise ValueError(f"--hosts {' '.join(args.hosts)} gives {len(hosts_ranks(args.hosts))} rank(s); Tandem runs on 2 or more")
     if not 0 < args.acceptance <= 1:
         raise ValueError(f"--acceptance {args.acceptance} must be in (0, 1]")
-    for name in ("k", "streams", "max_len", "prompt_tokens", "chunk"):
+    for name in ("k", "streams", "max_len", "prompt_tokens", "chunk", "answer_tokens"):
         low = 0 if name == "k" else 1
         if getattr(args, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least {low}")
@@ -395,6 +426,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=4096, help="KV cache per slot, tokens (model.max_len)")
     p.add_argument("--prompt-tokens", type=int, default=2048, help="the prompt whose TTFT is projected")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (model.prefill_chunk)")
+    p.add_argument("--workload", action="store_true", help="plan the split for --streams prompts of --prompt-tokens "
+                   "admitted at once and their --answer-tokens answers, as workload.* plans a launch's")
+    p.add_argument("--answer-tokens", type=int, default=256, help="with --workload: each answer (workload.answer_tokens)")
     p.add_argument("--nf4-blocks", choices=("dequantize", "read-once"), default="dequantize",
                    help="NF4 over a block of several positions: as bitsandbytes runs it (each weight dequantized to 16 "
                    "bits, then multiplied) or what if a kernel read the 4-bit weights once (not what runs today)")

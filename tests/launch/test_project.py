@@ -69,3 +69,21 @@ def test_arguments_a_projection_cannot_use_are_one_line(capsys):
     assert capsys.readouterr().err == "tandem-plan: --hosts T4 gives 1 rank(s); Tandem runs on 2 or more\n"
     assert project.main([QWEN7B, "--hosts", "T4", "T4", "--acceptance", "1.5"]) == 2
     assert "--acceptance 1.5 must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_workload_plans_the_split_for_long_prompts_at_once(capsys):
+    """Four 4,000-token prompts at once and a token each are their prefill: pipelined over the two T4s its pace is
+    the busier rank's, so the split that ends them soonest shares the layers about evenly (15 of 28 on rank 0, whose
+    last layer costs about what rank 1's head does), where one stream's split leaves rank 0 only 9 beside its
+    drafter's steps. The fit line and the figures after it are of the planned split."""
+    base = [QWEN7B, "--hosts", "T4", "T4", "--rtt-ms", "86", "--dtype", "float16", "--drafter",
+            str(Path(QWEN7B).parent / "qwen2.5-0.5b-instruct"), "--streams", "4", "--prompt-tokens", "4000"]
+    assert project.main(base) == 0
+    assert "split rank 0 layers 0-8:" in capsys.readouterr().out  # one stream's
+    assert project.main([*base, "--answer-tokens", "1", "--workload"]) == 0
+    out = capsys.readouterr().out
+    assert ("planned for 4 stream(s) at once, 4000-token prompts and 1-token answers: split 15 ends them in 3.6 s (K=0); "
+            "one stream's split (9): 4.7 s") in out
+    assert "split rank 0 layers 0-14:" in out
+    assert project.main([*base, "--answer-tokens", "0", "--workload"]) == 2
+    assert "--answer-tokens 0 must be at least 1" in capsys.readouterr().err
