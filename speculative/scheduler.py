@@ -109,8 +109,9 @@ class BatchCount:
         and only from rounds sent into an empty pipe (`alone`): one sent behind another batch may wait at a later
         rank busy with it, and that wait read as trip makes more batches look free, which lengthens the wait.
         Such a reading is never below the trip, though, so the least of the last TRIP_WINDOW bounds it: while
-        several batches take turns no round goes into an empty pipe, and a trip read high before (a link or a
-        host slower for a while) would stay, and with it the batches it made look free."""
+        several batches take turns no round goes into an empty pipe, and a trip read high before would stay, and
+        with it the batches it made look free (three ranks on two cores, 0 ms: a decode round sent while the later
+        ranks still took in three other prompts read 1,099 ms of wire; bench/README)."""
         if record.from_ahead:
             return
         s, self.k = self.smoothing, record.drafted
