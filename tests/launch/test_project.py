@@ -73,9 +73,9 @@ def test_arguments_a_projection_cannot_use_are_one_line(capsys):
 
 def test_workload_plans_the_split_for_long_prompts_at_once(capsys):
     """Four 4,000-token prompts at once and a token each are their prefill: pipelined over the two T4s its pace is
-    the busier rank's, so the split that ends them soonest shares the layers about evenly (15 of 28 on rank 0, whose
-    last layer costs about what rank 1's head does), where one stream's split leaves rank 0 only 9 beside its
-    drafter's steps. The fit line and the figures after it are of the planned split."""
+    the busier rank's, so the split that ends them soonest shares the layers about evenly (15 of 28 on rank 0),
+    where one stream's split leaves rank 0 only 9 beside its drafter's steps. The fit line and the figures after it
+    are of the planned split."""
     base = [QWEN7B, "--hosts", "T4", "T4", "--rtt-ms", "86", "--dtype", "float16", "--drafter",
             str(Path(QWEN7B).parent / "qwen2.5-0.5b-instruct"), "--streams", "4", "--prompt-tokens", "4000"]
     assert project.main(base) == 0
