@@ -113,10 +113,17 @@ def workload_cuts(plan) -> list[int]:
     serve every workload best (the embedded pair over two ranks: one stream runs fastest with 1 of 28 layers on
     rank 0, whose drafting hides behind the other 27; four 2,000-token prompts at once with 16, at K=0, their
     prefill pipelined)."""
-    from model_parallel.split import best_split
     seconds = lambda cuts: workload_seconds(replace(plan, cuts=list(cuts)))[0]
-    best = best_split(plan.num_layers, plan.costs, list(plan.cuts), seconds)
-    return best if seconds(best) * (1 + WORKLOAD_MARGIN) < seconds(plan.cuts) else list(plan.cuts)
+    return split_for_workload(plan.num_layers, plan.costs, list(plan.cuts), seconds)
+
+
+def split_for_workload(num_layers: int, costs, one_stream: list[int], seconds) -> list[int]:
+    """Of the splits that fit `costs`, the one with the fewest `seconds(cuts)` (model_parallel.split.best_split),
+    where that is more than WORKLOAD_MARGIN fewer than one stream's split's; else that one (a launch's
+    workload_cuts, launch.project --workload)."""
+    from model_parallel.split import best_split
+    best = best_split(num_layers, costs, one_stream, seconds)
+    return best if seconds(best) * (1 + WORKLOAD_MARGIN) < seconds(one_stream) else list(one_stream)
 
 
 def workload_line(plan) -> str:

@@ -278,12 +278,12 @@ def project(args) -> Projection:
 
 def workload_split(t: Shape, devices: list[Device], costs, one_stream: list[int], links, step, args):
     """(cuts, the line that says why) for --workload, as workload.* plans a launch's split
-    (launch.prediction.workload_cuts): of the splits that fit, the one the model ends --streams prompts of
+    (launch.prediction.split_for_workload): of the splits that fit, the one the model ends --streams prompts of
     --prompt-tokens admitted at once, and their --answer-tokens answers, soonest on (at its best K and depth), where
     that is more than WORKLOAD_MARGIN sooner than on one stream's split (`one_stream`); else that one."""
     from launch.plan import split_text
-    from launch.prediction import WORKLOAD_MARGIN
-    from model_parallel.split import best_split, layer_counts
+    from launch.prediction import WORKLOAD_MARGIN, split_for_workload
+    from model_parallel.split import layer_counts
     from speculative import cost_model as cm
     w = cm.Workload(args.streams, args.prompt_tokens, args.answer_tokens)
     ks = range(args.k + 1) if step else (0,)
@@ -292,15 +292,15 @@ def workload_split(t: Shape, devices: list[Device], costs, one_stream: list[int]
         pipe = pipeline(t, devices, layer_counts(t.layers, cuts), links, step, args)
         return cm.best_for_workload(pipe, w, ks, args.chunk, cm.depths_allowed("auto"))
 
-    best = best_split(t.layers, costs, one_stream, lambda cuts: ends(cuts)[0])
-    (best_s, best_k), (one_s, one_k) = ends(best), ends(one_stream)
+    chosen = split_for_workload(t.layers, costs, one_stream, lambda cuts: ends(cuts)[0])
+    (chosen_s, chosen_k), (one_s, one_k) = ends(chosen), ends(one_stream)
     head = (f"planned for {w.streams} stream(s) at once, {w.prompt_tokens}-token prompts and {w.answer_tokens}-token "
             f"answers")
-    if best_s * (1 + WORKLOAD_MARGIN) < one_s:
-        return best, (f"{head}: split {split_text(best)} ends them in {best_s:.1f} s (K={best_k}); one stream's split "
-                      f"({split_text(one_stream)}): {one_s:.1f} s")
-    return one_stream, (f"{head}: one stream's split ({split_text(one_stream)}) kept, {one_s:.1f} s (K={one_k}); the "
-                        f"soonest ({split_text(best)}, {best_s:.1f} s) is not {WORKLOAD_MARGIN:.0%} sooner")
+    if chosen != one_stream:
+        return chosen, (f"{head}: split {split_text(chosen)} ends them in {chosen_s:.1f} s (K={chosen_k}); one stream's "
+                        f"split ({split_text(one_stream)}): {one_s:.1f} s")
+    return one_stream, (f"{head}: one stream's split ({split_text(one_stream)}) kept, {one_s:.1f} s (K={one_k}); no "
+                        f"split ends them {WORKLOAD_MARGIN:.0%} sooner")
 
 
 def heading(args, t: Shape, ranks, devices: list[Device], draft_device: Device) -> list[str]:
