@@ -23,9 +23,13 @@ is stats["rounds"]. The output JSON's means are over the decode rounds (steps >=
     round/in_flight     this request's rounds on the way when the reply came (spec.in_flight)
     round/on_the_way    every live request's rounds on the way then (serving several at once)
     round/batch         the rounds that went out in one forward with this one (several requests' rounds)
+    round/start         the position its block began at: the tokens its request had cached (attended over)
     round/predicted_tokens_per_s  the cost model's tokens/s for this stream at this round's K (acceptance as
                         measured so far; speculative.cost_model), beside round/measured_tokens_per_s: the
-                        stream's tokens/s since its first token
+                        stream's tokens/s since its first token; round/predicted_draft_ms, _stage0_ms,
+                        _last_ms (and _rank{r}_ms) the model's parts of the round beside the measured ones, each
+                        rank's forward without the engine's work besides it (cost_model.parts_ms): which cost
+                        drifted (bench/round_parts.py sums them up per batch size, K and context)
 
 Per ring link (step = the link's index i, rank i -> rank i+1; measured at start-up, netbridge.link_probe):
 link/rtt_ms, link/send_mbps, link/recv_mbps, link/between_hosts (1: carried by transport.kind, 0: direct on
@@ -134,11 +138,16 @@ class Telemetry:
                            ("round_ms", r.draft_ms + r.stage0_ms + r.round_ms),
                            ("drafted", r.drafted), ("accepted", r.accepted), ("tokens", r.committed),
                            ("in_flight", r.in_flight), ("bets_lost", r.bets_lost), ("wasted_ms", r.wasted_ms),
-                           ("on_the_way", r.on_the_way), ("batch", r.batch)):
+                           ("on_the_way", r.on_the_way), ("batch", r.batch), ("start", r.start)):
             w.add_scalar(f"round/{tag}", value, step)
         if r.predicted_tokens_per_s > 0:  # the cost model beside what this stream measured so far: drift shows
             w.add_scalar("round/predicted_tokens_per_s", r.predicted_tokens_per_s, step)
             w.add_scalar("round/measured_tokens_per_s", r.measured_tokens_per_s, step)
+        if r.predicted_parts is not None:  # ... and part by part: which cost drifted
+            parts = r.predicted_parts
+            for tag, value in (("draft_ms", parts.draft_ms), ("stage0_ms", parts.stage0_ms), ("last_ms", parts.last_ms),
+                               *((f"rank{rank}_ms", ms) for rank, ms in enumerate(parts.middle_ms, start=1))):
+                w.add_scalar(f"round/predicted_{tag}", value, step)
         if r.bet is not None:  # a round was prepared ahead on this one: 1 if its bet held
             w.add_scalar("round/bet_won", int(r.bet), step)
         for rank, ms in enumerate(r.middle_ms, start=1):

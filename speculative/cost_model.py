@@ -747,6 +747,26 @@ def rank_cost(layers: int, layer_ms: float, fixed_ms: float, block_tokens: int, 
                     prefill_by_tokens={int(n): fixed_ms + layers * ms for n, ms in prefill_layer_ms})
 
 
+@dataclass(frozen=True)
+class PartsMs:
+    """A round's parts as the model gives them, each as the rank that does it times it (RoundRecord's draft_ms,
+    stage0_ms, middle_ms, last_ms): the drafter's steps, and each rank's forward over the block, the engine's work
+    besides it left out (a placement's Pipeline holds it: from_rank_costs, ENGINE_*). The last rank's verification
+    (0.05-0.1 ms a round on the tiny model) is in its measured last_ms only."""
+    draft_ms: float
+    stage0_ms: float
+    middle_ms: tuple[float, ...]
+    last_ms: float
+
+
+def parts_ms(p: Pipeline, k: int, rows: int = 1) -> PartsMs:
+    """A round of K drafts for `rows` streams, part by part (PartsMs), at the Pipeline's context."""
+    n = len(p.ranks)
+    forwards = [max(rank.ms(rows, k + 1, p.context) - engine_ms(r, n) - (rows - 1) * engine_row_ms(r), 0.0)
+                for r, rank in enumerate(p.ranks)]
+    return PartsMs(p.draft.round_ms(k, rows, p.context), forwards[0], tuple(forwards[1:-1]), forwards[-1])
+
+
 def engine_ms(rank: int, ranks: int) -> float:
     """The engine's work per round on `rank` besides its forward (ENGINE_*)."""
     if 0 < rank < ranks - 1:
@@ -883,6 +903,10 @@ class Predictor:
             return stream_tokens_per_s(p, k, depth)
         batches = batches or best_batches(p, k, streams, self.batches_max)
         return aggregate_tokens_per_s(p, k, streams, batches) / streams
+
+    def parts_ms(self, k: int, rows: int = 1, context: int | None = None) -> PartsMs:
+        """A round's parts as the model gives them (parts_ms), after `context` cached tokens (None: as timed)."""
+        return parts_ms(at_context(self.start, context), k, rows)
 
     def best_depth(self, k: int, depth_max: int = DEPTH_MAX) -> int:
         """A lone stream's depth now (spec.in_flight=auto): best_depth at the acceptance and bets measured."""

@@ -67,6 +67,8 @@ class RoundRecord:
     cut: bool = False  # looked up, cut where the model parts from the copy, its own drafts after (hybrid, greedy)
     predicted_tokens_per_s: float = 0.0  # the cost model's tokens/s for its stream at its K (speculative.cost_model)
     measured_tokens_per_s: float = 0.0  # its stream's tokens/s since its first token, this round's included
+    start: int = 0  # the position its block began at: the tokens its stream had cached, which it attended over
+    predicted_parts: object = None  # the cost model's draft_ms, stage0_ms, middle_ms, last_ms for it (cost_model.PartsMs)
 
     @property
     def later_ms(self) -> float:

@@ -342,7 +342,7 @@ class Session:
                              reply.last_ms, s.t_round - s.t_start, block.send_ms, block.sent_at - s.t_start,
                              block.guess is not None, ahead_ms, middle_ms(reply),
                              in_flight, lost, bet, wasted_ms, prepared, s.slot, block.batch, len(self.scheduler.live),
-                             on_the_way, block.drafts.looked_up, cut=block.drafts.cut)
+                             on_the_way, block.drafts.looked_up, cut=block.drafts.cut, start=block.start)
         s.gen.rounds.append(record)
         self.predict(s, record, decode=len(s.gen.rounds) > 1)
         lag = self.drafter.lacks(len(s.committed), s.slot)
@@ -365,9 +365,10 @@ class Session:
         if self.predictor is None or not decode:
             return
         self.predictor.observe(record.drafted, record.accepted, record.bet)
+        context = len(s.gen.prompt_ids) + len(s.output.tokens)
         record.predicted_tokens_per_s = self.predictor.tokens_per_s(record.drafted, self.scheduler.depth(), record.live,
-                                                                    len(s.gen.prompt_ids) + len(s.output.tokens),
-                                                                    cost_model.batches_run(record))
+                                                                    context, cost_model.batches_run(record))
+        record.predicted_parts = self.predictor.parts_ms(record.drafted, record.batch, context)
         decode_s = time.perf_counter() - s.t_start - s.gen.ttft_s
         record.measured_tokens_per_s = (len(s.output.tokens) - 1) / decode_s if decode_s > 0 else 0.0
 

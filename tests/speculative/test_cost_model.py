@@ -16,7 +16,7 @@ from speculative.cost_model import (ENGINE_LAST_MS, ENGINE_LATER_ROW_MS, ENGINE_
                                     Pipeline, Predictor, RankCost, Workload, aggregate_tokens_per_s, best_batches,
                                     best_depth, best_for_workload, workload_s,
                                     at_context, batches_run, best_k, best_settings, chain_step_ms, deepening_ms,
-                                    depths_sent, drain_ms, drained, first_tokens_s, from_rank_costs, round_parts,
+                                    depths_sent, drain_ms, drained, first_tokens_s, from_rank_costs, parts_ms, round_parts,
                                     round_ms, stream_tokens_per_s, tokens_per_round, ttft_s)
 
 
@@ -176,6 +176,26 @@ def test_a_placements_timing_becomes_the_pipeline():
     assert three.ranks[2].ms(1, 5) == pytest.approx(3.0 + ENGINE_LAST_MS)
 
 
+def test_a_rounds_parts_are_each_ranks_forward_as_it_times_it():
+    """The same placement over three ranks, a round of K=3 for two streams after 1,128 cached tokens (1,000 beyond
+    the 128 the blocks were timed after; rank 2 0.001 ms a token per cached token for the first row, 0.002 for the
+    second): the drafter's 3 steps and the guess, each 4 + 0.3 ms and 0.5 for the row more; rank 0's 2 layers and
+    20 - 16 ms besides; rank 1's 2 layers; rank 2's 3 layers, 0.1 ms a token for its second row's 4 tokens, and
+    (0.001 + 0.002) x 4 x 1,000 attending: the engine's work besides (committing, replying) in none of them, as each
+    rank's own timing of its forward leaves it out."""
+    costs = [SimpleNamespace(layer_ms=1.0, fixed_ms=20.0, layer_token_ms=0.0, draft_step_ms=4.0, draft_token_ms=0.5),
+             SimpleNamespace(layer_ms=1.0, fixed_ms=0.0),
+             SimpleNamespace(layer_ms=1.0, fixed_ms=0.0, layer_token_ms=0.1 / 3, context_ms=0.001 / 3,
+                             context_row_ms=0.002 / 3)]
+    p = from_rank_costs(costs, [2, 2, 3], [LinkCost()] * 3, block_tokens=4, draft_steps=4, timed_context=128)
+    parts = Predictor(p).parts_ms(3, rows=2, context=1128)
+    assert parts.draft_ms == pytest.approx(4 * (4.0 + ENGINE_STEP_MS + 0.5))
+    assert parts.stage0_ms == pytest.approx(2 * 1.0 + 20.0 - 16.0)
+    assert parts.middle_ms == pytest.approx((2.0,))
+    assert parts.last_ms == pytest.approx(3.0 + 0.1 * 4 + (0.001 + 0.002) * 4 * 1000)
+    assert parts_ms(p, 3, 2).last_ms == pytest.approx(3.0 + 0.1 * 4)  # as timed: no cached tokens beyond
+
+
 def test_depth_is_bounded_by_rank_0s_drafting():
     """A 200 ms trip, bets always held: with rank 0 preparing a block in 10 ms, four rounds on the way go four
     times as fast as one; with 100 ms of drafting a block, no depth goes faster than a block per 100 ms."""
@@ -303,7 +323,7 @@ def test_a_session_prices_each_round_at_its_streams_context():
     session = SimpleNamespace(predictor=Predictor(p), scheduler=SimpleNamespace(depth=lambda: 1))
     s = SimpleNamespace(gen=SimpleNamespace(prompt_ids=[1] * 1990, ttft_s=0.0), output=SimpleNamespace(tokens=[1] * 10),
                         t_start=time.perf_counter())
-    record = SimpleNamespace(drafted=0, accepted=0, bet=None, live=1)
+    record = SimpleNamespace(drafted=0, accepted=0, bet=None, live=1, batch=1)
     Session.predict(session, s, record, decode=True)
     assert record.predicted_tokens_per_s == pytest.approx(1000 / 24.0)
 
@@ -435,6 +455,10 @@ def test_a_run_prints_its_prediction_and_logs_it_beside_every_round(tiny_qwen, t
     events = EventAccumulator(str(summary.parent))
     events.Reload()
     assert len(events.Scalars("round/predicted_tokens_per_s")) == len(rounds) - 1
+    for part in ("draft_ms", "stage0_ms", "last_ms"):  # the model's parts of each decode round beside the measured
+        predicted = [e.value for e in events.Scalars(f"round/predicted_{part}")]
+        assert len(predicted) == len(rounds) - 1 and all(ms > 0 for ms in predicted), (part, predicted)
+        assert predicted == pytest.approx([r["predicted_parts"][part] for r in rounds[1:]])
     assert events.Scalars("run/predicted_tokens_per_s")[0].value == pytest.approx(stats["predicted_tokens_per_s"])
 
 
