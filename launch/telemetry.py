@@ -27,8 +27,8 @@ is stats["rounds"]. The output JSON's means are over the decode rounds (steps >=
     round/predicted_tokens_per_s  the cost model's tokens/s for this stream at this round's K (acceptance as
                         measured so far; speculative.cost_model), beside round/measured_tokens_per_s: the
                         stream's tokens/s since its first token; round/predicted_draft_ms, _stage0_ms,
-                        _last_ms (and _rank{r}_ms) the model's parts of the round beside the measured ones, each
-                        rank's forward without the engine's work besides it (cost_model.parts_ms): which cost
+                        _last_ms (and _rank{r}_ms) the model's parts of the round beside the measured ones: the
+                        drafter's steps, each rank's whole work on the block (cost_model.parts_ms): which cost
                         drifted (bench/round_parts.py sums them up per batch size, K and context)
 
 Per ring link (step = the link's index i, rank i -> rank i+1; measured at start-up, netbridge.link_probe):

@@ -749,10 +749,10 @@ def rank_cost(layers: int, layer_ms: float, fixed_ms: float, block_tokens: int, 
 
 @dataclass(frozen=True)
 class PartsMs:
-    """A round's parts as the model gives them, each as the rank that does it times it (RoundRecord's draft_ms,
-    stage0_ms, middle_ms, last_ms): the drafter's steps, and each rank's forward over the block, the engine's work
-    besides it left out (a placement's Pipeline holds it: from_rank_costs, ENGINE_*). The last rank's verification
-    (0.05-0.1 ms a round on the tiny model) is in its measured last_ms only."""
+    """A round's parts as the model charges them, beside what each rank times (RoundRecord's draft_ms, stage0_ms,
+    middle_ms, last_ms): the drafter's steps, and each rank's whole work on the block, its forward and the engine's
+    work besides it (ENGINE_*: most of it is the forward's own overhead, which timing a layer leaves out; rank 0's
+    committing is timed outside stage0_ms)."""
     draft_ms: float
     stage0_ms: float
     middle_ms: tuple[float, ...]
@@ -761,10 +761,8 @@ class PartsMs:
 
 def parts_ms(p: Pipeline, k: int, rows: int = 1) -> PartsMs:
     """A round of K drafts for `rows` streams, part by part (PartsMs), at the Pipeline's context."""
-    n = len(p.ranks)
-    forwards = [max(rank.ms(rows, k + 1, p.context) - engine_ms(r, n) - (rows - 1) * engine_row_ms(r), 0.0)
-                for r, rank in enumerate(p.ranks)]
-    return PartsMs(p.draft.round_ms(k, rows, p.context), forwards[0], tuple(forwards[1:-1]), forwards[-1])
+    blocks = [rank.ms(rows, k + 1, p.context) for rank in p.ranks]
+    return PartsMs(p.draft.round_ms(k, rows, p.context), blocks[0], tuple(blocks[1:-1]), blocks[-1])
 
 
 def engine_ms(rank: int, ranks: int) -> float:

@@ -176,13 +176,12 @@ def test_a_placements_timing_becomes_the_pipeline():
     assert three.ranks[2].ms(1, 5) == pytest.approx(3.0 + ENGINE_LAST_MS)
 
 
-def test_a_rounds_parts_are_each_ranks_forward_as_it_times_it():
+def test_a_rounds_parts_are_what_the_model_charges_each_rank():
     """The same placement over three ranks, a round of K=3 for two streams after 1,128 cached tokens (1,000 beyond
     the 128 the blocks were timed after; rank 2 0.001 ms a token per cached token for the first row, 0.002 for the
     second): the drafter's 3 steps and the guess, each 4 + 0.3 ms and 0.5 for the row more; rank 0's 2 layers and
     20 - 16 ms besides; rank 1's 2 layers; rank 2's 3 layers, 0.1 ms a token for its second row's 4 tokens, and
-    (0.001 + 0.002) x 4 x 1,000 attending: the engine's work besides (committing, replying) in none of them, as each
-    rank's own timing of its forward leaves it out."""
+    (0.001 + 0.002) x 4 x 1,000 attending; each rank's engine work besides, for the round and its row more."""
     costs = [SimpleNamespace(layer_ms=1.0, fixed_ms=20.0, layer_token_ms=0.0, draft_step_ms=4.0, draft_token_ms=0.5),
              SimpleNamespace(layer_ms=1.0, fixed_ms=0.0),
              SimpleNamespace(layer_ms=1.0, fixed_ms=0.0, layer_token_ms=0.1 / 3, context_ms=0.001 / 3,
@@ -190,10 +189,11 @@ def test_a_rounds_parts_are_each_ranks_forward_as_it_times_it():
     p = from_rank_costs(costs, [2, 2, 3], [LinkCost()] * 3, block_tokens=4, draft_steps=4, timed_context=128)
     parts = Predictor(p).parts_ms(3, rows=2, context=1128)
     assert parts.draft_ms == pytest.approx(4 * (4.0 + ENGINE_STEP_MS + 0.5))
-    assert parts.stage0_ms == pytest.approx(2 * 1.0 + 20.0 - 16.0)
-    assert parts.middle_ms == pytest.approx((2.0,))
-    assert parts.last_ms == pytest.approx(3.0 + 0.1 * 4 + (0.001 + 0.002) * 4 * 1000)
-    assert parts_ms(p, 3, 2).last_ms == pytest.approx(3.0 + 0.1 * 4)  # as timed: no cached tokens beyond
+    assert parts.stage0_ms == pytest.approx(2 * 1.0 + 20.0 - 16.0 + ENGINE_RANK0_MS + ENGINE_RANK0_ROW_MS)
+    assert parts.middle_ms == pytest.approx((2.0 + ENGINE_MIDDLE_MS + ENGINE_LATER_ROW_MS,))
+    last = 3.0 + 0.1 * 4 + ENGINE_LAST_MS + ENGINE_LATER_ROW_MS
+    assert parts.last_ms == pytest.approx(last + (0.001 + 0.002) * 4 * 1000)
+    assert parts_ms(p, 3, 2).last_ms == pytest.approx(last)  # as timed: no cached tokens beyond
 
 
 def test_depth_is_bounded_by_rank_0s_drafting():
