@@ -5,10 +5,11 @@ busy time for the same ranks (issue 45: the middle rank's own work, ENGINE_MIDDL
     python -m bench.rank_cpu --ranks 3 --setting "K0 D1" --clients 4
 
 Launches the tiny 8-layer model of bench.cost_grid (torchrun, one thread a rank, no delay), sends one warm-up
-request, then `--clients` requests of `--tokens` tokens after ~40-token prompts at once, and reads each rank's
+request, then `--clients` requests of `--tokens` tokens after ~`--prompt`-token prompts (40) at once, and reads each rank's
 process CPU (/proc, every thread) and the host's busy share over them. Prints them per rank with the CPU per
 round (K=0 and one client: a round a token) and the model's busy ms a round at one row from the start-up timing
-(its start-up line). Linux only; run it alone."""
+(its start-up line), and how long each rank (and this process, the clients) was ready to run but waited for a
+core (/proc's schedstat: more processes at work than cores). Linux only; run it alone."""
 from __future__ import annotations
 
 import argparse
@@ -43,6 +44,17 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+def waited_s(pid: int) -> float:
+    """Seconds the process's threads were ready to run but waited for a core (/proc's schedstat: the run queue)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            total += int(open(f"/proc/{pid}/task/{tid}/schedstat").read().split()[1])
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return total / 1e9
+
+
 def host_busy() -> tuple[int, int]:
     ticks = [int(x) for x in open("/proc/stat").readline().split()[1:]]
     return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # less idle and iowait
@@ -54,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--setting", default="K0 D1", choices=list(SETTINGS))
     ap.add_argument("--clients", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=40, help="each request's prompt, tokens")
     a = ap.parse_args(argv)
     root = Path(tempfile.mkdtemp())
     folder = tiny_model(root)
@@ -64,18 +77,23 @@ def main(argv: list[str] | None = None) -> None:
         below = children(served.proc.pid)  # torchrun's agent is the launched process: the ranks are its children
         ranks = sorted(w for w in below + [g for c in below for g in children(c)]
                        if "train_free_infer" in open(f"/proc/{w}/cmdline").read())  # (in rank order: spawned so)
-        prompts = prompt_texts(str(folder), 40, a.clients, f"rank_cpu {a.clients}")
-        before, busy0, t0 = [cpu_s(w) for w in ranks], host_busy(), time.perf_counter()
+        prompts = prompt_texts(str(folder), a.prompt, a.clients, f"rank_cpu {a.clients}")
+        watched = [*ranks, os.getpid()]  # ... and this process: the clients reading every token's event
+        before, waits0, busy0, t0 = [cpu_s(w) for w in watched], [waited_s(w) for w in watched], host_busy(), \
+            time.perf_counter()
         results = together(served.url, prompts, a.tokens, 600)
-        wall, busy1, after = time.perf_counter() - t0, host_busy(), [cpu_s(w) for w in ranks]
+        wall, busy1 = time.perf_counter() - t0, host_busy()
+        after, waits1 = [cpu_s(w) for w in watched], [waited_s(w) for w in watched]
     tokens = sum(r.get("tokens", 0) for r in results)
     print(f"{a.ranks} ranks, {a.setting}, {a.clients} client(s): {tokens} tokens in {wall:.2f} s "
           f"({tokens / wall:.0f} tokens/s); the host busy {(busy1[0] - busy0[0]) / max(busy1[1] - busy0[1], 1):.0%} "
           f"of its {os.cpu_count()} cores")
     rounds = tokens / a.clients  # K=0: a round a token per stream (the prompts' prefill is in the figures too)
-    for r, (b, e) in enumerate(zip(before, after)):
-        print(f"  rank {r}: {e - b:.2f} s CPU ({(e - b) / wall:.0%} of a core), {1000 * (e - b) / rounds:.2f} ms per "
-              f"round of the {a.clients} stream(s)")
+    for r, (b, e, w0, w1) in enumerate(zip(before, after, waits0, waits1)):
+        name = f"rank {r}" if r < len(ranks) else "the clients (this process)"
+        print(f"  {name}: {e - b:.2f} s CPU ({(e - b) / wall:.0%} of a core), {1000 * (e - b) / rounds:.2f} ms per "
+              f"round of the {a.clients} stream(s); ready but waiting for a core {w1 - w0:.2f} s "
+              f"({(w1 - w0) / wall:.0%} of the time)")
     for line in log.read_text(errors="replace").splitlines():
         if "estimated" in line or line.startswith("[predicted"):
             print("  " + line.strip("[]")[:400])
