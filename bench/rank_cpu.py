@@ -5,8 +5,8 @@ busy time for the same ranks (issue 45: the middle rank's own work, ENGINE_MIDDL
     python -m bench.rank_cpu --ranks 3 --setting "K0 D1" --clients 4
 
 Launches the tiny 8-layer model of bench.cost_grid (torchrun, one thread a rank, no delay), sends one warm-up
-request, then `--clients` requests of `--tokens` tokens after ~`--prompt`-token prompts (40) at once, and reads each rank's
-process CPU (/proc, every thread) and the host's busy share over them. Prints them per rank with the CPU per
+request, then `--clients` requests of `--tokens` tokens after prompts of ~`--prompt` tokens (40) at once, and reads
+each rank's process CPU (/proc, every thread) and the host's busy share over them. Prints them per rank with the CPU per
 round (K=0 and one client: a round a token) and the model's busy ms a round at one row from the start-up timing
 (its start-up line), and how long each rank (and this process, the clients) was ready to run but waited for a
 core (/proc's schedstat: more processes at work than cores). Linux only; run it alone."""

@@ -8,8 +8,9 @@ thousand).
 Parts: draft (rank 0's drafter steps), stage0 (its forward), rank{r} (a middle rank's), last (the last rank's
 forward and verification), as each rank timed them; predicted, what the model charges each rank for the block, the
 engine's work besides the forward included (cost_model.PartsMs: rank 0's committing, ~0.8 ms a round and 0.16 a
-row more, is outside its measured stage0, so there measured below predicted is the model holding). A round prepared in an earlier round's wait (spec.overlap) timed its drafting and stage 0 there, not here: its draft
-and stage0 are left out. Prints measured / predicted (ms) and their ratio per part."""
+row more, is outside its measured stage0, so there measured below predicted is the model holding). A round
+prepared in an earlier round's wait (spec.overlap) timed its drafting and stage 0 there, not here: its draft and
+stage0 are left out. Prints measured / predicted (ms) and their ratio per part."""
 from __future__ import annotations
 
 import argparse

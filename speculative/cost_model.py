@@ -751,8 +751,9 @@ def rank_cost(layers: int, layer_ms: float, fixed_ms: float, block_tokens: int, 
 class PartsMs:
     """A round's parts as the model charges them, beside what each rank times (RoundRecord's draft_ms, stage0_ms,
     middle_ms, last_ms): the drafter's steps, and each rank's whole work on the block, its forward and the engine's
-    work besides it (ENGINE_*: most of it is the forward's own overhead, which timing a layer leaves out; rank 0's
-    committing is timed outside stage0_ms)."""
+    work besides it (ENGINE_*). A rank's own timing of its forward holds much of that work too (the tiny model at
+    K=0 over 0 ms: rank 0's stage0_ms read 0.76-0.89x the whole charge; bench/README, the thirtieth session), but
+    not rank 0's committing, which is timed outside stage0_ms."""
     draft_ms: float
     stage0_ms: float
     middle_ms: tuple[float, ...]
