@@ -99,8 +99,11 @@ class BatchCount:
             return 1
         return cost_model.best_batches(self.pipeline(), 0, streams or self.most, self.most)
 
-    def observe(self, record, waited_ms: float, alone: bool = True, busy_ms: float | None = None) -> None:
-        """A fresh block's round (not a first round, not a bet). Rank 0's work per batch is all it did since the
+    def observe(self, record, waited_ms: float, alone: bool = True, busy_ms: float | None = None,
+                k: int | None = None) -> None:
+        """A fresh block's round (not a first round, not a bet), its batch's costs filed under the batch's widest K
+        (`k`; None: the record's own): every row drafts as many steps and runs as long a block as the widest, so a
+        newcomer's K=0 row beside rows at K=4 costs what they do. Rank 0's work per batch is all it did since the
         last reply but wait (`busy_ms`): its forwards are the least of it with a small model (committing, sampling,
         answering clients, a frame each way: ~4 ms a one-row batch of the tiny model here, its forward
         ~1.7), and counting the forwards alone made 4 batches of one row look free (four streams at K=0 over 0 ms
@@ -114,8 +117,8 @@ class BatchCount:
         ranks still took in three other prompts read 1,099 ms of wire; bench/README)."""
         if record.from_ahead:
             return
-        s, self.k = self.smoothing, record.drafted
-        key = (record.drafted, record.batch)
+        s, self.k = self.smoothing, record.drafted if k is None else k
+        key = (self.k, record.batch)
         work = max(record.draft_ms + record.stage0_ms, busy_ms or 0.0)
         self.rank0[key] = ema(self.rank0.get(key), work, s)
         stages = [*record.middle_ms, record.last_ms]
@@ -208,11 +211,12 @@ class Scheduler:
         streams fill the pipe (their rounds, not bets, use the wait)."""
         return self.in_flight.now() if len(self.live) == 1 else 1
 
-    def observe(self, record, waited_ms: float, decode: bool, alone: bool = True, busy_ms: float | None = None) -> None:
+    def observe(self, record, waited_ms: float, decode: bool, alone: bool = True, busy_ms: float | None = None,
+                k: int | None = None) -> None:
         """A round's costs: a lone stream's teach spec.in_flight=auto its depth, several streams' the batch count
         (`decode`: not a stream's first round, which carries its prompt; `alone`: sent into an empty pipe; `busy_ms`:
-        rank 0's whole work for the batch, None when not known)."""
+        rank 0's whole work for the batch, None when not known; `k`: the batch's widest K, None: the record's)."""
         if len(self.live) == 1:
             self.in_flight.observe(record)
         elif decode:
-            self.batch_count.observe(record, waited_ms, alone, busy_ms)
+            self.batch_count.observe(record, waited_ms, alone, busy_ms, k)

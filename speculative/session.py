@@ -311,9 +311,9 @@ class Session:
                 ended.append(self.end(s, clean=False))
                 continue
             record = self.commit_round(s, block, reply, wasted_ms, on_the_way)
-            if i == 0:  # the batch's costs, once (scheduler: spec.in_flight=auto, how many batches)
+            if i == 0:  # the batch's costs, once (scheduler: spec.in_flight=auto, how many batches), at its widest K
                 self.scheduler.observe(record, waited_ms, decode=len(s.gen.rounds) > 1, alone=block.into_empty_pipe,
-                                       busy_ms=busy_ms)
+                                       busy_ms=busy_ms, k=max(len(b.drafts) for b, _ in replies))
             wasted_ms = 0.0
             if s.on_round is not None:
                 s.on_round(record, reply)

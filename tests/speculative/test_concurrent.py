@@ -278,6 +278,22 @@ def test_the_batch_count_compares_batch_sizes_at_one_k():
     assert count.now(4) == 1
 
 
+def test_the_batch_count_files_a_batch_under_its_widest_k():
+    """Four-row batches at K=3 (rank 0 400 ms, rank 1 420), then two-row ones whose first row is a newcomer drafting
+    nothing beside a row at K=3 (rank 0 335, rank 1 400: every row pays the K=3 row's steps and block), 20 ms of
+    wire. Filed at K=3 beside the four-row ones: two batches of two cycle in max(2 x 400, 335 + 400 + 20) = 800 ms,
+    one of four in 400 + 420 + 20 = 840: two. Filed under the newcomer's K=0, the two-row costs would stand alone, a
+    row costing nothing, and one batch of four (755 ms) would be taken."""
+    count = BatchCount()
+    for _ in range(20):
+        count.observe(RoundRecord(3, 3, 4, draft_ms=360.0, stage0_ms=40.0, round_ms=440.0, last_ms=420.0, batch=4),
+                      waited_ms=5.0, k=3)
+    for _ in range(20):
+        count.observe(RoundRecord(0, 0, 1, draft_ms=300.0, stage0_ms=35.0, round_ms=420.0, last_ms=400.0, batch=2),
+                      waited_ms=5.0, k=3)
+    assert count.now(4) == 2
+
+
 def test_the_batch_count_charges_more_batches_what_ranks_sharing_cores_cost_each_other():
     """Rank 0 30 ms a batch, rank 1 20, 40 ms of wire: three batches cycle in max(3 x 30, 30 + 20 + 40) = 90 ms,
     what one takes, so three. Where the start-up timing read each rank twice as slow with the other at work (one
