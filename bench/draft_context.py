@@ -107,7 +107,7 @@ def rows_step(folder, dtype_name: str, dtype, rows: int, tries: int, block: int 
                     layer.cache.rewind(context, slot)
                 layer(hidden[:len(order)], live=context + block, rows=order)
             runs[name, context] = step
-    means = means_ms(runs, 5, tries)
+    means = split.step_means_ms(runs, 5, reps=tries)
     for name, order in orders:
         short, long = min(means[name, split.CONTEXT]), min(means[name, split.DECODE_CONTEXT])
         print(f"{len(order)} rows of {block} token(s), slots {name}: {short:.3f} ms after {split.CONTEXT}, {long:.3f} "
@@ -115,21 +115,6 @@ def rows_step(folder, dtype_name: str, dtype, rows: int, tries: int, block: int 
               f"(the fastest of {tries}, as split.steps_ms; their median: "
               f"{statistics.median(means[name, split.CONTEXT]):.3f} and "
               f"{statistics.median(means[name, split.DECODE_CONTEXT]):.3f})")
-
-
-def means_ms(runs: dict, calls: int, reps: int) -> dict:
-    """{name: every one of `reps` means of `calls` back-to-back calls}, one run after the other (split.steps_ms
-    keeps the fastest)."""
-    out = {}
-    for name, run in runs.items():
-        run()
-        out[name] = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                run()
-            out[name].append((time.perf_counter() - t0) * 1000 / calls)
-    return out
 
 
 def rows_rounds(folder, dtype_name: str, dtype, layers: int, rows: int, tries: int) -> None:

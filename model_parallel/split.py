@@ -459,15 +459,21 @@ def steps_ms(runs: dict, calls: int, reps: int = STEP_REPS) -> dict:
     with the rest, a small drafter's step read 0.068 ms more per 1,000 cached tokens a layer where its real steps
     cost 0.029 (back to back 0.026: bench/draft_context.py; the embedded 0.5B drafter's figures move 2-6x between
     runs every way)."""
+    return {name: min(means) for name, means in step_means_ms(runs, calls, reps).items()}
+
+
+def step_means_ms(runs: dict, calls: int, reps: int = STEP_REPS) -> dict:
+    """{name: every one of `reps` means of `calls` back-to-back calls} for each of `runs`, one run after the other
+    (steps_ms keeps the fastest)."""
     out = {}
     for name, run in runs.items():
         run()  # its first call after the others' is no step of a round
-        out[name] = math.inf
+        out[name] = []
         for _ in range(reps):
             t0 = time.perf_counter()
             for _ in range(calls):
                 run()
-            out[name] = min(out[name], (time.perf_counter() - t0) * 1000 / calls)
+            out[name].append((time.perf_counter() - t0) * 1000 / calls)
     return out
 
 
