@@ -29,6 +29,9 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from model_parallel.lines import one_line
 
 MODELS = "${oc.env:TANDEM_CACHE,'~/.cache/tandem'}/models"  # where model_parallel.fetch_weights puts them
+# transport.start_timeout_s: how long a rank waits for the others' timings at start-up (launch.handshake), as
+# torchrun's rendezvous waits 900 s for its ranks to join
+START_TIMEOUT_S = 900.0
 
 
 class ConfigError(ValueError):
@@ -104,6 +107,7 @@ class TransportConfig:
     relay_token: str | None = None  # the relay's admission token (its --secret-file); prefer relay_token_file
     relay_token_file: str | None = None  # file holding the relay token (or set TANDEM_RELAY_TOKEN_FILE)
     timeout_s: float = 120.0  # per-operation timeout: a silent peer fails within this
+    start_timeout_s: float = START_TIMEOUT_S  # the start-up's wait for the other ranks' timings (launch.handshake)
     reconnect_s: float = 60.0  # kind=relay: after a dropped link, re-dial and resume the session for up to this long
     emulate_delay_ms: float = 0.0  # emulated one-way delay added to every message of a link transport.kind carries (tests, benchmarks)
     emulate_mbps: float = 0.0  # emulated bandwidth cap; 0 = none
@@ -504,7 +508,8 @@ BOUNDS = [("model.max_len", 1, MAX_TOKENS), ("draft.max_len", 1, MAX_TOKENS), ("
           ("draft.lookup_min", 1, 1024), ("draft.lookup_k", 1, 1024),
           ("gen.max_new_tokens", 1, MAX_TOKENS), ("serve.max_concurrent", 1, 64), ("serve.max_queue", 0, 2**20),
           ("serve.max_body_bytes", 1, 2**31), ("serve.retry_window_s", 0, 3600),
-          ("transport.timeout_s", 0.001, 7 * 86400), ("transport.reconnect_s", 0, 7 * 86400),
+          ("transport.timeout_s", 0.001, 7 * 86400), ("transport.start_timeout_s", 0.001, 7 * 86400),
+          ("transport.reconnect_s", 0, 7 * 86400),
           ("transport.emulate_delay_ms", 0, 3600_000), ("transport.emulate_mbps", 0, 10**9),
           ("cache.min_tokens", 1, MAX_TOKENS), ("cache.block_tokens", 1, MAX_TOKENS), ("workload.streams", 1, 64),
           ("workload.prompt_tokens", 1, MAX_TOKENS), ("workload.answer_tokens", 1, MAX_TOKENS)]

@@ -16,13 +16,13 @@ import os
 import sys
 from dataclasses import asdict, replace
 
-from launch.config import ConfigError, TandemConfig
+from launch.config import START_TIMEOUT_S, ConfigError, TandemConfig
 from launch.distributed import release_freed_memory
 from launch.plan import (Models, Plan, asked_slots, describe, given_cuts, rank_alone_ms, rank_costs, rank_speed,
                          ring_text, settle, split_text, timed, with_draft_format)
 from model_parallel.split import RankCosts
 from netbridge import protocol
-from netbridge.channel import PeerError
+from netbridge.channel import PeerError, PeerSilent
 from netbridge.link_probe import LinkProbe, probe_ring
 from netbridge.protocol import Hello, Hellos
 
@@ -55,7 +55,7 @@ def handshake(cfg: TandemConfig, models: Models, prev, next, rank: int, ranks: i
         elif auto:  # and alone (the others wait for the Hellos meanwhile): what sharing a host's cores costs
             costs = replace(costs, **rank_alone_ms(cfg, models, rank, ranks))
         return hello(cfg, models, costs, given, link)
-    hellos = gather(prev, next, rank, ranks, mine)
+    hellos = gather(prev, next, rank, ranks, mine, cfg.transport.start_timeout_s)
     release_freed_memory()  # the timing's placeholder layers: the weights load next
     every = [costs_of(h) for h in hellos]
     cuts = next_given(hellos)
@@ -66,18 +66,34 @@ def handshake(cfg: TandemConfig, models: Models, prev, next, rank: int, ranks: i
     return plan
 
 
-def gather(prev, next, rank: int, ranks: int, mine) -> list[Hello]:
+def gather(prev, next, rank: int, ranks: int, mine, wait_s: float = START_TIMEOUT_S) -> list[Hello]:
     """Every rank's Hello, in one pass around the ring: rank 0 sends its own; each later rank adds its own
     (`mine(the Hellos before it)`) and sends them all on; the last rank's, now whole, go on around to rank 0
-    and down to the middle ranks, until every rank holds every Hello."""
-    before = [] if rank == 0 else protocol.recv(prev, Hellos).hellos
+    and down to the middle ranks, until every rank holds every Hello. Each waits up to `wait_s` for them
+    (transport.start_timeout_s, not the per-message transport.timeout_s): the ranks before it time their layers
+    meanwhile, alone, one after another, which a host without fast kernels for model.dtype takes minutes over
+    (the embedded pair's 1.5B target in bf16 on a CPU without avx512_bf16: rank 0's timing alone ~2.5 minutes)."""
+    before = [] if rank == 0 else hellos_from(prev, rank - 1, wait_s)
     every = [*before, mine(before)]
     protocol.send(next, Hellos(every))
     if len(every) < ranks:  # not the last rank: the whole list comes round
-        every = protocol.recv(prev, Hellos).hellos
+        every = hellos_from(prev, (rank - 1) % ranks, wait_s)
         if rank + 1 < ranks - 1:  # on to the middle ranks after this one
             protocol.send(next, Hellos(every))
     return every
+
+
+def hellos_from(prev, peer: int, wait_s: float) -> list[Hello]:
+    """The Hellos from rank `peer`, waited for up to `wait_s` (at least the channel's own timeout)."""
+    per_message, prev.timeout_s = prev.timeout_s, max(prev.timeout_s, wait_s)
+    try:
+        return protocol.recv(prev, Hellos).hellos
+    except PeerSilent:
+        raise PeerError(f"rank {peer} sent no Hellos within {prev.timeout_s:g} s (transport.start_timeout_s): the ranks "
+                        "before this one time their layers first, which a slow host takes minutes over; raise "
+                        "transport.start_timeout_s, or see whether that rank stopped") from None
+    finally:
+        prev.timeout_s = per_message
 
 
 def next_given(hellos: list[Hello]) -> list[int] | None:

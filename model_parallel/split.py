@@ -222,6 +222,9 @@ MIN_SAMPLES, MAX_SAMPLES, WARMUP = 5, 25, 2
 STEP_REPS = 10  # steps_ms: tries of a round's drafter steps back to back
 QUICK_S = 0.5  # MIN_SAMPLES cycles this quick are enough: a GPU's times hold still (and tests' tiny models: their
 # time_alone's ten runs, a three-layer stage over 512 tokens among them, take 36-50 ms a cycle; the 1.5B's ~900)
+SLOW_SAMPLES = 3  # a warm-up cycle over WINDOW_S is warm-up enough and this many cycles after it: a big model on a
+# host without fast kernels for its dtype (the embedded pair's 1.5B target in bf16 on a CPU without avx512_bf16:
+# time_alone's cycle ~14 s, its seven cycles ~100 s on each rank, one rank after another at start-up)
 
 
 def median_ms(runs: dict, window_s: float = WINDOW_S) -> dict:
@@ -233,10 +236,15 @@ def sample_ms(runs: dict, window_s: float = WINDOW_S) -> dict:
     """Every ms of each of `runs` (callables that end synchronised with their device). They run in
     turn, one each per cycle, so load that comes and goes in the meantime falls on all of them alike,
     for `window_s` (at least MIN_SAMPLES cycles, at most MAX_SAMPLES; MIN_SAMPLES when those took under
-    QUICK_S) after WARMUP cycles."""
-    for _ in range(WARMUP):
+    QUICK_S) after WARMUP cycles; after one warm-up cycle slower than `window_s`, SLOW_SAMPLES cycles."""
+    least = MIN_SAMPLES
+    for warmup in range(WARMUP):
+        start = time.perf_counter()
         for run in runs.values():
             run()
+        if warmup == 0 and time.perf_counter() - start > window_s:
+            least = SLOW_SAMPLES
+            break
     times = {name: [] for name in runs}
     start = time.perf_counter()
     for cycle in range(MAX_SAMPLES):
@@ -245,7 +253,7 @@ def sample_ms(runs: dict, window_s: float = WINDOW_S) -> dict:
             run()
             times[name].append((time.perf_counter() - t0) * 1000)
         elapsed = time.perf_counter() - start
-        if cycle + 1 >= MIN_SAMPLES and (elapsed >= window_s or elapsed < QUICK_S):
+        if cycle + 1 >= least and (elapsed >= window_s or elapsed < QUICK_S):
             break
     return times
 

@@ -28,6 +28,11 @@ class PeerError(RuntimeError):
     """The other rank is gone, silent past the timeout, or speaking garbage."""
 
 
+class PeerSilent(PeerError):
+    """The other rank sent nothing within the channel's timeout_s (a wait with a bound of its own names it:
+    launch.handshake's)."""
+
+
 class Channel(ABC):
     """`send(kind, meta, **tensors)` / `recv(expect)`; with an emulated one-way delay and bandwidth.
 
@@ -205,7 +210,7 @@ class GlooChannel(Channel):
                 raise PeerError(f"rank {self.peer} failed: {words}") from None
             cause = gloo_cause(str(e)) or type(e).__name__
             if "timed out" in cause.lower() or "timeout" in cause.lower():
-                raise PeerError(f"rank {self.peer} sent nothing for {self.timeout_s:.0f} s (transport.timeout_s); is it still running? (gloo: {cause})") from None
+                raise PeerSilent(f"rank {self.peer} sent nothing for {self.timeout_s:.0f} s (transport.timeout_s); is it still running? (gloo: {cause})") from None
             raise PeerError(f"lost rank {self.peer} (gloo: {cause}); the other process died or its host dropped off the network") from None
 
 
@@ -295,7 +300,7 @@ class LocalChannel(Channel):
         try:
             frame = self.inbox.get(timeout=self.timeout_s)
         except queue.Empty:
-            raise PeerError(f"{self.peer_name} sent nothing for {self.timeout_s:g} s (transport.timeout_s)") from None
+            raise PeerSilent(f"{self.peer_name} sent nothing for {self.timeout_s:g} s (transport.timeout_s)") from None
         if frame is None:
             raise PeerError(f"lost {self.peer_name} (its end of the in-process channel was closed)")
         return frame

@@ -17,7 +17,7 @@ import socket
 import struct
 import time
 
-from netbridge.channel import Channel, PeerError
+from netbridge.channel import Channel, PeerError, PeerSilent
 from netbridge.frames import MAX_FRAME_BYTES, FrameError, decode
 
 LENGTH = struct.Struct("!I")
@@ -97,7 +97,7 @@ class LoopbackChannel(Channel):
             try:
                 k = self.sock.recv_into(view[got:])
             except socket.timeout:
-                raise PeerError(f"{self.peer_name} sent nothing for {self.timeout_s:g} s (transport.timeout_s); "
+                raise PeerSilent(f"{self.peer_name} sent nothing for {self.timeout_s:g} s (transport.timeout_s); "
                                 "is it still running?") from None
             except OSError as e:
                 k, why = 0, e.strerror or type(e).__name__

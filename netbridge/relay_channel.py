@@ -35,7 +35,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-from netbridge.channel import Channel, PeerError
+from netbridge.channel import Channel, PeerError, PeerSilent
 from netbridge.link import DATA, HEARTBEAT, PEER_LEFT, LinkClosed, LinkGarbage, LinkSocket, LinkTimeout
 from netbridge.relay_dial import DEFAULT_RECONNECT_S, Heartbeats, check_secrets, default_heartbeat, dialer, ring_link
 from netbridge.secure_session import NotResumable, RefusedFrame, SecureSession
@@ -220,7 +220,7 @@ class RelayChannel(Channel):
                                               "(its process ended or its connection dropped)", PEER_CLOSED_GRACE_S)
                 raise PeerError(f"the relay at {self.relay} sent frame type {kind} mid-session; is it the same Tandem version?")
         except LinkTimeout:
-            raise PeerError(f"rank {self.ring_peer} is connected (its heartbeats arrive through the relay {self.relay}) but sent "
+            raise PeerSilent(f"rank {self.ring_peer} is connected (its heartbeats arrive through the relay {self.relay}) but sent "
                             f"no message for {self.timeout_s:g} s (transport.timeout_s); is it stuck, or is the timeout "
                             "too short for its step?") from None
         except LinkGarbage as e:

@@ -32,6 +32,29 @@ def test_every_rank_gathers_every_hello_in_order(ranks):
     assert seen == {r: [10 + i for i in range(r)] for r in range(ranks)}  # each adds its own after those before it
 
 
+def test_the_hellos_wait_out_a_slow_ranks_timing_not_a_silent_one():
+    """A rank timing its layers for longer than transport.timeout_s (a host without fast kernels for the dtype:
+    minutes) is waited for up to transport.start_timeout_s; past that every rank stops with one line naming it."""
+    import time
+    from netbridge.channel import PeerError
+    per_message_s = 0.2
+
+    def ring(timing_s: float, wait_s: float) -> dict:
+        def body(r, prev, next):
+            prev.timeout_s = next.timeout_s = per_message_s
+
+            def mine(before):
+                time.sleep(timing_s if r == 0 else 0)  # rank 0 times its layers; rank 1 waits for its Hellos
+                return Hello(num_layers=10 + r, dtype="float32", quant="none")
+            got = [h.num_layers for h in gather(prev, next, r, 2, mine, wait_s)]
+            return got, prev.timeout_s
+        return in_threads(2, body, timeout_s=5)
+    assert ring(timing_s=3 * per_message_s, wait_s=5) == {r: ([10, 11], per_message_s) for r in (0, 1)}
+    stopped = ring(timing_s=1.0, wait_s=0.5)[1]
+    assert isinstance(stopped, PeerError) and "rank 0 sent no Hellos within 0.5 s (transport.start_timeout_s)" in str(
+        stopped), stopped
+
+
 def test_a_hello_carries_every_figure_its_ranks_timing_gives():
     """Every field of a rank's timing (model_parallel.split.Speed) and of its timing alone reaches the other ranks
     as it left: RankCosts -> Hello -> its frame's JSON -> Hello -> RankCosts (a field left out of the Hello would

@@ -426,3 +426,23 @@ def test_rank_costs_say_the_ranks_host_and_its_share_of_the_cores(tiny_qwen, mon
     costs, _ = costs_of(cfg, 1)
     assert (costs.host_rank, costs.core_share) == (1, 0.25)
     assert core_share("cuda:0") == 0.0
+
+
+def test_a_timing_slower_than_its_window_warms_up_once_and_takes_three_cycles():
+    """Start-up timings run each probe in cycles (split.sample_ms): two warm-up cycles and at least five timed. A
+    cycle that outlasts the window (the embedded pair's 1.5B in bf16 on a CPU without avx512_bf16: ~14 s) is its
+    own warm-up, and three timed cycles follow: seven such took rank 0 ~100 s, while rank 1 waited for its Hello."""
+    import time
+    from model_parallel import split
+    calls = {"slow": 0, "quick": 0}
+
+    def slow():
+        calls["slow"] += 1
+        time.sleep(0.03)
+
+    def quick():
+        calls["quick"] += 1
+    assert len(split.sample_ms({"slow": slow}, window_s=0.02)["slow"]) == 3
+    assert calls["slow"] == 4
+    assert len(split.sample_ms({"quick": quick}, window_s=0.02)["quick"]) == 5
+    assert calls["quick"] == 7
