@@ -89,9 +89,9 @@ def hellos_from(prev, peer: int, wait_s: float) -> list[Hello]:
     try:
         return protocol.recv(prev, Hellos).hellos
     except PeerSilent:
-        raise PeerError(f"rank {peer} sent no Hellos within {prev.timeout_s:g} s (transport.start_timeout_s): the ranks "
-                        "before this one time their layers first, which a slow host takes minutes over; raise "
-                        "transport.start_timeout_s, or see whether that rank stopped") from None
+        raise PeerError(f"rank {peer} sent no Hellos within {prev.timeout_s:g} s (transport.start_timeout_s): the other "
+                        "ranks time their layers first, one after another, which a slow host takes minutes over; raise "
+                        "transport.start_timeout_s, or see whether a rank stopped") from None
     finally:
         prev.timeout_s = per_message
 
