@@ -12,8 +12,8 @@ KV slots.
 from __future__ import annotations
 
 import os
-
 import sys
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 
 from launch.config import START_TIMEOUT_S, ConfigError, TandemConfig
@@ -39,7 +39,8 @@ def handshake(cfg: TandemConfig, models: Models, prev, next, rank: int, ranks: i
     given = given_cuts(cfg, models.target.num_layers, ranks)
     models = with_draft_format(cfg, models)  # rank 0, draft.quant=auto: each format's draft step timed now
     costs, source = rank_costs(cfg, models, rank, ranks)
-    link = probe_ring(prev, next, rank)  # after this rank's own checks: a mistake here is named before any wait
+    with at_start(prev, (rank - 1) % ranks, cfg.transport.start_timeout_s):  # rank 0 timed its drafter's formats
+        link = probe_ring(prev, next, rank)  # after this rank's own checks: a mistake here is named before any wait
     auto, together = given is None or cfg.plan_only, bool(cfg.spec.overlap)  # plan_only: timed for the predictions
     if auto and together:
         costs = timed(costs, rank_speed(cfg, models, rank, ranks))
@@ -70,28 +71,31 @@ def gather(prev, next, rank: int, ranks: int, mine, wait_s: float = START_TIMEOU
     """Every rank's Hello, in one pass around the ring: rank 0 sends its own; each later rank adds its own
     (`mine(the Hellos before it)`) and sends them all on; the last rank's, now whole, go on around to rank 0
     and down to the middle ranks, until every rank holds every Hello. Each waits up to `wait_s` for them
-    (transport.start_timeout_s, not the per-message transport.timeout_s): the ranks before it time their layers
-    meanwhile, alone, one after another, which a host without fast kernels for model.dtype takes minutes over
-    (the embedded pair's 1.5B target in bf16 on a CPU without avx512_bf16: rank 0's timing alone ~2.5 minutes)."""
-    before = [] if rank == 0 else hellos_from(prev, rank - 1, wait_s)
-    every = [*before, mine(before)]
-    protocol.send(next, Hellos(every))
-    if len(every) < ranks:  # not the last rank: the whole list comes round
-        every = hellos_from(prev, (rank - 1) % ranks, wait_s)
-        if rank + 1 < ranks - 1:  # on to the middle ranks after this one
-            protocol.send(next, Hellos(every))
+    (at_start): the other ranks time their layers meanwhile, alone, one after another."""
+    with at_start(prev, (rank - 1) % ranks, wait_s):
+        before = [] if rank == 0 else protocol.recv(prev, Hellos).hellos
+        every = [*before, mine(before)]
+        protocol.send(next, Hellos(every))
+        if len(every) < ranks:  # not the last rank: the whole list comes round
+            every = protocol.recv(prev, Hellos).hellos
+            if rank + 1 < ranks - 1:  # on to the middle ranks after this one
+                protocol.send(next, Hellos(every))
     return every
 
 
-def hellos_from(prev, peer: int, wait_s: float) -> list[Hello]:
-    """The Hellos from rank `peer`, waited for up to `wait_s` (at least the channel's own timeout)."""
+@contextmanager
+def at_start(prev, peer: int, wait_s: float):
+    """Receives from rank `peer` on `prev` wait up to `wait_s` (transport.start_timeout_s; at least the channel's
+    own per-message transport.timeout_s): at start-up a rank waits while others time their layers, which a host
+    without fast kernels for model.dtype takes minutes over (the embedded pair's 1.5B target in bf16 on a CPU
+    without avx512_bf16: rank 0's timing alone ~2.5 minutes, its drafter's formats ~20 s before its link probe)."""
     per_message, prev.timeout_s = prev.timeout_s, max(prev.timeout_s, wait_s)
     try:
-        return protocol.recv(prev, Hellos).hellos
+        yield
     except PeerSilent:
-        raise PeerError(f"rank {peer} sent no Hellos within {prev.timeout_s:g} s (transport.start_timeout_s): the other "
-                        "ranks time their layers first, one after another, which a slow host takes minutes over; raise "
-                        "transport.start_timeout_s, or see whether a rank stopped") from None
+        raise PeerError(f"rank {peer} sent nothing for {prev.timeout_s:g} s at start-up (transport.start_timeout_s): "
+                        "the ranks time their layers first, one after another, which a slow host takes minutes over; "
+                        "raise transport.start_timeout_s, or see whether a rank stopped") from None
     finally:
         prev.timeout_s = per_message
 
