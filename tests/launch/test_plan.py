@@ -34,7 +34,7 @@ def test_every_rank_gathers_every_hello_in_order(ranks):
 
 def test_the_hellos_wait_out_a_slow_ranks_timing_not_a_silent_one():
     """A rank timing its layers for longer than transport.timeout_s (a host without fast kernels for the dtype:
-    minutes) is waited for up to transport.start_timeout_s; past that every rank stops with one line naming it."""
+    minutes) is waited for up to transport.start_timeout_s; past that the rank waiting stops with one line naming it."""
     import time
     from netbridge.channel import PeerError
     per_message_s = 0.2
