@@ -39,8 +39,7 @@ def handshake(cfg: TandemConfig, models: Models, prev, next, rank: int, ranks: i
     given = given_cuts(cfg, models.target.num_layers, ranks)
     models = with_draft_format(cfg, models)  # rank 0, draft.quant=auto: each format's draft step timed now
     costs, source = rank_costs(cfg, models, rank, ranks)
-    with at_start(prev, (rank - 1) % ranks, cfg.transport.start_timeout_s):  # rank 0 timed its drafter's formats
-        link = probe_ring(prev, next, rank)  # after this rank's own checks: a mistake here is named before any wait
+    link = probe_ring(prev, next, rank)  # after this rank's own checks: a mistake here is named before any wait
     auto, together = given is None or cfg.plan_only, bool(cfg.spec.overlap)  # plan_only: timed for the predictions
     if auto and together:
         costs = timed(costs, rank_speed(cfg, models, rank, ranks))
@@ -88,7 +87,7 @@ def at_start(prev, peer: int, wait_s: float):
     """Receives from rank `peer` on `prev` wait up to `wait_s` (transport.start_timeout_s; at least the channel's
     own per-message transport.timeout_s): at start-up a rank waits while others time their layers, which a host
     without fast kernels for model.dtype takes minutes over (the embedded pair's 1.5B target in bf16 on a CPU
-    without avx512_bf16: rank 0's timing alone ~2.5 minutes, its drafter's formats ~20 s before its link probe)."""
+    without avx512_bf16: rank 0's timing alone ~2.5 minutes)."""
     per_message, prev.timeout_s = prev.timeout_s, max(prev.timeout_s, wait_s)
     try:
         yield

@@ -55,27 +55,6 @@ def test_the_hellos_wait_out_a_slow_ranks_timing_not_a_silent_one():
         stopped), stopped
 
 
-def test_the_link_probe_waits_out_rank_0_timing_its_drafters_formats(tiny_qwen, monkeypatch):
-    """Rank 0 times its drafter's formats (draft.quant=auto) before it probes its link, while rank 1 waits to answer
-    the probe: that wait is a start-up one too (transport.start_timeout_s), not a message's (transport.timeout_s)."""
-    import time
-    from launch import handshake as handshake_module
-    timing = handshake_module.with_draft_format
-
-    def slow_on_rank_0(cfg, models):
-        time.sleep(1.0 if models.drafter is not None else 0)  # a slow host's format timing, on rank 0 only
-        return timing(cfg, models)
-    monkeypatch.setattr(handshake_module, "with_draft_format", slow_on_rank_0)
-    args = [f"model.target={tiny_qwen}", "model.dtype=float32", "model.split=2", f"draft.model={tiny_qwen}",
-            "draft.quant=none", "transport.timeout_s=0.3", "transport.start_timeout_s=20", "serve.port=0"]
-
-    def body(r, prev, next):
-        cfg = load_config(args)
-        prev.timeout_s = next.timeout_s = cfg.transport.timeout_s
-        return handshake_module.handshake(cfg, open_models(cfg, r), prev, next, r, 2).cuts
-    assert in_threads(2, body) == {0: [2], 1: [2]}
-
-
 def test_a_hello_carries_every_figure_its_ranks_timing_gives():
     """Every field of a rank's timing (model_parallel.split.Speed) and of its timing alone reaches the other ranks
     as it left: RankCosts -> Hello -> its frame's JSON -> Hello -> RankCosts (a field left out of the Hello would
