@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     root = Path(tempfile.mkdtemp())
     folder = tiny_model(root)
-    overrides = [*FIXED, *SETTINGS[a.setting], *model_overrides("tiny", root)]
+    overrides = [*FIXED, *SETTINGS[a.setting], *model_overrides("tiny", root),
+                 f"gen.max_new_tokens={max(a.tokens, 32)}"]  # (its default, 256, refuses longer answers)
     log = root / "log"
     with Served(0, overrides, 600, log, nproc=a.ranks) as served:
         complete(served.url, "Say hello.", 32, 600)
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{a.ranks} ranks, {a.setting}, {a.clients} client(s): {tokens} tokens in {wall:.2f} s "
           f"({tokens / wall:.0f} tokens/s); the host busy {(busy1[0] - busy0[0]) / max(busy1[1] - busy0[1], 1):.0%} "
           f"of its {os.cpu_count()} cores")
+    if not tokens:
+        sys.exit(f"no tokens came back: {results[0].get('error', results[0])}")
     rounds = tokens / a.clients  # K=0: a round a token per stream (the prompts' prefill is in the figures too)
     for r, (b, e, w0, w1) in enumerate(zip(before, after, waits0, waits1)):
         name = f"rank {r}" if r < len(ranks) else "the clients (this process)"
