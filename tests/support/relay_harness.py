@@ -161,8 +161,12 @@ def relay_ring(relay: RelayProcess, ranks: int, session: str = "ring", timeout_s
     """Each rank's (link from the rank before, link to the rank after) on the ring 0 -> 1 -> ... -> N-1 -> 0 through
     the relay, as netbridge.channel.local_ring gives them in process: one two-member session per two neighbours
     (the lower rank its rank 0), so with two ranks both links are one channel."""
-    pairs = {frozenset((r, (r + 1) % ranks)): pair(relay, f"{session}/{min(r, (r + 1) % ranks)}-{max(r, (r + 1) % ranks)}",
-                                                     timeout_s) for r in range(ranks)}
+    pairs: dict = {}
+    for r in range(ranks):  # each two neighbours dialled once: with two ranks, r=0 and r=1 name one pair (dialled twice,
+        # the first pair's channels were left open, and resuming when the relay replaced them they broke the second's)
+        neighbours = frozenset((r, (r + 1) % ranks))
+        if neighbours not in pairs:
+            pairs[neighbours] = pair(relay, f"{session}/{min(neighbours)}-{max(neighbours)}", timeout_s)
 
     def end(rank: int, peer: int) -> RelayChannel:
         return pairs[frozenset((rank, peer))][0 if rank < peer else 1]
