@@ -24,8 +24,8 @@ is stats["rounds"]. The output JSON's means are over the decode rounds (steps >=
     round/on_the_way    every live request's rounds on the way then (serving several at once)
     round/batch         the rounds that went out in one forward with this one (several requests' rounds)
     round/start         the position its block began at: the tokens its request had cached (attended over)
-    round/predicted_tokens_per_s  the cost model's tokens/s for this stream at this round's K (acceptance as
-                        measured so far; speculative.cost_model), beside round/measured_tokens_per_s: the
+    round/predicted_tokens_per_s  the cost model's tokens/s for this stream at this round's K (acceptance and
+                        the costs' pace as measured so far; speculative.cost_model), beside round/measured_tokens_per_s: the
                         stream's tokens/s since its first token; round/predicted_draft_ms, _stage0_ms,
                         _last_ms (and _rank{r}_ms) the model's parts of the round beside the measured ones: the
                         drafter's steps, each rank's whole work on the block (cost_model.parts_ms): which cost
@@ -36,7 +36,7 @@ link/rtt_ms, link/send_mbps, link/recv_mbps, link/between_hosts (1: carried by t
 one host); text run/links names each link's kind. summary.json has them as "links".
 
 Per run (step 0): run/ttft_ms, run/tokens_per_s (and the cost model's run/predicted_ttft_ms,
-run/predicted_tokens_per_s), run/tokens_per_round, run/acceptance_rate,
+run/predicted_tokens_per_s, and run/predicted_tokens_per_s_timed at the costs as timed at start-up), run/tokens_per_round, run/acceptance_rate,
 run/full_hit_rate, run/tokens, run/clock_offset_ms, run/clock_uncertainty_ms; run/accepted_per_round
 (histogram of accepted drafts per decode round); position/acceptance (step = draft position 1..K);
 text run/prompt, run/output, run/config; and the config as hparams with hparam/* final figures.
@@ -171,6 +171,7 @@ class Telemetry:
         run = {"ttft_ms": stats["ttft_s"] * 1000, "tokens_per_s": stats["tokens_per_s"],
                "predicted_ttft_ms": stats["predicted_ttft_s"] * 1000,
                "predicted_tokens_per_s": stats["predicted_tokens_per_s"],
+               "predicted_tokens_per_s_timed": stats["predicted_tokens_per_s_timed"],
                "tokens_per_round": stats["tokens_per_round"], "acceptance_rate": stats["acceptance_rate"],
                "full_hit_rate": stats["full_hit_rate"], "tokens": stats["tokens"],
                "clock_offset_ms": alignment.offset_ms, "clock_uncertainty_ms": alignment.uncertainty_ms}

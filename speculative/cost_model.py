@@ -114,6 +114,9 @@ SHARING_PASSES, SHARING_TOLERANCE = 12, 0.002  # first_tokens_s on crowded hosts
 # last work ends within this share of where the pass before put it (eight or 64 chunks over three one-thread ranks
 # on two cores: six passes more)
 BET_PRIOR_WEIGHT = 1.0  # the bets measured lean on the position rates' product as on this many bets (Predictor)
+PACE_PRIOR_ROUNDS = 4.0  # a part's pace leans on 1 (its start-up timing) as on this many rounds of it (PaceTally)
+PACE_DECAY = 0.98  # a server's pace: each round's weight shrinks by this much a round after it (~50 rounds' memory)
+PACE_BOUNDS = (0.25, 4.0)  # a pace beyond these is a broken timing, not the host
 
 
 def _at(points: dict[int, float], n: int) -> float:
@@ -779,6 +782,82 @@ def engine_row_ms(rank: int) -> float:
     return ENGINE_RANK0_ROW_MS if rank == 0 else ENGINE_LATER_ROW_MS
 
 
+@dataclass(frozen=True)
+class Pace:
+    """Each part's cost in service over what the start-up timing charges it (PaceTally): `draft` the drafter's
+    steps, `ranks[r]` rank r's stage (a missing rank: 1, as timed)."""
+    draft: float = 1.0
+    ranks: tuple[float, ...] = ()
+
+    def at(self, r: int) -> float:
+        return self.ranks[r] if r < len(self.ranks) else 1.0
+
+
+def paced(p: Pipeline, pace: Pace) -> Pipeline:
+    """`p` with each decode cost times its pace: a stage's block (the engine's work on it too) and the drafter's
+    steps. A prompt's chunks stay as timed alone (prefill_by_tokens, attend_ms, the drafter's intake): the pace is
+    measured on decode rounds, and TTFT held where decode blocks drifted (bench/README, the thirty-third session)."""
+    ranks = tuple(_scaled_rank(c, pace.at(r)) for r, c in enumerate(p.ranks))
+    d, f = p.draft, pace.draft
+    draft = replace(d, step_ms=d.step_ms * f, row_ms=d.row_ms * f, context_ms=d.context_ms * f,
+                    context_row_ms=None if d.context_row_ms is None else d.context_row_ms * f)
+    return replace(p, ranks=ranks, draft=draft)
+
+
+def _scaled_rank(c: RankCost, f: float) -> RankCost:
+    return replace(c, fixed_ms=c.fixed_ms * f, token_ms=c.token_ms * f, row_ms=c.row_ms * f,
+                   by_tokens={n: ms * f for n, ms in c.by_tokens.items()}, context_ms=c.context_ms * f,
+                   context_row_ms=None if c.context_row_ms is None else c.context_row_ms * f)
+
+
+class PaceTally:
+    """Each part's ms as the ranks timed it in service over what the model charged it (a decode round's draft_ms,
+    stage0_ms, middle_ms and last_ms beside its predicted_parts, PartsMs at the start-up costs), summed over the
+    rounds with weights that shrink by `decay` a round (1: a request's rounds alike), leaning on 1 as on
+    PACE_PRIOR_ROUNDS rounds. Why: a host's pace moves, and a start-up timing reads it at one moment. On a KVM
+    host with two vCPUs the same forward read 4.2 ms at best and 6.7 at the median over 20 s in one process
+    (the tiny model's last rank over 2 rows of a K=4 block), and a start-up timing near its best: in service the
+    last rank ran at 1.7x it, the drafter 1.3-2x (bench/README, the thirty-second and thirty-third sessions).
+    Left out: rank 0's drafting and stage of a round prepared in an earlier round's wait (timed there, not in the
+    record), a looked-up round's drafting (no model step), and rank 0's committing, which its stage0_ms does not
+    time (engine_ms, less in what it is set against)."""
+
+    def __init__(self, decay: float = 1.0):
+        self.decay = decay
+        self.sums: dict = {}  # part ("draft", or a rank) -> [measured ms, charged ms, rounds], each weighted
+
+    def observe(self, record) -> None:
+        charged = getattr(record, "predicted_parts", None)
+        if charged is None:
+            return
+        for sums in self.sums.values():
+            sums[:] = [x * self.decay for x in sums]
+        ranks = len(charged.middle_ms) + 2
+        if not record.from_ahead:
+            if record.drafted and not record.looked_up:
+                self._add("draft", record.draft_ms, charged.draft_ms)
+            engine = engine_ms(0, ranks) + (record.batch - 1) * engine_row_ms(0)
+            self._add(0, record.stage0_ms, charged.stage0_ms - engine)
+        for r, (measured, charge) in enumerate(zip(record.middle_ms, charged.middle_ms), start=1):
+            self._add(r, measured, charge)
+        self._add(ranks - 1, record.last_ms, charged.last_ms)
+
+    def _add(self, part, measured: float, charged: float) -> None:
+        if charged > 0:
+            sums = self.sums.setdefault(part, [0.0, 0.0, 0.0])
+            sums[0], sums[1], sums[2] = sums[0] + measured, sums[1] + charged, sums[2] + 1
+
+    def ratio(self, part) -> float:
+        if part not in self.sums:
+            return 1.0
+        measured, charged, rounds = self.sums[part]
+        prior = PACE_PRIOR_ROUNDS * charged / rounds  # PACE_PRIOR_ROUNDS rounds as charged
+        return min(max((measured + prior) / (charged + prior), PACE_BOUNDS[0]), PACE_BOUNDS[1])
+
+    def pace(self, ranks: int) -> Pace:
+        return Pace(self.ratio("draft"), tuple(self.ratio(r) for r in range(ranks)))
+
+
 def from_rank_costs(costs, layer_counts: list[int], links: list[LinkCost], block_tokens: int, draft_steps: int = 0,
                     hidden_bytes: int = 0, overlap: bool = True, acceptance: Acceptance = Acceptance(),
                     timed_context: int = 0) -> Pipeline:
@@ -865,11 +944,12 @@ class Predictor:
     rate leans toward the pooled one, itself toward 1/2: after six rounds of every draft kept, 0.985 a position
     and 0.93 for five), so it serves only as the prior, weighing BET_PRIOR_WEIGHT bets."""
 
-    def __init__(self, pipeline: Pipeline, chunk: int = 512, batches_max: int = 8):
+    def __init__(self, pipeline: Pipeline, chunk: int = 512, batches_max: int = 8, pace_decay: float = PACE_DECAY):
         self.start, self.chunk, self.batches_max = pipeline, chunk, batches_max
         self.tried: list[int] = [0]
         self.kept: list[int] = [0]
         self.bets = self.bets_held = self.bet_k = 0  # rounds that settled a bet, those that held, their last K
+        self.tally = PaceTally(pace_decay)  # the costs' pace in service (paced)
 
     def observe(self, drafted: int, accepted: int, bet: bool | None = None) -> None:
         """A decode round's drafts, how many were kept, and whether the block sent on a bet about it held
@@ -881,30 +961,40 @@ class Predictor:
         if bet is not None:  # (a first round's bet is on its token alone: K = 0)
             self.bets, self.bets_held, self.bet_k = self.bets + 1, self.bets_held + bool(bet), drafted
 
-    def pipeline(self) -> Pipeline:
+    def observe_parts(self, record) -> None:
+        """A decode round's parts as its ranks timed them, beside its predicted_parts: the costs' pace."""
+        self.tally.observe(record)
+
+    def pace(self) -> Pace:
+        return self.tally.pace(len(self.start.ranks))
+
+    def pipeline(self, timed: bool = False) -> Pipeline:
+        """The start-up Pipeline at the acceptance measured, its costs at the pace measured (`timed`: as timed)."""
+        p = self.start if timed else paced(self.start, self.pace())
         if sum(self.tried) == 0:
-            return self.start
+            return p
         measured = Acceptance.from_counts(self.tried, self.kept)
         prior = self.start.acceptance.prior  # positions not yet tried: the pooled rate
         acc = replace(measured, prior=measured.prior if measured.rates else prior)
         if self.bets:
             guess = acc.bet_holds(self.bet_k)
             acc = replace(acc, hold=(self.bets_held + BET_PRIOR_WEIGHT * guess) / (self.bets + BET_PRIOR_WEIGHT))
-        return with_acceptance(self.start, acc)
+        return with_acceptance(p, acc)
 
     def tokens_per_s(self, k: int, depth: int = 1, streams: int = 1, context: int | None = None,
-                     batches: int | None = None) -> float:
+                     batches: int | None = None, timed: bool = False) -> float:
         """One stream's tokens/s now: alone at `depth` rounds on the way, or its share of `streams` together in
         `batches` taking turns (None: the model's best count); its rounds after `context` cached tokens (None: as
-        timed)."""
-        p = at_context(self.pipeline(), context)
+        timed); its costs at the pace measured (`timed`: as timed)."""
+        p = at_context(self.pipeline(timed), context)
         if streams <= 1:
             return stream_tokens_per_s(p, k, depth)
         batches = batches or best_batches(p, k, streams, self.batches_max)
         return aggregate_tokens_per_s(p, k, streams, batches) / streams
 
     def parts_ms(self, k: int, rows: int = 1, context: int | None = None) -> PartsMs:
-        """A round's parts as the model gives them (parts_ms), after `context` cached tokens (None: as timed)."""
+        """A round's parts as the model gives them at the start-up costs (parts_ms), after `context` cached tokens
+        (None: as timed): beside the measured parts, the drift; their ratio, the pace (observe_parts)."""
         return parts_ms(at_context(self.start, context), k, rows)
 
     def best_depth(self, k: int, depth_max: int = DEPTH_MAX) -> int:
@@ -942,7 +1032,7 @@ class Predictor:
             return max(first_tokens_s(self.pipeline(), tokens, self.chunk, intake=intake, after=burst))
         return 1000 * (last_s(True) - last_s(False))
 
-    def for_rounds(self, rounds, streams: int = 1, start: int | None = None, before=None) -> float:
+    def for_rounds(self, rounds, streams: int = 1, start: int | None = None, before=None, timed: bool = False) -> float:
         """One request's tokens/s as the model gives it at the acceptance its own decode rounds measured (and its
         bets): its tokens over the time the model gives each round at that round's K, rounds on the way and
         context (`start`: the tokens cached before the first of them, its prompt's and the first round's; each
@@ -954,18 +1044,21 @@ class Predictor:
         the rounds that lost theirs (the embedded pair over 150 ms at depth 3, a 2,000-token prompt: four bets lost
         in the first 13 rounds, none in the last 3). The rounds' own predictions lean on what earlier
         rounds measured (the prior at first), which on a short request of a prompt drafted far better or worse than
-        the prior mostly measures the prior."""
+        the prior mostly measures the prior. Its costs at the pace its own rounds measured (PaceTally, every round
+        alike; `timed`: as the start-up timing gave them)."""
         body = len(rounds) - (drained(rounds) if streams <= 1 else 0)
-        mine = Predictor(self.start, self.chunk, self.batches_max)
+        mine = Predictor(self.start, self.chunk, self.batches_max, pace_decay=1.0)
         for r in rounds[:body]:
             mine.observe(r.drafted, r.accepted, r.bet)
+        for r in rounds if not timed else ():
+            mine.observe_parts(r)
         contexts = [None] * len(rounds) if start is None else list(itertools.accumulate(
             (r.committed for r in rounds[:-1]), initial=start))
         depths = depths_sent(rounds)
-        seconds = sum(r.committed / mine.tokens_per_s(r.drafted, depth, streams, context, batches_run(r))
+        seconds = sum(r.committed / mine.tokens_per_s(r.drafted, depth, streams, context, batches_run(r), timed)
                       for r, depth, context in zip(rounds[:body], depths, contexts))
         if streams <= 1:  # (several streams fill the pipe with their rounds, not bets)
-            p = mine.pipeline()
+            p = mine.pipeline(timed)
             deepest = before.in_flight if before is not None else depths[0]  # the chain's depth so far
             for r, depth, context in zip(rounds, depths, contexts):
                 seconds += deepening_ms(at_context(p, context), r.drafted, deepest, depth) / 1000

@@ -95,6 +95,7 @@ class Generation:
     error: str | None = None  # it ended because its grammar failed on the last rank (Reply.error): why
     predicted_ttft_s: float = 0.0  # the cost model's TTFT of its prompt's new part (0: no model)
     predicted_tokens_per_s: float = 0.0  # the cost model's decode tokens/s at its own acceptance (0: none; Session.end)
+    predicted_tokens_per_s_timed: float = 0.0  # ... at the costs as the start-up timed them (not its rounds' pace)
     predicted_held_s: float = 0.0  # the cost model's wait of its decoding behind prompts admitted after it (held_s)
 
 

@@ -369,6 +369,7 @@ class Session:
         record.predicted_tokens_per_s = self.predictor.tokens_per_s(record.drafted, self.scheduler.depth(), record.live,
                                                                     context, cost_model.batches_run(record))
         record.predicted_parts = self.predictor.parts_ms(record.drafted, record.batch, context)
+        self.predictor.observe_parts(record)  # the next round's prediction at the pace this one ran
         decode_s = time.perf_counter() - s.t_start - s.gen.ttft_s
         record.measured_tokens_per_s = (len(s.output.tokens) - 1) / decode_s if decode_s > 0 else 0.0
 
@@ -380,10 +381,13 @@ class Session:
         s.ended = True
         s.gen.total_s = time.perf_counter() - s.t_start
         decode = s.gen.rounds[1:]
-        if self.predictor is not None and any(r.drafted for r in decode):  # the run's: at the acceptance it had
+        if self.predictor is not None and decode:  # the run's: at the acceptance and the pace it had
             streams = max(1, round(sum(r.live for r in decode) / len(decode)))
-            s.gen.predicted_tokens_per_s = self.predictor.for_rounds(
-                decode, streams, len(s.gen.prompt_ids) + s.gen.rounds[0].committed, before=s.gen.rounds[0])
+            start = len(s.gen.prompt_ids) + s.gen.rounds[0].committed
+            if any(r.drafted for r in decode):
+                s.gen.predicted_tokens_per_s = self.predictor.for_rounds(decode, streams, start, before=s.gen.rounds[0])
+            s.gen.predicted_tokens_per_s_timed = self.predictor.for_rounds(decode, streams, start,
+                                                                           before=s.gen.rounds[0], timed=True)
         if self.predictor is not None and s.gen.predicted_ttft_s:
             s.gen.predicted_held_s = self.held_s(s)
         s.newcomers = []

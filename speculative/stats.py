@@ -52,6 +52,9 @@ def summarize(gen: Generation, k: int, drafter: str) -> dict:
         # acceptance measured so far, over the run as the measured figure is (tokens over their predicted time)
         "predicted_tokens_per_s": held_back(gen.predicted_tokens_per_s or predicted_rate(rounds), tokens - 1,
                                             gen.predicted_held_s),
+        # ... the same at the costs as timed at start-up (the prediction above prices each part at the pace the
+        # rounds measured, cost_model.PaceTally): the two apart, the host's pace moved from its start-up timing
+        "predicted_tokens_per_s_timed": held_back(gen.predicted_tokens_per_s_timed, tokens - 1, gen.predicted_held_s),
         "predicted_ttft_s": gen.predicted_ttft_s,
         "mean_ms": {
             "draft": mean(r.draft_ms for r in rounds),

@@ -42,6 +42,7 @@ def tandem_fields(done: dict) -> dict:
             "acceptance_rate": s["acceptance_rate"],
             # the cost model's figures for this request (speculative.cost_model; 0: none), beside the measured ones
             "predicted_tokens_per_s": s.get("predicted_tokens_per_s", 0.0),
+            "predicted_tokens_per_s_timed": s.get("predicted_tokens_per_s_timed", 0.0),
             "predicted_ttft_ms": s.get("predicted_ttft_s", 0.0) * 1000}
 
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 from speculative.cost_model import (ENGINE_LAST_MS, ENGINE_LATER_ROW_MS, ENGINE_MIDDLE_MS, ENGINE_RANK0_MS,
                                     ENGINE_RANK0_ROW_MS, ENGINE_STEP_MS, Acceptance, DraftCost, LinkCost,
-                                    Pipeline, Predictor, RankCost, Workload, aggregate_tokens_per_s, best_batches,
+                                    Pace, Pipeline, Predictor, RankCost, Workload, paced, aggregate_tokens_per_s, best_batches,
                                     best_depth, best_for_workload, workload_s,
                                     at_context, batches_run, best_k, best_settings, chain_step_ms, deepening_ms,
                                     depths_sent, drain_ms, drained, first_tokens_s, from_rank_costs, parts_ms, round_parts,
@@ -323,7 +323,8 @@ def test_a_session_prices_each_round_at_its_streams_context():
     session = SimpleNamespace(predictor=Predictor(p), scheduler=SimpleNamespace(depth=lambda: 1))
     s = SimpleNamespace(gen=SimpleNamespace(prompt_ids=[1] * 1990, ttft_s=0.0), output=SimpleNamespace(tokens=[1] * 10),
                         t_start=time.perf_counter())
-    record = SimpleNamespace(drafted=0, accepted=0, bet=None, live=1, batch=1)
+    record = SimpleNamespace(drafted=0, accepted=0, bet=None, live=1, batch=1, from_ahead=False, looked_up=False,
+                             draft_ms=0.0, stage0_ms=12.0, middle_ms=[], last_ms=12.0)
     Session.predict(session, s, record, decode=True)
     assert record.predicted_tokens_per_s == pytest.approx(1000 / 24.0)
 
@@ -890,6 +891,73 @@ def test_a_prediction_beside_a_round_is_at_the_batches_it_ran_in():
     session = SimpleNamespace(predictor=Predictor(p), scheduler=SimpleNamespace(depth=lambda: 1))
     s = SimpleNamespace(gen=SimpleNamespace(prompt_ids=[1] * 40, ttft_s=0.0), output=SimpleNamespace(tokens=[1] * 10),
                         t_start=time.perf_counter())
-    record = SimpleNamespace(drafted=0, accepted=0, bet=None, live=4, batch=4)
+    record = SimpleNamespace(drafted=0, accepted=0, bet=None, live=4, batch=4, from_ahead=False, looked_up=False,
+                             draft_ms=0.0, stage0_ms=18.0, middle_ms=[], last_ms=18.0)
     Session.predict(session, s, record, decode=True)  # the rate beside the round
     assert record.predicted_tokens_per_s == pytest.approx(one_batch)
+
+
+def test_a_paced_pipeline_prices_decode_blocks_at_their_pace_and_prompt_chunks_as_timed():
+    """Rank 1 at twice its timed cost, the drafter at 1.5x: a round of K=4 prepares in 4 x 2 x 1.5 + 10 ms and
+    crosses in 2 x 20 + 2 x 5; a prompt chunk timed alone (prefill_by_tokens) costs what it was timed at."""
+    p = ring((10.0, 20.0), (5.0, 5.0), step=2.0)
+    fast = paced(p, Pace(1.5, (1.0, 2.0)))
+    parts = round_parts(fast, 4)
+    assert parts.prep_ms == pytest.approx(4 * 2.0 * 1.5 + 10.0) and parts.trip_ms == pytest.approx(40.0 + 10.0)
+    assert paced(p, Pace()) == p
+    timed = RankCost(10.0, 0.1, 1.0, context_ms=0.001, prefill_by_tokens={64: 30.0, 128: 50.0})
+    (doubled,) = paced(replace(p, ranks=(timed,)), Pace(1.0, (2.0,))).ranks
+    assert doubled.ms(2, 5, 1000) == pytest.approx(2 * timed.ms(2, 5, 1000))
+    assert doubled.chunk_ms(128, 0) == pytest.approx(timed.chunk_ms(128, 0))
+
+
+def paced_records(predictor: Predictor, n: int, last: float, draft: float, stage0: float = 1.0, k: int = 4,
+                  rows: int = 1, **fields) -> list:
+    """n decode rounds of K drafts, every draft kept, whose ranks timed the last rank's part at `last` x what the
+    predictor charges, the drafter's at `draft` x, rank 0's forward (its charge less its committing) at `stage0` x."""
+    from speculative.rounds import RoundRecord
+    records = []
+    for _ in range(n):
+        charged = predictor.parts_ms(k, rows)
+        forward = charged.stage0_ms - ENGINE_RANK0_MS - (rows - 1) * ENGINE_RANK0_ROW_MS
+        r = RoundRecord(k, k, k + 1, draft * charged.draft_ms, stage0 * forward, 0.0, last * charged.last_ms,
+                        batch=rows, **fields)
+        r.predicted_parts = charged
+        predictor.observe(k, k)
+        predictor.observe_parts(r)
+        records.append(r)
+    return records
+
+
+def test_the_pace_is_each_parts_measured_over_its_charge_leaning_on_the_start_up_timing():
+    """20 rounds in which the last rank took twice its charge, the drafter 1.5x, rank 0's forward its charge: each
+    pace (20 x measured + 4 rounds as charged) / 24 rounds' charge; the prediction at that pace, and `timed` at the
+    start-up costs. Rounds prepared in an earlier wait (from_ahead) and looked-up drafts tell nothing of drafting."""
+    p = ring((10.0, 20.0), (5.0, 5.0), step=2.0, rate=1.0)
+    predictor = Predictor(p, pace_decay=1.0)
+    paced_records(predictor, 20, last=2.0, draft=1.5, rows=2)
+    pace = predictor.pace()
+    assert pace.ranks == pytest.approx((1.0, (20 * 2.0 + 4) / 24)) and pace.draft == pytest.approx((20 * 1.5 + 4) / 24)
+    assert predictor.tokens_per_s(4) == pytest.approx(stream_tokens_per_s(paced(predictor.pipeline(True), pace), 4))
+    assert predictor.tokens_per_s(4) < 0.75 * predictor.tokens_per_s(4, timed=True)
+    assert predictor.parts_ms(4) == Predictor(p).parts_ms(4)  # the parts logged beside the rounds: as timed
+    ahead = Predictor(p, pace_decay=1.0)
+    paced_records(ahead, 20, last=1.0, draft=0.1, stage0=0.1, from_ahead=True)
+    paced_records(ahead, 20, last=1.0, draft=0.1, stage0=0.5, looked_up=True)  # (its forward still timed)
+    assert ahead.pace().draft == 1.0 and ahead.pace().ranks[0] == pytest.approx((20 * 0.5 + 4) / 24)
+
+
+def test_a_servers_pace_follows_the_host_and_a_requests_is_its_own_rounds():
+    """A server's rounds at twice the last rank's charge for 200 rounds, then at its charge: 100 rounds later its
+    pace is back near 1 (each round's weight shrinks 2% a round). A request's prediction is at its own rounds' pace,
+    whatever the server's history, and `timed` at the start-up costs."""
+    p = ring((10.0, 20.0), (5.0, 5.0), step=2.0, rate=1.0)
+    server = Predictor(p)
+    paced_records(server, 200, last=2.0, draft=1.0)
+    assert server.pace().ranks[1] > 1.9
+    paced_records(server, 100, last=1.0, draft=1.0)
+    assert server.pace().ranks[1] < 1.2
+    slow = paced_records(Predictor(p), 30, last=2.0, draft=1.0)
+    assert server.for_rounds(slow) == pytest.approx(Predictor(p).for_rounds(slow))
+    assert server.for_rounds(slow) == pytest.approx(1000 * 5 / (18.0 + (30 * 2 + 4) / 34 * 20.0 + 10.0), rel=0.02)
+    assert server.for_rounds(slow, timed=True) == pytest.approx(1000 * 5 / (18.0 + 20.0 + 10.0), rel=0.02)
