@@ -77,6 +77,11 @@ Besides the forwards timed, each round costs the engine's own work (ENGINE_*: co
 replying), more for each row of a batch (ENGINE_*_ROW_MS: each stream committed and answered, its messages read and
 written), and a drafter step with more rows costs what the drafter's timing over rows says (DraftCost.row_ms).
 
+In service each part runs at its own pace (Pace, PaceTally: what the ranks timed for it over what these costs
+charge it), which on a host whose speed moves is not the pace it had at start-up: a request's prediction prices
+its rounds at the pace they ran (for_rounds), the server's choices at its last rounds' (Predictor), and
+`timed` gives the same at the costs as timed.
+
 The choices (best_settings): K in 0..k_max and the depth in 1..depth_max that maximise one stream's tokens/s
 (the smallest depth within DEPTH_MARGIN of the best: deeper only for a clear gain), and for B streams the
 batch count in 1..batches_max that maximises the aggregate (ties go to more batches: a smaller batch's round
