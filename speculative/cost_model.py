@@ -801,7 +801,7 @@ class Pace:
 def paced(p: Pipeline, pace: Pace) -> Pipeline:
     """`p` with each decode cost times its pace: a stage's block (the engine's work on it too) and the drafter's
     steps. A prompt's chunks stay as timed alone (prefill_by_tokens, attend_ms, the drafter's intake): the pace is
-    measured on decode rounds, and TTFT held where decode blocks drifted (bench/README, the thirty-third session)."""
+    measured on decode rounds only."""
     ranks = tuple(_scaled_rank(c, pace.at(r)) for r, c in enumerate(p.ranks))
     d, f = p.draft, pace.draft
     draft = replace(d, step_ms=d.step_ms * f, row_ms=d.row_ms * f, context_ms=d.context_ms * f,
@@ -820,9 +820,10 @@ class PaceTally:
     stage0_ms, middle_ms and last_ms beside its predicted_parts, PartsMs at the start-up costs), summed over the
     rounds with weights that shrink by `decay` a round (1: a request's rounds alike), leaning on 1 as on
     PACE_PRIOR_ROUNDS rounds. Why: a host's pace moves, and a start-up timing reads it at one moment. On a KVM
-    host with two vCPUs the same forward read 4.2 ms at best and 6.7 at the median over 20 s in one process
-    (the tiny model's last rank over 2 rows of a K=4 block), and a start-up timing near its best: in service the
-    last rank ran at 1.7x it, the drafter 1.3-2x (bench/README, the thirty-second and thirty-third sessions).
+    host with two vCPUs the same forward read 4.4 ms at best and 6.7 at the median over 20 s in one process
+    (bench/host_pace.py: the tiny model's last rank over 2 rows of a K=4 block), and a start-up timing near its
+    best: in service that rank ran at 1.7-1.9x it, the drafter at 1.3-2x (bench/README, the thirty-second and
+    thirty-third sessions).
     Left out: rank 0's drafting and stage of a round prepared in an earlier round's wait (timed there, not in the
     record), a looked-up round's drafting (no model step), and rank 0's committing, which its stage0_ms does not
     time (engine_ms, less in what it is set against)."""
