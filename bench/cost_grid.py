@@ -282,8 +282,10 @@ def together_rate(results: list[dict], key: str) -> float:
     span, as if the streams ended together, read four 2,000-token streams at K=4 over 150 ms 11.3 tokens/s where
     they measured 9.9: the two least accepted ended 5 s after the others, each within 3% of its own prediction.)
     0: a request without a prediction."""
-    if len(results) == 1 or not all(r.get(key) for r in results):
-        return results[0].get(key, 0.0) if len(results) == 1 else 0.0
+    if len(results) == 1:
+        return results[0].get(key, 0.0)
+    if not all(r.get(key) for r in results):
+        return 0.0
     decoded = sum(r["tokens"] - 1 for r in results)
     starts = [r["predicted_ttft_ms"] / 1000 for r in results]
     ends = [start + (r["tokens"] - 1) / r[key] for start, r in zip(starts, results)]
@@ -324,7 +326,8 @@ def within(rows: list[dict]) -> list[str]:
     start-up) and TTFT."""
     ok = [r for r in rows if "error" not in r]
     def count(key: str, metric: str) -> int:
-        return sum(bool(r[key]) and abs(r[key] / r[f"measured_{metric}"] - 1) <= GOAL for r in ok)
+        return sum(bool(r[key] and r[f"measured_{metric}"]) and abs(r[key] / r[f"measured_{metric}"] - 1) <= GOAL
+                   for r in ok)
     return [f"within {GOAL:.0%} of {len(ok)} cells: tokens/s {count('predicted_tokens_per_s', 'tokens_per_s')} "
             f"(at the costs as timed at start-up: {count('predicted_timed_tokens_per_s', 'tokens_per_s')}), TTFT "
             f"{count('predicted_ttft_ms', 'ttft_ms')}"]
