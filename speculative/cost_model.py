@@ -824,9 +824,10 @@ class PaceTally:
     (bench/host_pace.py: the tiny model's last rank over 2 rows of a K=4 block), and a start-up timing near its
     best: in service that rank ran at 1.7-1.9x it, the drafter at 1.3-2x (bench/README, the thirty-second and
     thirty-third sessions).
-    Left out: rank 0's drafting and stage of a round prepared in an earlier round's wait (timed there, not in the
-    record), a looked-up round's drafting (no model step), and rank 0's committing, which its stage0_ms does not
-    time (engine_ms, less in what it is set against)."""
+    A round prepared in an earlier round's wait (spec.overlap) has its drafting and stage 0 timed in that round's
+    record (ahead_ms, both together: each part's pace theirs together). Left out: a looked-up round's drafting (no
+    model step), and rank 0's committing, which its stage0_ms does not time (engine_ms, less in what it is set
+    against)."""
 
     def __init__(self, decay: float = 1.0):
         self.decay = decay
@@ -839,11 +840,16 @@ class PaceTally:
         for sums in self.sums.values():
             sums[:] = [x * self.decay for x in sums]
         ranks = len(charged.middle_ms) + 2
+        forward = charged.stage0_ms - engine_ms(0, ranks) - (record.batch - 1) * engine_row_ms(0)
         if not record.from_ahead:
             if record.drafted and not record.looked_up:
                 self._add("draft", record.draft_ms, charged.draft_ms)
-            engine = engine_ms(0, ranks) + (record.batch - 1) * engine_row_ms(0)
-            self._add(0, record.stage0_ms, charged.stage0_ms - engine)
+            self._add(0, record.stage0_ms, forward)
+        if record.prepared and record.drafted and not record.looked_up:
+            # the blocks prepared in this round's wait (spec.overlap), drafting and stage 0 timed together: a lone
+            # stream's every round at 0 ms is one, and its drafting most of rank 0's round
+            for part in ("draft", 0):
+                self._add(part, record.ahead_ms, record.prepared * (charged.draft_ms + forward))
         for r, (measured, charge) in enumerate(zip(record.middle_ms, charged.middle_ms), start=1):
             self._add(r, measured, charge)
         self._add(ranks - 1, record.last_ms, charged.last_ms)

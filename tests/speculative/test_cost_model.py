@@ -324,7 +324,7 @@ def test_a_session_prices_each_round_at_its_streams_context():
     s = SimpleNamespace(gen=SimpleNamespace(prompt_ids=[1] * 1990, ttft_s=0.0), output=SimpleNamespace(tokens=[1] * 10),
                         t_start=time.perf_counter())
     record = SimpleNamespace(drafted=0, accepted=0, bet=None, live=1, batch=1, from_ahead=False, looked_up=False,
-                             draft_ms=0.0, stage0_ms=12.0, middle_ms=[], last_ms=12.0)
+                             prepared=0, draft_ms=0.0, stage0_ms=12.0, middle_ms=[], last_ms=12.0)
     Session.predict(session, s, record, decode=True)
     assert record.predicted_tokens_per_s == pytest.approx(1000 / 24.0)
 
@@ -892,7 +892,7 @@ def test_a_prediction_beside_a_round_is_at_the_batches_it_ran_in():
     s = SimpleNamespace(gen=SimpleNamespace(prompt_ids=[1] * 40, ttft_s=0.0), output=SimpleNamespace(tokens=[1] * 10),
                         t_start=time.perf_counter())
     record = SimpleNamespace(drafted=0, accepted=0, bet=None, live=4, batch=4, from_ahead=False, looked_up=False,
-                             draft_ms=0.0, stage0_ms=18.0, middle_ms=[], last_ms=18.0)
+                             prepared=0, draft_ms=0.0, stage0_ms=18.0, middle_ms=[], last_ms=18.0)
     Session.predict(session, s, record, decode=True)  # the rate beside the round
     assert record.predicted_tokens_per_s == pytest.approx(one_batch)
 
@@ -945,6 +945,13 @@ def test_the_pace_is_each_parts_measured_over_its_charge_leaning_on_the_start_up
     paced_records(ahead, 20, last=1.0, draft=0.1, stage0=0.1, from_ahead=True)
     paced_records(ahead, 20, last=1.0, draft=0.1, stage0=0.5, looked_up=True)  # (its forward still timed)
     assert ahead.pace().draft == 1.0 and ahead.pace().ranks[0] == pytest.approx((20 * 0.5 + 4) / 24)
+    # spec.overlap: every round prepared in the wait of the one before, its drafting and stage 0 timed there
+    # (ahead_ms) at 1.5x their charge, the round's own draft_ms and stage0_ms empty
+    chain = Predictor(p, pace_decay=1.0)
+    charged = chain.parts_ms(4)
+    both = charged.draft_ms + charged.stage0_ms - ENGINE_RANK0_MS
+    paced_records(chain, 20, last=1.0, draft=0.0, stage0=0.0, from_ahead=True, prepared=1, ahead_ms=1.5 * both)
+    assert chain.pace().draft == pytest.approx(chain.pace().ranks[0]) == pytest.approx((20 * 1.5 + 4) / 24)
 
 
 def test_a_servers_pace_follows_the_host_and_a_requests_is_its_own_rounds():
