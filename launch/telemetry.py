@@ -25,9 +25,10 @@ is stats["rounds"]. The output JSON's means are over the decode rounds (steps >=
     round/batch         the rounds that went out in one forward with this one (several requests' rounds)
     round/start         the position its block began at: the tokens its request had cached (attended over)
     round/predicted_tokens_per_s  the cost model's tokens/s for this stream at this round's K (acceptance and
-                        the costs' pace as measured so far; speculative.cost_model), beside round/measured_tokens_per_s: the
-                        stream's tokens/s since its first token; round/predicted_draft_ms, _stage0_ms,
-                        _last_ms (and _rank{r}_ms) the model's parts of the round beside the measured ones: the
+                        the costs' pace as measured so far; speculative.cost_model), beside
+                        round/measured_tokens_per_s: the stream's tokens/s since its first token;
+                        round/predicted_draft_ms, _stage0_ms, _last_ms (and _rank{r}_ms) the model's parts of the
+                        round at the start-up costs beside the measured ones: the
                         drafter's steps, each rank's whole work on the block (cost_model.parts_ms): which cost
                         drifted (bench/round_parts.py sums them up per batch size, K and context)
 
@@ -36,9 +37,9 @@ link/rtt_ms, link/send_mbps, link/recv_mbps, link/between_hosts (1: carried by t
 one host); text run/links names each link's kind. summary.json has them as "links".
 
 Per run (step 0): run/ttft_ms, run/tokens_per_s (and the cost model's run/predicted_ttft_ms,
-run/predicted_tokens_per_s, and run/predicted_tokens_per_s_timed at the costs as timed at start-up), run/tokens_per_round, run/acceptance_rate,
-run/full_hit_rate, run/tokens, run/clock_offset_ms, run/clock_uncertainty_ms; run/accepted_per_round
-(histogram of accepted drafts per decode round); position/acceptance (step = draft position 1..K);
+run/predicted_tokens_per_s, and run/predicted_tokens_per_s_timed at the costs as timed at start-up),
+run/tokens_per_round, run/acceptance_rate, run/full_hit_rate, run/tokens, run/clock_offset_ms,
+run/clock_uncertainty_ms; run/accepted_per_round (histogram of accepted drafts per decode round); position/acceptance (step = draft position 1..K);
 text run/prompt, run/output, run/config; and the config as hparams with hparam/* final figures.
 
 Serving (serve.port; ServeTelemetry): several requests are live at once and their rounds interleave, so
