@@ -825,7 +825,7 @@ class PaceTally:
     best: in service that rank ran at 1.7-1.9x it, the drafter at 1.3-2x (bench/README, the thirty-second and
     thirty-third sessions).
     A round prepared in an earlier round's wait (spec.overlap) has its drafting and stage 0 timed in that round's
-    record (ahead_ms, both together: each part's pace theirs together). Left out: a looked-up round's drafting (no
+    record, together (ahead_ms): their ratio counts for both parts. Left out: a looked-up round's drafting (no
     model step), and rank 0's committing, which its stage0_ms does not time (engine_ms, less in what it is set
     against)."""
 
