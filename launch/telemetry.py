@@ -19,6 +19,9 @@ is stats["rounds"]. The output JSON's means are over the decode rounds (steps >=
                         (de)serialization and any emulated delay; no compute of either rank
     round/ahead_ms      spec.overlap: rank 0 preparing the next round while this one was in flight
     round/round_ms      the whole round on rank 0 (draft + stage0 + send -> reply)
+    round/busy_ms       rank 0's whole work since the reply before (a batch's first round; none after an
+                        admission): its forward, drafting and send, and the engine's committing and answering,
+                        which the cost model prices at the pace it measures (cost_model.PaceTally: "engine")
     round/drafted, round/accepted (drafts the target kept), round/tokens (committed this round)
     round/in_flight     this request's rounds on the way when the reply came (spec.in_flight)
     round/on_the_way    every live request's rounds on the way then (serving several at once)
@@ -149,6 +152,8 @@ class Telemetry:
             for tag, value in (("draft_ms", parts.draft_ms), ("stage0_ms", parts.stage0_ms), ("last_ms", parts.last_ms),
                                *((f"rank{rank}_ms", ms) for rank, ms in enumerate(parts.middle_ms, start=1))):
                 w.add_scalar(f"round/predicted_{tag}", value, step)
+        if r.busy_ms is not None:
+            w.add_scalar("round/busy_ms", r.busy_ms, step)
         if r.bet is not None:  # a round was prepared ahead on this one: 1 if its bet held
             w.add_scalar("round/bet_won", int(r.bet), step)
         for rank, ms in enumerate(r.middle_ms, start=1):

@@ -790,9 +790,11 @@ def engine_row_ms(rank: int) -> float:
 @dataclass(frozen=True)
 class Pace:
     """Each part's cost in service over what the start-up timing charges it (PaceTally): `draft` the drafter's
-    steps, `ranks[r]` rank r's stage (a missing rank: 1, as timed)."""
+    steps, `ranks[r]` rank r's stage (a missing rank: 1, as timed), `engine` rank 0's work besides its forwards
+    and sends (committing, answering clients: engine_ms)."""
     draft: float = 1.0
     ranks: tuple[float, ...] = ()
+    engine: float = 1.0
 
     def at(self, r: int) -> float:
         return self.ranks[r] if r < len(self.ranks) else 1.0
@@ -802,7 +804,14 @@ def paced(p: Pipeline, pace: Pace) -> Pipeline:
     """`p` with each decode cost times its pace: a stage's block (the engine's work on it too) and the drafter's
     steps. A prompt's chunks stay as timed alone (prefill_by_tokens, attend_ms, the drafter's intake): the pace is
     measured on decode rounds only."""
-    ranks = tuple(_scaled_rank(c, pace.at(r)) for r, c in enumerate(p.ranks))
+    ranks = [_scaled_rank(c, pace.at(r)) for r, c in enumerate(p.ranks)]
+    if ranks:  # rank 0's engine work (in its fixed and row costs) at its own pace, not its forward's
+        more, more_row = (engine_ms(0, len(ranks)) * (pace.engine - pace.at(0)),
+                          engine_row_ms(0) * (pace.engine - pace.at(0)))
+        c = ranks[0]
+        ranks[0] = replace(c, fixed_ms=c.fixed_ms + more, row_ms=c.row_ms + more_row,
+                           by_tokens={n: ms + more for n, ms in c.by_tokens.items()})
+    ranks = tuple(ranks)
     d, f = p.draft, pace.draft
     draft = replace(d, step_ms=d.step_ms * f, row_ms=d.row_ms * f, context_ms=d.context_ms * f,
                     context_row_ms=None if d.context_row_ms is None else d.context_row_ms * f)
@@ -826,8 +835,12 @@ class PaceTally:
     thirty-third sessions).
     A round prepared in an earlier round's wait (spec.overlap) has its drafting and stage 0 timed in that round's
     record, together (ahead_ms): their ratio counts for both parts. Left out: a looked-up round's drafting (no
-    model step), and rank 0's committing, which its stage0_ms does not time (engine_ms, less in what it is set
-    against)."""
+    model step). Rank 0's committing, which its stage0_ms does not time, is a part of its own ("engine", against
+    engine_ms): rank 0's whole work since the reply before (busy_ms) less its drafting, forward and send in it (a
+    block prepared in that wait: ahead_ms; one sent as prepared before: none). Two ranks of the tiny model at K=0
+    over 0 ms, one stream: 2.0-2.5 ms a round from a reply to the next round's start where ENGINE_RANK0_MS
+    charges 0.8 (a trace on the KVM host of the thirty-first session on; py-spy put under 0.5 ms of it in the
+    engine thread's own code: the rest is its threads and the other processes on two cores)."""
 
     def __init__(self, decay: float = 1.0):
         self.decay = decay
@@ -853,6 +866,10 @@ class PaceTally:
         for r, (measured, charge) in enumerate(zip(record.middle_ms, charged.middle_ms), start=1):
             self._add(r, measured, charge)
         self._add(ranks - 1, record.last_ms, charged.last_ms)
+        if getattr(record, "busy_ms", None) is not None:
+            prepared = 0.0 if record.from_ahead else record.draft_ms + record.stage0_ms
+            rest = record.busy_ms - prepared - record.ahead_ms - record.send_ms
+            self._add("engine", rest, engine_ms(0, ranks) + (record.batch - 1) * engine_row_ms(0))
 
     def _add(self, part, measured: float, charged: float) -> None:
         if charged > 0:
@@ -867,7 +884,7 @@ class PaceTally:
         return min(max((measured + prior) / (charged + prior), PACE_BOUNDS[0]), PACE_BOUNDS[1])
 
     def pace(self, ranks: int) -> Pace:
-        return Pace(self.ratio("draft"), tuple(self.ratio(r) for r in range(ranks)))
+        return Pace(self.ratio("draft"), tuple(self.ratio(r) for r in range(ranks)), self.ratio("engine"))
 
 
 def from_rank_costs(costs, layer_counts: list[int], links: list[LinkCost], block_tokens: int, draft_steps: int = 0,

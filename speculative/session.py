@@ -310,7 +310,7 @@ class Session:
                 s.gen.error = reply.error
                 ended.append(self.end(s, clean=False))
                 continue
-            record = self.commit_round(s, block, reply, wasted_ms, on_the_way)
+            record = self.commit_round(s, block, reply, wasted_ms, on_the_way, busy_ms if i == 0 else None)
             if i == 0:  # the batch's costs, once (scheduler: spec.in_flight=auto, how many batches), at its widest K
                 self.scheduler.observe(record, waited_ms, decode=len(s.gen.rounds) > 1, alone=block.into_empty_pipe,
                                        busy_ms=busy_ms, k=max(len(b.drafts) for b, _ in replies))
@@ -323,8 +323,10 @@ class Session:
             self.t_replied = None
         return ended
 
-    def commit_round(self, s: Stream, block: Block, reply: Reply, wasted_ms: float, on_the_way: int) -> RoundRecord:
-        """The oldest block of `s` answered: its tokens committed, a chain whose bet failed dropped, the record."""
+    def commit_round(self, s: Stream, block: Block, reply: Reply, wasted_ms: float, on_the_way: int,
+                     busy_ms: float | None = None) -> RoundRecord:
+        """The oldest block of `s` answered: its tokens committed, a chain whose bet failed dropped, the record
+        (`busy_ms`: rank 0's work since the reply before, for a batch's first)."""
         in_flight = s.sent
         s.chain.popleft()
         round_ms = _ms(block.sent_at)
@@ -342,7 +344,8 @@ class Session:
                              reply.last_ms, s.t_round - s.t_start, block.send_ms, block.sent_at - s.t_start,
                              block.guess is not None, ahead_ms, middle_ms(reply),
                              in_flight, lost, bet, wasted_ms, prepared, s.slot, block.batch, len(self.scheduler.live),
-                             on_the_way, block.drafts.looked_up, cut=block.drafts.cut, start=block.start)
+                             on_the_way, block.drafts.looked_up, cut=block.drafts.cut, start=block.start,
+                             busy_ms=busy_ms)
         s.gen.rounds.append(record)
         self.predict(s, record, decode=len(s.gen.rounds) > 1)
         lag = self.drafter.lacks(len(s.committed), s.slot)
@@ -384,8 +387,7 @@ class Session:
         if self.predictor is not None and decode:  # the run's: at the acceptance and the pace it had
             streams = max(1, round(sum(r.live for r in decode) / len(decode)))
             start = len(s.gen.prompt_ids) + s.gen.rounds[0].committed
-            if any(r.drafted for r in decode):
-                s.gen.predicted_tokens_per_s = self.predictor.for_rounds(decode, streams, start, before=s.gen.rounds[0])
+            s.gen.predicted_tokens_per_s = self.predictor.for_rounds(decode, streams, start, before=s.gen.rounds[0])
             s.gen.predicted_tokens_per_s_timed = self.predictor.for_rounds(decode, streams, start,
                                                                            before=s.gen.rounds[0], timed=True)
         if self.predictor is not None and s.gen.predicted_ttft_s:

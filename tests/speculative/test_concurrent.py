@@ -506,3 +506,15 @@ def test_the_batch_count_weighs_all_rank_0_does_for_a_batch():
         everything.observe(record(1.7, 1.7, 1.0), waited_ms=2.0, busy_ms=4.0)
     assert forwards.now(4) == 2
     assert everything.now(4) == 1
+
+
+def test_each_round_records_rank_0s_work_since_the_reply_before(tiny_qwen, tiny_qwen_draft):
+    """A lone stream's rounds each carry rank 0's work since the reply before (busy_ms: the cost model's engine
+    part is it less the drafting, forward and send in it), which holds at least those; none for the first round
+    (its admission and prompt are no batch's work)."""
+    (gen,) = serve(session_args(tiny_qwen, tiny_qwen_draft) + ["spec.in_flight=1"], [(PROMPTS[7], SamplingParams())])
+    first, *decode = gen.rounds
+    assert first.busy_ms is None and len(decode) >= 3
+    for r in decode:
+        timed = r.ahead_ms + r.send_ms + (0.0 if r.from_ahead else r.draft_ms + r.stage0_ms)
+        assert r.busy_ms is not None and r.busy_ms >= timed

@@ -906,7 +906,7 @@ def test_a_paced_pipeline_prices_decode_blocks_at_their_pace_and_prompt_chunks_a
     assert parts.prep_ms == pytest.approx(4 * 2.0 * 1.5 + 10.0) and parts.trip_ms == pytest.approx(40.0 + 10.0)
     assert paced(p, Pace()) == p
     timed = RankCost(10.0, 0.1, 1.0, context_ms=0.001, prefill_by_tokens={64: 30.0, 128: 50.0})
-    (doubled,) = paced(replace(p, ranks=(timed,)), Pace(1.0, (2.0,))).ranks
+    (doubled,) = paced(replace(p, ranks=(timed,)), Pace(1.0, (2.0,), engine=2.0)).ranks
     assert doubled.ms(2, 5, 1000) == pytest.approx(2 * timed.ms(2, 5, 1000))
     assert doubled.chunk_ms(128, 0) == pytest.approx(timed.chunk_ms(128, 0))
 
@@ -952,6 +952,34 @@ def test_the_pace_is_each_parts_measured_over_its_charge_leaning_on_the_start_up
     both = charged.draft_ms + charged.stage0_ms - ENGINE_RANK0_MS
     paced_records(chain, 20, last=1.0, draft=0.0, stage0=0.0, from_ahead=True, prepared=1, ahead_ms=1.5 * both)
     assert chain.pace().draft == pytest.approx(chain.pace().ranks[0]) == pytest.approx((20 * 1.5 + 4) / 24)
+
+
+def test_rank_0s_engine_work_is_a_part_of_its_own():
+    """Rank 0's work between two replies (busy_ms) less the drafting, the forward and the send in it is its engine
+    work (committing, answering): 20 rounds at 3x ENGINE_RANK0_MS read a pace of (20 x 3 + 4) / 24, and so does a
+    chain whose every block was prepared in the wait before (ahead_ms, not its own draft_ms and stage0_ms); rounds
+    with no busy_ms (after an admission) tell nothing. Priced: rank 0's block costs its engine work at that pace, a
+    row more ENGINE_RANK0_ROW_MS at it, its forward at its own."""
+    p = ring((10.0, 20.0), (5.0, 5.0), step=2.0, rate=1.0)
+    predictor = Predictor(p, pace_decay=1.0)
+    charged = predictor.parts_ms(4)
+    prepared = charged.draft_ms + charged.stage0_ms - ENGINE_RANK0_MS
+    paced_records(predictor, 20, last=1.0, draft=1.0, send_ms=0.5, busy_ms=prepared + 0.5 + 3 * ENGINE_RANK0_MS)
+    engine = (20 * 3 + 4) / 24
+    assert predictor.pace().engine == pytest.approx(engine) and predictor.pace().ranks[0] == pytest.approx(1.0)
+    chain = Predictor(p, pace_decay=1.0)
+    paced_records(chain, 20, last=1.0, draft=0.0, stage0=0.0, from_ahead=True, prepared=1, ahead_ms=prepared,
+                  busy_ms=prepared + 3 * ENGINE_RANK0_MS)
+    assert chain.pace().engine == pytest.approx(engine)
+    unknown = Predictor(p, pace_decay=1.0)
+    paced_records(unknown, 20, last=1.0, draft=1.0)
+    assert unknown.pace().engine == 1.0
+    timed = replace(p, ranks=(RankCost(10.0, 0.1, 1.0, by_tokens={5: 12.0}), p.ranks[1]))  # (as from_rank_costs)
+    slow = paced(timed, Pace(ranks=(2.0, 1.0), engine=3.0))
+    # its charge holds ENGINE_RANK0_MS (and a row more ENGINE_RANK0_ROW_MS): at 2x with the rest, 3x on its own
+    assert slow.ranks[0].ms(1, 5) == pytest.approx(2 * 12.0 + ENGINE_RANK0_MS)
+    assert slow.ranks[0].ms(3, 5) - slow.ranks[0].ms(1, 5) == pytest.approx(2 * 2 * (1.0 + 0.1 * 5) + 2 * ENGINE_RANK0_ROW_MS)
+    assert predictor.tokens_per_s(4) < predictor.tokens_per_s(4, timed=True)
 
 
 def test_a_servers_pace_follows_the_host_and_a_requests_is_its_own_rounds():
