@@ -766,12 +766,14 @@ class PartsMs:
     stage0_ms: float
     middle_ms: tuple[float, ...]
     last_ms: float
+    wire_ms: float = 0.0  # the links' latency and transfer around the ring (RoundRecord.network_ms, measured)
 
 
 def parts_ms(p: Pipeline, k: int, rows: int = 1) -> PartsMs:
     """A round of K drafts for `rows` streams, part by part (PartsMs), at the Pipeline's context."""
     blocks = [rank.ms(rows, k + 1, p.context) for rank in p.ranks]
-    return PartsMs(p.draft.round_ms(k, rows, p.context), blocks[0], tuple(blocks[1:-1]), blocks[-1])
+    wire = sum(link.ms(p.link_bytes(i, rows, k + 1)) for i, link in enumerate(p.links))
+    return PartsMs(p.draft.round_ms(k, rows, p.context), blocks[0], tuple(blocks[1:-1]), blocks[-1], wire)
 
 
 def engine_ms(rank: int, ranks: int) -> float:
@@ -791,10 +793,13 @@ def engine_row_ms(rank: int) -> float:
 class Pace:
     """Each part's cost in service over what the start-up timing charges it (PaceTally): `draft` the drafter's
     steps, `ranks[r]` rank r's stage (a missing rank: 1, as timed), `engine` rank 0's work besides its forwards
-    and sends (committing, answering clients: engine_ms)."""
+    and sends (committing, answering clients: engine_ms); `wire_ms` what a lone round's trip spends on the links
+    beyond their latency and transfer as the probe measured them, added (a frame's serialization and the channels'
+    paths at both ends: a ping's are in its RTT, a round's frames are larger)."""
     draft: float = 1.0
     ranks: tuple[float, ...] = ()
     engine: float = 1.0
+    wire_ms: float = 0.0
 
     def at(self, r: int) -> float:
         return self.ranks[r] if r < len(self.ranks) else 1.0
@@ -812,10 +817,11 @@ def paced(p: Pipeline, pace: Pace) -> Pipeline:
         ranks[0] = replace(c, fixed_ms=c.fixed_ms + more, row_ms=c.row_ms + more_row,
                            by_tokens={n: ms + more for n, ms in c.by_tokens.items()})
     ranks = tuple(ranks)
+    links = tuple(replace(link, one_way_ms=max(link.one_way_ms + pace.wire_ms / len(p.links), 0.0)) for link in p.links)
     d, f = p.draft, pace.draft
     draft = replace(d, step_ms=d.step_ms * f, row_ms=d.row_ms * f, context_ms=d.context_ms * f,
                     context_row_ms=None if d.context_row_ms is None else d.context_row_ms * f)
-    return replace(p, ranks=ranks, draft=draft)
+    return replace(p, ranks=ranks, links=links, draft=draft)
 
 
 def _scaled_rank(c: RankCost, f: float) -> RankCost:
@@ -840,7 +846,11 @@ class PaceTally:
     block prepared in that wait: ahead_ms; one sent as prepared before: none). Two ranks of the tiny model at K=0
     over 0 ms, one stream: 2.0-2.5 ms a round from a reply to the next round's start where ENGINE_RANK0_MS
     charges 0.8 (a trace on the KVM host of the thirty-first session on; py-spy put under 0.5 ms of it in the
-    engine thread's own code: the rest is its threads and the other processes on two cores)."""
+    engine thread's own code: the rest is its threads and the other processes on two cores). And a lone round's
+    wire ("wire", an amount in ms: extra_ms): its network_ms (send -> reply less the later ranks' work) less the
+    links' latency and transfer as charged, from rounds with nothing else on the way and no block prepared in their
+    wait (there network_ms would hold rank 0's work past the reply); the same run: 1.1 ms where the probe's RTT
+    charged 0.2."""
 
     def __init__(self, decay: float = 1.0):
         self.decay = decay
@@ -870,11 +880,14 @@ class PaceTally:
             prepared = 0.0 if record.from_ahead else record.draft_ms + record.stage0_ms
             rest = record.busy_ms - prepared - record.ahead_ms - record.send_ms
             self._add("engine", rest, engine_ms(0, ranks) + (record.batch - 1) * engine_row_ms(0))
+        if record.on_the_way == 1 and not record.ahead_ms:  # a lone round, no work of rank 0's in its wait
+            self._add("wire", record.network_ms - charged.wire_ms, None)
 
-    def _add(self, part, measured: float, charged: float) -> None:
-        if charged > 0:
+    def _add(self, part, measured: float, charged: float | None) -> None:
+        """A part's round (charged None: an amount in ms, not a ratio)."""
+        if charged is None or charged > 0:
             sums = self.sums.setdefault(part, [0.0, 0.0, 0.0])
-            sums[0], sums[1], sums[2] = sums[0] + measured, sums[1] + charged, sums[2] + 1
+            sums[0], sums[1], sums[2] = sums[0] + measured, sums[1] + (charged or 0.0), sums[2] + 1
 
     def ratio(self, part) -> float:
         if part not in self.sums:
@@ -883,8 +896,14 @@ class PaceTally:
         prior = PACE_PRIOR_ROUNDS * charged / rounds  # PACE_PRIOR_ROUNDS rounds as charged
         return min(max((measured + prior) / (charged + prior), PACE_BOUNDS[0]), PACE_BOUNDS[1])
 
+    def extra_ms(self, part) -> float:
+        """An amount's mean, leaning on 0 as on PACE_PRIOR_ROUNDS rounds."""
+        measured, _, rounds = self.sums.get(part, (0.0, 0.0, 0.0))
+        return measured / (rounds + PACE_PRIOR_ROUNDS)
+
     def pace(self, ranks: int) -> Pace:
-        return Pace(self.ratio("draft"), tuple(self.ratio(r) for r in range(ranks)), self.ratio("engine"))
+        return Pace(self.ratio("draft"), tuple(self.ratio(r) for r in range(ranks)), self.ratio("engine"),
+                    self.extra_ms("wire"))
 
 
 def from_rank_costs(costs, layer_counts: list[int], links: list[LinkCost], block_tokens: int, draft_steps: int = 0,

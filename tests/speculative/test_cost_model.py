@@ -324,7 +324,8 @@ def test_a_session_prices_each_round_at_its_streams_context():
     s = SimpleNamespace(gen=SimpleNamespace(prompt_ids=[1] * 1990, ttft_s=0.0), output=SimpleNamespace(tokens=[1] * 10),
                         t_start=time.perf_counter())
     record = SimpleNamespace(drafted=0, accepted=0, bet=None, live=1, batch=1, from_ahead=False, looked_up=False,
-                             prepared=0, draft_ms=0.0, stage0_ms=12.0, middle_ms=[], last_ms=12.0)
+                             prepared=0, draft_ms=0.0, stage0_ms=12.0, middle_ms=[], last_ms=12.0, on_the_way=1,
+                             ahead_ms=0.0, network_ms=0.0)
     Session.predict(session, s, record, decode=True)
     assert record.predicted_tokens_per_s == pytest.approx(1000 / 24.0)
 
@@ -892,7 +893,7 @@ def test_a_prediction_beside_a_round_is_at_the_batches_it_ran_in():
     s = SimpleNamespace(gen=SimpleNamespace(prompt_ids=[1] * 40, ttft_s=0.0), output=SimpleNamespace(tokens=[1] * 10),
                         t_start=time.perf_counter())
     record = SimpleNamespace(drafted=0, accepted=0, bet=None, live=4, batch=4, from_ahead=False, looked_up=False,
-                             prepared=0, draft_ms=0.0, stage0_ms=18.0, middle_ms=[], last_ms=18.0)
+                             prepared=0, draft_ms=0.0, stage0_ms=18.0, middle_ms=[], last_ms=18.0, on_the_way=4)
     Session.predict(session, s, record, decode=True)  # the rate beside the round
     assert record.predicted_tokens_per_s == pytest.approx(one_batch)
 
@@ -912,15 +913,17 @@ def test_a_paced_pipeline_prices_decode_blocks_at_their_pace_and_prompt_chunks_a
 
 
 def paced_records(predictor: Predictor, n: int, last: float, draft: float, stage0: float = 1.0, k: int = 4,
-                  rows: int = 1, **fields) -> list:
+                  rows: int = 1, wire_ms: float = 0.0, **fields) -> list:
     """n decode rounds of K drafts, every draft kept, whose ranks timed the last rank's part at `last` x what the
-    predictor charges, the drafter's at `draft` x, rank 0's forward (its charge less its committing) at `stage0` x."""
+    predictor charges, the drafter's at `draft` x, rank 0's forward (its charge less its committing) at `stage0` x,
+    and whose trip took `wire_ms` more than the links' charge."""
     from speculative.rounds import RoundRecord
     records = []
     for _ in range(n):
         charged = predictor.parts_ms(k, rows)
         forward = charged.stage0_ms - ENGINE_RANK0_MS - (rows - 1) * ENGINE_RANK0_ROW_MS
-        r = RoundRecord(k, k, k + 1, draft * charged.draft_ms, stage0 * forward, 0.0, last * charged.last_ms,
+        trip = last * charged.last_ms + charged.wire_ms + wire_ms + fields.get("ahead_ms", 0.0)
+        r = RoundRecord(k, k, k + 1, draft * charged.draft_ms, stage0 * forward, trip, last * charged.last_ms,
                         batch=rows, **fields)
         r.predicted_parts = charged
         predictor.observe(k, k)
@@ -980,6 +983,23 @@ def test_rank_0s_engine_work_is_a_part_of_its_own():
     assert slow.ranks[0].ms(1, 5) == pytest.approx(2 * 12.0 + ENGINE_RANK0_MS)
     assert slow.ranks[0].ms(3, 5) - slow.ranks[0].ms(1, 5) == pytest.approx(2 * 2 * (1.0 + 0.1 * 5) + 2 * ENGINE_RANK0_ROW_MS)
     assert predictor.tokens_per_s(4) < predictor.tokens_per_s(4, timed=True)
+
+
+def test_a_lone_rounds_wire_beyond_the_links_charge_is_added_to_its_trip():
+    """20 lone rounds whose trip took 2 ms more than the links' latency charged (a round's frames cost their ends
+    more than the probe's ping): the trip is priced (20 x 2) / (20 + 4) ms longer, spread over the links. Rounds
+    with others on the way, or with rank 0 preparing a block in their wait, tell nothing of the wire."""
+    p = ring((10.0, 20.0), (5.0, 5.0), step=2.0, rate=1.0)
+    lone = Predictor(p, pace_decay=1.0)
+    paced_records(lone, 20, last=1.0, draft=1.0, wire_ms=2.0)
+    extra = 20 * 2.0 / 24
+    assert lone.pace().wire_ms == pytest.approx(extra)
+    assert round_parts(lone.pipeline(), 4).trip_ms == pytest.approx(round_parts(p, 4).trip_ms + extra)
+    assert [link.one_way_ms for link in lone.pipeline().links] == pytest.approx([5.0 + extra / 2] * 2)
+    crowded = Predictor(p, pace_decay=1.0)
+    paced_records(crowded, 20, last=1.0, draft=1.0, wire_ms=2.0, on_the_way=3)
+    paced_records(crowded, 20, last=1.0, draft=1.0, wire_ms=2.0, ahead_ms=9.0, prepared=1)
+    assert crowded.pace().wire_ms == 0.0
 
 
 def test_a_servers_pace_follows_the_host_and_a_requests_is_its_own_rounds():
