@@ -893,7 +893,8 @@ def test_a_prediction_beside_a_round_is_at_the_batches_it_ran_in():
     s = SimpleNamespace(gen=SimpleNamespace(prompt_ids=[1] * 40, ttft_s=0.0), output=SimpleNamespace(tokens=[1] * 10),
                         t_start=time.perf_counter())
     record = SimpleNamespace(drafted=0, accepted=0, bet=None, live=4, batch=4, from_ahead=False, looked_up=False,
-                             prepared=0, draft_ms=0.0, stage0_ms=18.0, middle_ms=[], last_ms=18.0, on_the_way=4)
+                             prepared=0, draft_ms=0.0, stage0_ms=18.0, middle_ms=[], last_ms=18.0, on_the_way=4,
+                             ahead_ms=0.0, network_ms=0.0)
     Session.predict(session, s, record, decode=True)  # the rate beside the round
     assert record.predicted_tokens_per_s == pytest.approx(one_batch)
 
@@ -997,9 +998,14 @@ def test_a_lone_rounds_wire_beyond_the_links_charge_is_added_to_its_trip():
     assert round_parts(lone.pipeline(), 4).trip_ms == pytest.approx(round_parts(p, 4).trip_ms + extra)
     assert [link.one_way_ms for link in lone.pipeline().links] == pytest.approx([5.0 + extra / 2] * 2)
     crowded = Predictor(p, pace_decay=1.0)
-    paced_records(crowded, 20, last=1.0, draft=1.0, wire_ms=2.0, on_the_way=3)
+    queued = paced_records(crowded, 20, last=1.0, draft=1.0, wire_ms=2.0, on_the_way=3, rows=2)
     paced_records(crowded, 20, last=1.0, draft=1.0, wire_ms=2.0, ahead_ms=9.0, prepared=1)
     assert crowded.pace().wire_ms == 0.0
+    together = Predictor(p, pace_decay=1.0)
+    paced_records(together, 20, last=1.0, draft=1.0, wire_ms=2.0, on_the_way=2, rows=2)  # one batch of two alone
+    assert together.pace().wire_ms == pytest.approx(extra)
+    # a request none of whose rounds went alone: the wire as the server measured it
+    assert lone.for_rounds(queued, streams=3) < Predictor(p).for_rounds(queued, streams=3)
 
 
 def test_a_servers_pace_follows_the_host_and_a_requests_is_its_own_rounds():
