@@ -848,8 +848,9 @@ class PaceTally:
     charges 0.8 (a trace on the KVM host of the thirty-first session on; py-spy put under 0.5 ms of it in the
     engine thread's own code: the rest is its threads and the other processes on two cores). And a lone round's
     wire ("wire", an amount in ms: extra_ms): its network_ms (send -> reply less the later ranks' work) less the
-    links' latency and transfer as charged, from batches alone on the way with no block prepared in their wait
-    (else network_ms holds the queue behind the others, or rank 0's work past the reply); the same run: 1.1 ms where the probe's RTT
+    links' latency and transfer as charged, from batches alone in the ring, sent behind no prompt's chunks, with
+    nothing sent or prepared in their wait (else network_ms holds a queue on the later ranks, or rank 0's work
+    past the reply: a decode round right after three 2,000-token prompts' chunks read the wire 2.3x slower); the same run: 1.1 ms where the probe's RTT
     charged 0.2."""
 
     def __init__(self, decay: float = 1.0):
@@ -880,7 +881,7 @@ class PaceTally:
             prepared = 0.0 if record.from_ahead else record.draft_ms + record.stage0_ms
             rest = record.busy_ms - prepared - record.ahead_ms - record.send_ms
             self._add("engine", rest, engine_ms(0, ranks) + (record.batch - 1) * engine_row_ms(0))
-        if record.on_the_way == record.batch and not record.ahead_ms:  # a batch alone in the ring, rank 0 idle
+        if record.alone and record.on_the_way == record.batch and not record.ahead_ms:  # (rank 0 idle meanwhile)
             self._add("wire", record.network_ms - charged.wire_ms, None)
 
     def _add(self, part, measured: float, charged: float | None) -> None:

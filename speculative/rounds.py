@@ -69,6 +69,7 @@ class RoundRecord:
     measured_tokens_per_s: float = 0.0  # its stream's tokens/s since its first token, this round's included
     start: int = 0  # the position its block began at: the tokens its stream had cached, which it attended over
     predicted_parts: object = None  # the cost model's draft_ms, stage0_ms, middle_ms, last_ms for it (cost_model.PartsMs)
+    alone: bool = False  # went out into an empty ring, no prompt's chunks ahead of it nor a first round beside it
     busy_ms: float | None = None  # rank 0's whole work since the reply before (its wait for replies left out): a
     # batch's first record only; None after an admission or an idle spell (not a batch's work)
 

@@ -278,11 +278,13 @@ class Session:
     def send_batch(self, blocks: list[Block]) -> None:
         """`blocks` (of different streams) as one batch, in one frame: one forward on every later rank."""
         empty, sent_at = not self.replies.waiting, time.perf_counter()
+        prompts = any(block.stream.prefilling for block in blocks)
         protocol.send_all(self.channel, [Round(block.start, block.hidden, block.drafts.tokens, block.drafts.q_ids,
                                                block.drafts.q_probs, guess=block.guess, slot=block.stream.slot,
                                                batch=len(blocks)) for block in blocks])
         for block in blocks:
             block.batch, block.into_empty_pipe = len(blocks), empty
+            block.behind_no_prompt = empty and not prompts  # (a newcomer's chunks go just before its first round)
             block.sent_at, block.send_ms, block.hidden = sent_at, _ms(sent_at), None
         self.replies.expect(blocks)
 
@@ -345,7 +347,7 @@ class Session:
                              block.guess is not None, ahead_ms, middle_ms(reply),
                              in_flight, lost, bet, wasted_ms, prepared, s.slot, block.batch, len(self.scheduler.live),
                              on_the_way, block.drafts.looked_up, cut=block.drafts.cut, start=block.start,
-                             busy_ms=busy_ms)
+                             busy_ms=busy_ms, alone=block.behind_no_prompt)
         s.gen.rounds.append(record)
         self.predict(s, record, decode=len(s.gen.rounds) > 1)
         lag = self.drafter.lacks(len(s.committed), s.slot)

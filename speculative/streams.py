@@ -36,6 +36,7 @@ class Block:
     dropped: bool = False  # sent, then dropped (a failed bet, a stream that ended): its reply is thrown away
     batch: int = 1  # blocks in the forward it went out in
     into_empty_pipe: bool = False  # nothing else was on the way when it went out: its round queued behind no other
+    behind_no_prompt: bool = False  # ... nor a prompt's chunks, nor a first round in its batch (no prefill in its trip)
 
     def holds(self, reply: Reply, drafted: int) -> bool:
         """Whether the bet this block was prepared on held, given the reply to the block before it."""

@@ -518,3 +518,13 @@ def test_each_round_records_rank_0s_work_since_the_reply_before(tiny_qwen, tiny_
     for r in decode:
         timed = r.ahead_ms + r.send_ms + (0.0 if r.from_ahead else r.draft_ms + r.stage0_ms)
         assert r.busy_ms is not None and r.busy_ms >= timed
+
+
+def test_a_first_round_is_not_alone_in_the_ring(tiny_qwen, tiny_qwen_draft):
+    """Two requests admitted together, the second's prompt in chunks: a first round carries its prompt's tail (and
+    goes behind its chunks), so none is `alone` (its trip holds that prefill on the later ranks, not the wire);
+    later rounds into an empty ring are."""
+    gens, _ = serve_together(session_args(tiny_qwen, tiny_qwen_draft) + ["spec.in_flight=1", "model.prefill_chunk=4"],
+                             [(PROMPTS[7], SamplingParams(), 12), (PROMPTS[6] * 3, SamplingParams(), 12)])
+    assert not any(g.rounds[0].alone for g in gens)
+    assert any(r.alone for g in gens for r in g.rounds[1:])

@@ -324,7 +324,7 @@ def test_a_session_prices_each_round_at_its_streams_context():
     s = SimpleNamespace(gen=SimpleNamespace(prompt_ids=[1] * 1990, ttft_s=0.0), output=SimpleNamespace(tokens=[1] * 10),
                         t_start=time.perf_counter())
     record = SimpleNamespace(drafted=0, accepted=0, bet=None, live=1, batch=1, from_ahead=False, looked_up=False,
-                             prepared=0, draft_ms=0.0, stage0_ms=12.0, middle_ms=[], last_ms=12.0, on_the_way=1,
+                             prepared=0, draft_ms=0.0, stage0_ms=12.0, middle_ms=[], last_ms=12.0, on_the_way=1, alone=True,
                              ahead_ms=0.0, network_ms=0.0)
     Session.predict(session, s, record, decode=True)
     assert record.predicted_tokens_per_s == pytest.approx(1000 / 24.0)
@@ -893,7 +893,7 @@ def test_a_prediction_beside_a_round_is_at_the_batches_it_ran_in():
     s = SimpleNamespace(gen=SimpleNamespace(prompt_ids=[1] * 40, ttft_s=0.0), output=SimpleNamespace(tokens=[1] * 10),
                         t_start=time.perf_counter())
     record = SimpleNamespace(drafted=0, accepted=0, bet=None, live=4, batch=4, from_ahead=False, looked_up=False,
-                             prepared=0, draft_ms=0.0, stage0_ms=18.0, middle_ms=[], last_ms=18.0, on_the_way=4,
+                             prepared=0, draft_ms=0.0, stage0_ms=18.0, middle_ms=[], last_ms=18.0, on_the_way=4, alone=True,
                              ahead_ms=0.0, network_ms=0.0)
     Session.predict(session, s, record, decode=True)  # the rate beside the round
     assert record.predicted_tokens_per_s == pytest.approx(one_batch)
@@ -917,9 +917,9 @@ def paced_records(predictor: Predictor, n: int, last: float, draft: float, stage
                   rows: int = 1, wire_ms: float = 0.0, **fields) -> list:
     """n decode rounds of K drafts, every draft kept, whose ranks timed the last rank's part at `last` x what the
     predictor charges, the drafter's at `draft` x, rank 0's forward (its charge less its committing) at `stage0` x,
-    and whose trip took `wire_ms` more than the links' charge."""
+    and whose trip took `wire_ms` more than the links' charge (sent into an empty ring unless `alone` is given)."""
     from speculative.rounds import RoundRecord
-    records = []
+    records, fields = [], {"alone": True, **fields}
     for _ in range(n):
         charged = predictor.parts_ms(k, rows)
         forward = charged.stage0_ms - ENGINE_RANK0_MS - (rows - 1) * ENGINE_RANK0_ROW_MS
@@ -989,7 +989,8 @@ def test_rank_0s_engine_work_is_a_part_of_its_own():
 def test_a_lone_rounds_wire_beyond_the_links_charge_is_added_to_its_trip():
     """20 lone rounds whose trip took 2 ms more than the links' latency charged (a round's frames cost their ends
     more than the probe's ping): the trip is priced (20 x 2) / (20 + 4) ms longer, spread over the links. Rounds
-    with others on the way, or with rank 0 preparing a block in their wait, tell nothing of the wire."""
+    with others on the way, with rank 0 preparing a block in their wait, or sent behind a prompt's chunks (or
+    beside a first round) tell nothing of the wire."""
     p = ring((10.0, 20.0), (5.0, 5.0), step=2.0, rate=1.0)
     lone = Predictor(p, pace_decay=1.0)
     paced_records(lone, 20, last=1.0, draft=1.0, wire_ms=2.0)
@@ -1000,6 +1001,7 @@ def test_a_lone_rounds_wire_beyond_the_links_charge_is_added_to_its_trip():
     crowded = Predictor(p, pace_decay=1.0)
     queued = paced_records(crowded, 20, last=1.0, draft=1.0, wire_ms=2.0, on_the_way=3, rows=2)
     paced_records(crowded, 20, last=1.0, draft=1.0, wire_ms=2.0, ahead_ms=9.0, prepared=1)
+    paced_records(crowded, 20, last=1.0, draft=1.0, wire_ms=2.0, alone=False)  # behind a prompt's chunks
     assert crowded.pace().wire_ms == 0.0
     together = Predictor(p, pace_decay=1.0)
     paced_records(together, 20, last=1.0, draft=1.0, wire_ms=2.0, on_the_way=2, rows=2)  # one batch of two alone
