@@ -793,9 +793,9 @@ def engine_row_ms(rank: int) -> float:
 class Pace:
     """Each part's cost in service over what the start-up timing charges it (PaceTally): `draft` the drafter's
     steps, `ranks[r]` rank r's stage (a missing rank: 1, as timed), `engine` rank 0's work besides its forwards
-    and sends (committing, answering clients: engine_ms); `wire_ms` what a lone round's trip spends on the links
-    beyond their latency and transfer as the probe measured them, added (a frame's serialization and the channels'
-    paths at both ends: a ping's are in its RTT, a round's frames are larger)."""
+    and sends (committing, answering clients: engine_ms); `wire_ms` what a round's trip spends on the links beyond
+    their latency and transfer as the probe measured them, added (a frame's serialization and the channels' paths
+    at both ends: a ping's are in its RTT, a round's frames are larger)."""
     draft: float = 1.0
     ranks: tuple[float, ...] = ()
     engine: float = 1.0
@@ -817,7 +817,8 @@ def paced(p: Pipeline, pace: Pace) -> Pipeline:
         ranks[0] = replace(c, fixed_ms=c.fixed_ms + more, row_ms=c.row_ms + more_row,
                            by_tokens={n: ms + more for n, ms in c.by_tokens.items()})
     ranks = tuple(ranks)
-    links = tuple(replace(link, one_way_ms=max(link.one_way_ms + pace.wire_ms / len(p.links), 0.0)) for link in p.links)
+    links = tuple(replace(link, one_way_ms=max(link.one_way_ms + pace.wire_ms / len(p.links), 0.0))
+                  for link in p.links)
     d, f = p.draft, pace.draft
     draft = replace(d, step_ms=d.step_ms * f, row_ms=d.row_ms * f, context_ms=d.context_ms * f,
                     context_row_ms=None if d.context_row_ms is None else d.context_row_ms * f)
@@ -844,14 +845,13 @@ class PaceTally:
     model step). Rank 0's committing, which its stage0_ms does not time, is a part of its own ("engine", against
     engine_ms): rank 0's whole work since the reply before (busy_ms) less its drafting, forward and send in it (a
     block prepared in that wait: ahead_ms; one sent as prepared before: none). Two ranks of the tiny model at K=0
-    over 0 ms, one stream: 2.0-2.5 ms a round from a reply to the next round's start where ENGINE_RANK0_MS
-    charges 0.8 (a trace on the KVM host of the thirty-first session on; py-spy put under 0.5 ms of it in the
-    engine thread's own code: the rest is its threads and the other processes on two cores). And a lone round's
-    wire ("wire", an amount in ms: extra_ms): its network_ms (send -> reply less the later ranks' work) less the
-    links' latency and transfer as charged, from batches alone in the ring, sent behind no prompt's chunks, with
-    nothing sent or prepared in their wait (else network_ms holds a queue on the later ranks, or rank 0's work
-    past the reply: a decode round right after three 2,000-token prompts' chunks read the wire 2.3x slower); the same run: 1.1 ms where the probe's RTT
-    charged 0.2."""
+    over 0 ms, one stream: 2.0 ms a round at the median from a reply to the next round's start where
+    ENGINE_RANK0_MS charges 0.8 (the KVM host of bench/README's thirty-fourth session; py-spy put 0.2 ms of it in
+    the engine thread's own code: the rest is its waiting for a core beside the server's thread and the other
+    processes). And a batch's wire ("wire", an amount in ms: extra_ms): its network_ms (send -> reply less the
+    later ranks' work) less the links' latency and transfer as charged, from batches alone in the ring, sent
+    behind no prompt's chunks, with nothing sent or prepared in their wait (else network_ms holds a queue on the
+    later ranks, or rank 0's work past the reply); the same run: 1.0 ms where the probe's RTT charged 0.2."""
 
     def __init__(self, decay: float = 1.0):
         self.decay = decay

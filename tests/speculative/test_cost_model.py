@@ -324,8 +324,8 @@ def test_a_session_prices_each_round_at_its_streams_context():
     s = SimpleNamespace(gen=SimpleNamespace(prompt_ids=[1] * 1990, ttft_s=0.0), output=SimpleNamespace(tokens=[1] * 10),
                         t_start=time.perf_counter())
     record = SimpleNamespace(drafted=0, accepted=0, bet=None, live=1, batch=1, from_ahead=False, looked_up=False,
-                             prepared=0, draft_ms=0.0, stage0_ms=12.0, middle_ms=[], last_ms=12.0, on_the_way=1, alone=True,
-                             ahead_ms=0.0, network_ms=0.0)
+                             prepared=0, draft_ms=0.0, stage0_ms=12.0, middle_ms=[], last_ms=12.0, on_the_way=1,
+                             alone=True, ahead_ms=0.0, network_ms=0.0)
     Session.predict(session, s, record, decode=True)
     assert record.predicted_tokens_per_s == pytest.approx(1000 / 24.0)
 
@@ -893,8 +893,8 @@ def test_a_prediction_beside_a_round_is_at_the_batches_it_ran_in():
     s = SimpleNamespace(gen=SimpleNamespace(prompt_ids=[1] * 40, ttft_s=0.0), output=SimpleNamespace(tokens=[1] * 10),
                         t_start=time.perf_counter())
     record = SimpleNamespace(drafted=0, accepted=0, bet=None, live=4, batch=4, from_ahead=False, looked_up=False,
-                             prepared=0, draft_ms=0.0, stage0_ms=18.0, middle_ms=[], last_ms=18.0, on_the_way=4, alone=True,
-                             ahead_ms=0.0, network_ms=0.0)
+                             prepared=0, draft_ms=0.0, stage0_ms=18.0, middle_ms=[], last_ms=18.0, on_the_way=4,
+                             alone=True, ahead_ms=0.0, network_ms=0.0)
     Session.predict(session, s, record, decode=True)  # the rate beside the round
     assert record.predicted_tokens_per_s == pytest.approx(one_batch)
 
@@ -982,7 +982,8 @@ def test_rank_0s_engine_work_is_a_part_of_its_own():
     slow = paced(timed, Pace(ranks=(2.0, 1.0), engine=3.0))
     # its charge holds ENGINE_RANK0_MS (and a row more ENGINE_RANK0_ROW_MS): at 2x with the rest, 3x on its own
     assert slow.ranks[0].ms(1, 5) == pytest.approx(2 * 12.0 + ENGINE_RANK0_MS)
-    assert slow.ranks[0].ms(3, 5) - slow.ranks[0].ms(1, 5) == pytest.approx(2 * 2 * (1.0 + 0.1 * 5) + 2 * ENGINE_RANK0_ROW_MS)
+    assert slow.ranks[0].ms(3, 5) - slow.ranks[0].ms(1, 5) == pytest.approx(
+        2 * 2 * (1.0 + 0.1 * 5) + 2 * ENGINE_RANK0_ROW_MS)
     assert predictor.tokens_per_s(4) < predictor.tokens_per_s(4, timed=True)
 
 
