@@ -811,8 +811,8 @@ def paced(p: Pipeline, pace: Pace) -> Pipeline:
     measured on decode rounds only."""
     ranks = [_scaled_rank(c, pace.at(r)) for r, c in enumerate(p.ranks)]
     if ranks:  # rank 0's engine work (in its fixed and row costs) at its own pace, not its forward's
-        more, more_row = (engine_ms(0, len(ranks)) * (pace.engine - pace.at(0)),
-                          engine_row_ms(0) * (pace.engine - pace.at(0)))
+        shift = pace.engine - pace.at(0)
+        more, more_row = engine_ms(0, len(ranks)) * shift, engine_row_ms(0) * shift
         c = ranks[0]
         ranks[0] = replace(c, fixed_ms=c.fixed_ms + more, row_ms=c.row_ms + more_row,
                            by_tokens={n: ms + more for n, ms in c.by_tokens.items()})
@@ -864,7 +864,8 @@ class PaceTally:
         for sums in self.sums.values():
             sums[:] = [x * self.decay for x in sums]
         ranks = len(charged.middle_ms) + 2
-        forward = charged.stage0_ms - engine_ms(0, ranks) - (record.batch - 1) * engine_row_ms(0)
+        engine = engine_ms(0, ranks) + (record.batch - 1) * engine_row_ms(0)  # rank 0's charge besides its forward
+        forward = charged.stage0_ms - engine
         if not record.from_ahead:
             if record.drafted and not record.looked_up:
                 self._add("draft", record.draft_ms, charged.draft_ms)
@@ -877,10 +878,9 @@ class PaceTally:
         for r, (measured, charge) in enumerate(zip(record.middle_ms, charged.middle_ms), start=1):
             self._add(r, measured, charge)
         self._add(ranks - 1, record.last_ms, charged.last_ms)
-        if getattr(record, "busy_ms", None) is not None:
+        if record.busy_ms is not None:
             prepared = 0.0 if record.from_ahead else record.draft_ms + record.stage0_ms
-            rest = record.busy_ms - prepared - record.ahead_ms - record.send_ms
-            self._add("engine", rest, engine_ms(0, ranks) + (record.batch - 1) * engine_row_ms(0))
+            self._add("engine", record.busy_ms - prepared - record.ahead_ms - record.send_ms, engine)
         if record.alone and record.on_the_way == record.batch and not record.ahead_ms:  # (rank 0 idle meanwhile)
             self._add("wire", record.network_ms - charged.wire_ms, None)
 
@@ -896,6 +896,11 @@ class PaceTally:
         measured, charged, rounds = self.sums[part]
         prior = PACE_PRIOR_ROUNDS * charged / rounds  # PACE_PRIOR_ROUNDS rounds as charged
         return min(max((measured + prior) / (charged + prior), PACE_BOUNDS[0]), PACE_BOUNDS[1])
+
+    def lend(self, part, other: PaceTally) -> None:
+        """`other`'s sums of `part`, where this tally has none."""
+        if part not in self.sums and part in other.sums:
+            self.sums[part] = list(other.sums[part])
 
     def extra_ms(self, part) -> float:
         """An amount's mean, leaning on 0 as on PACE_PRIOR_ROUNDS rounds."""
@@ -1101,8 +1106,8 @@ class Predictor:
             mine.observe(r.drafted, r.accepted, r.bet)
         for r in rounds if not timed else ():
             mine.observe_parts(r)
-        if not timed and "wire" not in mine.tally.sums and "wire" in self.tally.sums:  # none of its rounds went
-            mine.tally.sums["wire"] = list(self.tally.sums["wire"])  # alone: the ring's, as the server measured it
+        if not timed:  # none of its batches went alone: the ring's wire as the server measured it
+            mine.tally.lend("wire", self.tally)
         contexts = [None] * len(rounds) if start is None else list(itertools.accumulate(
             (r.committed for r in rounds[:-1]), initial=start))
         depths = depths_sent(rounds)

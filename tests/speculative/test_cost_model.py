@@ -325,7 +325,7 @@ def test_a_session_prices_each_round_at_its_streams_context():
                         t_start=time.perf_counter())
     record = SimpleNamespace(drafted=0, accepted=0, bet=None, live=1, batch=1, from_ahead=False, looked_up=False,
                              prepared=0, draft_ms=0.0, stage0_ms=12.0, middle_ms=[], last_ms=12.0, on_the_way=1,
-                             alone=True, ahead_ms=0.0, network_ms=0.0)
+                             alone=True, ahead_ms=0.0, network_ms=0.0, busy_ms=None)
     Session.predict(session, s, record, decode=True)
     assert record.predicted_tokens_per_s == pytest.approx(1000 / 24.0)
 
@@ -894,7 +894,7 @@ def test_a_prediction_beside_a_round_is_at_the_batches_it_ran_in():
                         t_start=time.perf_counter())
     record = SimpleNamespace(drafted=0, accepted=0, bet=None, live=4, batch=4, from_ahead=False, looked_up=False,
                              prepared=0, draft_ms=0.0, stage0_ms=18.0, middle_ms=[], last_ms=18.0, on_the_way=4,
-                             alone=True, ahead_ms=0.0, network_ms=0.0)
+                             alone=True, ahead_ms=0.0, network_ms=0.0, busy_ms=None)
     Session.predict(session, s, record, decode=True)  # the rate beside the round
     assert record.predicted_tokens_per_s == pytest.approx(one_batch)
 
